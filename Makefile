@@ -1,0 +1,41 @@
+# Two commands do all set-up: `make run` and `make test` (see README.md).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# Without a GPU we must never pull a multi-GB CUDA build of torch: pin the CPU build first, and the
+# project's own `torch>=2.5` range is then already satisfied. Override TORCH_SPEC/TORCH_PIP_ARGS to
+# point pip at another CPU wheel index on machines whose default index serves CUDA builds.
+TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+
+.PHONY: env run test lint typecheck bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+ifneq ($(HAS_GPU),yes)
+	$(PY) -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+endif
+	$(PY) -m pip install -q -e '.[all,dev]'
+	touch $@
+
+env: $(VENV)/.installed
+
+run: env
+	$(PY) -m autotune.demo
+
+lint: env
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+typecheck: env
+	$(PY) -m mypy
+
+test: env lint typecheck
+	$(PY) -m pytest -q
+
+bench: env
+	$(PY) bench/probe_trials.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache

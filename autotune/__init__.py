@@ -1,0 +1,22 @@
+"""autotune: the largest micro-batch that fits, and the accumulation that hits your batch fastest.
+
+This package root stays torch-free; torch-backed modules (`zoo`, `workload`, `step`, `tracker`,
+`device`, `probe`) are imported explicitly.
+"""
+
+from __future__ import annotations
+
+from autotune.errors import AutotuneError, ModelBuildError, NoFeasibleBatch, SpecError
+from autotune.schemas import ModelSpec, Spec, TrainingSpec
+
+__all__ = [
+    "AutotuneError",
+    "ModelBuildError",
+    "ModelSpec",
+    "NoFeasibleBatch",
+    "Spec",
+    "SpecError",
+    "TrainingSpec",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,32 @@
+"""The autotune exception tree. Every error a user can cause has its own class and message.
+
+* AutotuneError
+  + SpecError            the spec (or a CLI argument) is invalid; names the field
+  + ModelBuildError      the model could not be built (bad factory, hub unreachable, ...)
+  + DeviceError          the requested device does not exist or cannot be read
+  + NoFeasibleBatch      not even micro-batch 1 fits on the device
+
+Out-of-memory is *not* an error here: `autotune.device` turns it into `fits=False`.
+"""
+
+from __future__ import annotations
+
+
+class AutotuneError(Exception):
+    """Root of every error autotune raises on purpose."""
+
+
+class SpecError(AutotuneError):
+    """The spec or an argument is invalid. The message names the offending field."""
+
+
+class ModelBuildError(AutotuneError):
+    """The model described by a valid spec could not be built."""
+
+
+class DeviceError(AutotuneError):
+    """The requested device is unavailable or its memory cannot be read."""
+
+
+class NoFeasibleBatch(AutotuneError):
+    """Not even a micro-batch of 1 fits in the device's capacity."""
