@@ -54,19 +54,46 @@ Preset = DecoderPreset | MLPPreset | CNNPreset
 
 PRESETS: dict[str, Preset] = {
     # GPT-2 style; gpt2-small is the 124M GPT-2.
-    "gpt2-tiny": DecoderPreset("gpt2", n_layer=4, n_head=4, d_model=256, vocab_size=8192,
-                               max_seq_len=256),
-    "gpt2-mini": DecoderPreset("gpt2", n_layer=6, n_head=6, d_model=384, vocab_size=16384,
-                               max_seq_len=512),
-    "gpt2-small": DecoderPreset("gpt2", n_layer=12, n_head=12, d_model=768, vocab_size=50257,
-                                max_seq_len=1024),
+    "gpt2-tiny": DecoderPreset(
+        "gpt2", n_layer=4, n_head=4, d_model=256, vocab_size=8192, max_seq_len=256
+    ),
+    "gpt2-mini": DecoderPreset(
+        "gpt2", n_layer=6, n_head=6, d_model=384, vocab_size=16384, max_seq_len=512
+    ),
+    "gpt2-small": DecoderPreset(
+        "gpt2", n_layer=12, n_head=12, d_model=768, vocab_size=50257, max_seq_len=1024
+    ),
     # Llama style; llama-small is about the size of SmolLM-135M.
-    "llama-tiny": DecoderPreset("llama", n_layer=4, n_head=4, d_model=256, vocab_size=8192,
-                                max_seq_len=256, n_kv_head=2, ffn_hidden=688),
-    "llama-mini": DecoderPreset("llama", n_layer=6, n_head=6, d_model=384, vocab_size=16384,
-                                max_seq_len=512, n_kv_head=2, ffn_hidden=1024),
-    "llama-small": DecoderPreset("llama", n_layer=12, n_head=9, d_model=576, vocab_size=49152,
-                                 max_seq_len=2048, n_kv_head=3, ffn_hidden=1536),
+    "llama-tiny": DecoderPreset(
+        "llama",
+        n_layer=4,
+        n_head=4,
+        d_model=256,
+        vocab_size=8192,
+        max_seq_len=256,
+        n_kv_head=2,
+        ffn_hidden=688,
+    ),
+    "llama-mini": DecoderPreset(
+        "llama",
+        n_layer=6,
+        n_head=6,
+        d_model=384,
+        vocab_size=16384,
+        max_seq_len=512,
+        n_kv_head=2,
+        ffn_hidden=1024,
+    ),
+    "llama-small": DecoderPreset(
+        "llama",
+        n_layer=12,
+        n_head=9,
+        d_model=576,
+        vocab_size=49152,
+        max_seq_len=2048,
+        n_kv_head=3,
+        ffn_hidden=1536,
+    ),
     "mlp": MLPPreset(input_shape=(784,), hidden=(1024, 1024), num_classes=10),
     "cnn": CNNPreset(input_shape=(3, 32, 32), channels=(32, 64, 128), num_classes=10),
 }

@@ -58,7 +58,9 @@ class ModelSpec(Base):
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> ModelSpec:
-        given = [name for name in ("preset", "hf_config", "hf_id", "factory") if getattr(self, name)]
+        given = [
+            name for name in ("preset", "hf_config", "hf_id", "factory") if getattr(self, name)
+        ]
         if len(given) != 1:
             raise ValueError(
                 "give exactly one of preset, hf_config, hf_id, factory"
@@ -73,9 +75,7 @@ class ModelSpec(Base):
         if self.hf_id is not None and not _HF_ID_PATTERN.match(self.hf_id):
             raise ValueError(f"hf_id: not a hub id: {self.hf_id!r}")
         if self.factory is not None and not _FACTORY_PATTERN.match(self.factory):
-            raise ValueError(
-                f'factory: expected "package.module:function", got {self.factory!r}'
-            )
+            raise ValueError(f'factory: expected "package.module:function", got {self.factory!r}')
         return self
 
     @property

@@ -1,0 +1,221 @@
+"""The micro-batch probe: for one spec on one device, the exact largest micro-batch whose full
+training step fits, without and with gradient checkpointing.
+
+It wires the pure search (`autotune.search`) to real trials: each `fits(b)` runs one complete
+optimizer step through `autotune.device`, which is the only place that knows about
+out-of-memory. One model and optimizer serve every trial: a warm-up step first creates the
+optimizer state (steady state), gradients are freed after each step, and an OOM inside
+`optimizer.step()` is undone from a snapshot so parameters are never left half-updated.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from autotune.device import Device, TrialOutcome
+from autotune.errors import SpecError
+from autotune.schemas import ModeProbe, Phase, ProbeAttempt, ProbeResult, Spec, StepResult
+from autotune.search import Observation, PeakModel, SearchResult, find_max_micro_batch
+from autotune.step import TrainingStep
+from autotune.workload import build_workload
+
+logger = logging.getLogger(__name__)
+
+AttemptCallback = Callable[[bool, ProbeAttempt], None]
+"""Called with (checkpointing, attempt) as soon as a trial finishes, for progress displays."""
+
+
+class ProbeSession:
+    """One model, optimizer and device, ready to run trials in steady state."""
+
+    def __init__(self, spec: Spec, device: Device) -> None:
+        self.spec = spec
+        self.device = device
+        self.workload = build_workload(spec)
+        self.step = TrainingStep(self.workload, spec.training, device.torch_device)
+        self._snapshot: object | None = None
+
+    @property
+    def supports_checkpointing(self) -> bool:
+        return self.workload.set_checkpointing is not None
+
+    def warm_up(self) -> TrialOutcome:
+        """Run one step at micro-batch 1 so the optimizer state exists before any trial.
+
+        Returns the outcome: when even this does not fit, nothing will.
+        """
+        outcome = self._run(1)
+        if outcome.fits:
+            self._snapshot = self.step.snapshot()
+        return outcome
+
+    def trial(self, micro_batch: int) -> TrialOutcome:
+        """One complete training step at `micro_batch`, in the current checkpointing mode."""
+        return self._run(micro_batch)
+
+    def _run(self, micro_batch: int) -> TrialOutcome:
+        outcome = self.device.run_trial(
+            lambda: self.step.run(micro_batch),
+            resident=self.step.resident_tensors(),
+            record_series=True,
+        )
+        if not outcome.fits:
+            self.step.clear_grads()
+            if outcome.oom_phase is Phase.OPTIMIZER and self._snapshot is not None:
+                # Some parameters may already be updated; put all of them back as one.
+                self.step.restore(self._snapshot)
+        return outcome
+
+
+def _attempt(micro_batch: int, outcome: TrialOutcome) -> ProbeAttempt:
+    return ProbeAttempt(
+        micro_batch=micro_batch,
+        fits=outcome.fits,
+        peak_bytes=outcome.peak_bytes,
+        phase_peak_bytes=outcome.phase_peak_bytes,
+        oom_phase=outcome.oom_phase,
+    )
+
+
+def recommended_micro_batch(search: SearchResult, *, capacity_bytes: int, headroom: float) -> int:
+    """Largest micro-batch <= the raw max whose peak leaves `headroom` of capacity free.
+
+    Uses the fitted per-op model when there is one (exact on the emulated device); otherwise
+    the largest measured size whose peak is within budget.
+    """
+    budget_bytes = int(capacity_bytes * (1.0 - headroom))
+    if search.max_micro_batch == 0:
+        return 0
+    if search.peak_model is not None:
+        return min(search.max_micro_batch, search.peak_model.max_micro_batch(budget_bytes))
+    within = [b for b, obs in search.attempts if obs.fits and obs.peak_bytes <= budget_bytes]
+    return max(within, default=0)
+
+
+def probe_mode(
+    session: ProbeSession,
+    *,
+    checkpointing: bool,
+    known_fitting: int = 0,
+    on_attempt: AttemptCallback | None = None,
+) -> ModeProbe:
+    """Search one checkpointing mode. `known_fitting` is a hint to verify, not a fact."""
+    session.step.checkpointing = checkpointing
+    attempts: list[ProbeAttempt] = []
+
+    def fits(micro_batch: int) -> Observation:
+        outcome = session.trial(micro_batch)
+        attempt = _attempt(micro_batch, outcome)
+        attempts.append(attempt)
+        if on_attempt is not None:
+            on_attempt(checkpointing, attempt)
+        return Observation(fits=outcome.fits, peak_bytes=outcome.peak_bytes, series=outcome.series)
+
+    training = session.spec.training
+    capacity_bytes = session.device.info.capacity_bytes
+    search = find_max_micro_batch(
+        fits,
+        cap=training.max_micro_batch,
+        capacity_bytes=capacity_bytes,
+        known_fitting=known_fitting,
+    )
+    logger.info(
+        "checkpointing=%s: max micro-batch %d after %d trials",
+        checkpointing,
+        search.max_micro_batch,
+        len(attempts),
+    )
+    return ModeProbe(
+        checkpointing=checkpointing,
+        max_micro_batch=search.max_micro_batch,
+        recommended_micro_batch=recommended_micro_batch(
+            search, capacity_bytes=capacity_bytes, headroom=training.headroom
+        ),
+        capped=search.capped,
+        attempts=attempts,
+    )
+
+
+def probe(spec: Spec, device: Device, *, on_attempt: AttemptCallback | None = None) -> ProbeResult:
+    """Find the exact max micro-batch without and with gradient checkpointing.
+
+    A model that does not support checkpointing (a factory without `set_checkpointing`) is
+    probed in the plain mode only.
+
+    Raises:
+        ModelBuildError: the model cannot be built.
+        Any non-OOM error of the training step, unchanged.
+    """
+    session = ProbeSession(spec, device)
+    modes_to_probe = [False, True] if session.supports_checkpointing else [False]
+    if not session.supports_checkpointing:
+        logger.warning("this model cannot toggle gradient checkpointing; probing without only")
+
+    failed_warm_ups = _warm_up(session, modes_to_probe)
+    if len(failed_warm_ups) == len(modes_to_probe):
+        # Not even micro-batch 1 fits, in any mode: report how far each got.
+        return ProbeResult(
+            device=device.info,
+            modes=[
+                ModeProbe(
+                    checkpointing=checkpointing,
+                    max_micro_batch=0,
+                    recommended_micro_batch=0,
+                    capped=False,
+                    attempts=[_attempt(1, outcome)],
+                )
+                for checkpointing, outcome in failed_warm_ups
+            ],
+        )
+
+    modes: list[ModeProbe] = []
+    known_fitting = 0
+    for checkpointing in modes_to_probe:
+        mode = probe_mode(
+            session,
+            checkpointing=checkpointing,
+            known_fitting=known_fitting,
+            on_attempt=on_attempt,
+        )
+        modes.append(mode)
+        # Checkpointing only ever removes saved activations, so the plain max is a good first
+        # guess for the checkpointed search; the search still verifies it.
+        known_fitting = max(known_fitting, mode.max_micro_batch)
+    return ProbeResult(device=device.info, modes=modes)
+
+
+def _warm_up(session: ProbeSession, modes: list[bool]) -> list[tuple[bool, TrialOutcome]]:
+    """Warm up in the first mode where micro-batch 1 fits; returns the modes that failed first."""
+    failed: list[tuple[bool, TrialOutcome]] = []
+    for checkpointing in modes:
+        session.step.checkpointing = checkpointing
+        outcome = session.warm_up()
+        if outcome.fits:
+            break
+        failed.append((checkpointing, outcome))
+    return failed
+
+
+def run_step(spec: Spec, device: Device, *, micro_batch: int, checkpointing: bool) -> StepResult:
+    """One trial of a full training step at `micro_batch`, after a warm-up at micro-batch 1.
+
+    Raises:
+        SpecError: checkpointing was asked for a model that cannot do it.
+    """
+    session = ProbeSession(spec, device)
+    if checkpointing and not session.supports_checkpointing:
+        raise SpecError("--checkpointing: this model cannot toggle gradient checkpointing")
+    session.step.checkpointing = checkpointing
+    outcome = session.warm_up()
+    if outcome.fits and micro_batch != 1:
+        outcome = session.trial(micro_batch)
+    return StepResult(
+        fits=outcome.fits,
+        peak_bytes=outcome.peak_bytes,
+        phase_peak_bytes=outcome.phase_peak_bytes,
+        oom_phase=outcome.oom_phase,
+    )
+
+
+__all__ = ["PeakModel", "ProbeSession", "probe", "probe_mode", "run_step"]
