@@ -79,8 +79,9 @@ def _progress_printer(console: Console) -> Callable[[bool, ProbeAttempt], None]:
     def show(checkpointing: bool, attempt: ProbeAttempt) -> None:
         verdict = "[green]fits[/green]" if attempt.fits else "[red]OOM[/red] "
         where = f" in {attempt.oom_phase.value}" if attempt.oom_phase else ""
+        mode = "on " if checkpointing else "off"
         console.print(
-            f"  checkpointing {'on ' if checkpointing else 'off'}  micro-batch {attempt.micro_batch:>5}"
+            f"  checkpointing {mode}  micro-batch {attempt.micro_batch:>5}"
             f"  {verdict}  peak {format_bytes(attempt.peak_bytes)}{where}"
         )
 

@@ -57,7 +57,8 @@ def load_spec(path: str | Path) -> Spec:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as error:
         first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise SpecError(f"{path}: not valid {path.suffix.lstrip('.') or 'YAML'}: {first_line}")
+        kind = path.suffix.lstrip(".") or "YAML"
+        raise SpecError(f"{path}: not valid {kind}: {first_line}") from None
     try:
         return parse_spec(data)
     except SpecError as error:
