@@ -1,0 +1,87 @@
+"""Request dependencies: the app context (database, settings, clock) and bearer-token roles.
+
+Tokens come from `Settings`; comparisons are constant-time. A missing token is 401, a token that
+does not carry the needed role is 403. With no tokens configured nothing is authorised: the server
+never runs open by accident (`autotune serve` generates tokens instead).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from api.db import Database
+from api.errors import Forbidden, Unauthenticated
+from api.settings import Settings
+
+
+@dataclass(frozen=True)
+class AppContext:
+    """What every route needs, built once by `create_app` and kept on `app.state`."""
+
+    settings: Settings
+    db: Database
+    clock: Callable[[], datetime]
+    version: str
+
+
+def get_context(request: Request) -> AppContext:
+    context: AppContext = request.app.state.context
+    return context
+
+
+ContextDep = Annotated[AppContext, Depends(get_context)]
+
+
+class Role(StrEnum):
+    READER = "reader"  # GET runs: client or worker tokens, or anyone with open_reads
+    CLIENT = "client"  # submit and cancel
+    WORKER = "worker"  # the worker protocol
+
+
+def _bearer_token(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def _is_one_of(token: str, allowed: list[str]) -> bool:
+    # Check every token so the time taken does not reveal which one nearly matched.
+    found = False
+    for candidate in allowed:
+        found |= hmac.compare_digest(token.encode(), candidate.encode())
+    return found
+
+
+def authorize(role: Role) -> Callable[[Request], None]:
+    """A dependency that lets the request through only with a token for `role`."""
+
+    def check(request: Request) -> None:
+        settings = get_context(request).settings
+        if role == Role.READER and settings.open_reads:
+            return
+        token = _bearer_token(request)
+        if token is None:
+            raise Unauthenticated("missing bearer token (Authorization: Bearer <token>)")
+        allowed = {
+            Role.READER: settings.client_tokens + settings.worker_tokens,
+            Role.CLIENT: settings.client_tokens,
+            Role.WORKER: settings.worker_tokens,
+        }[role]
+        if not _is_one_of(token, allowed):
+            raise Forbidden(f"this token may not act as {role.value}")
+
+    return check
+
+
+ReaderAuth = Depends(authorize(Role.READER))
+ClientAuth = Depends(authorize(Role.CLIENT))
+WorkerAuth = Depends(authorize(Role.WORKER))

@@ -1,0 +1,67 @@
+"""The FastAPI application: `create_app(settings)` builds it (migrating the database first).
+
+Run it with `autotune serve`, or `uvicorn --factory api.main:create_app_from_env`. This package
+never imports torch: the server installs and starts without it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+
+from fastapi import FastAPI
+
+import autotune
+from api.db import Database, migrate
+from api.deps import AppContext
+from api.errors import register_error_handlers
+from api.routes import health, runs, worker
+from api.settings import Settings
+from autotune.protocol import API_PREFIX
+
+logger = logging.getLogger(__name__)
+
+
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def create_app(settings: Settings, *, clock: Callable[[], datetime] = _utc_now) -> FastAPI:
+    """The API for `settings`; the schema is migrated to the newest revision before returning.
+
+    Args:
+        settings: everything configurable; nothing else is read from the environment.
+        clock: the server's notion of now (aware UTC); tests pass a controllable one.
+    """
+    database = Database(settings.resolved_database_url())
+    migrate(database)
+    if not settings.client_tokens and not settings.worker_tokens and not settings.open_reads:
+        logger.warning("no tokens configured: every protected endpoint will answer 401/403")
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        database.dispose()
+
+    app = FastAPI(
+        title="autotune",
+        version=autotune.__version__,
+        summary="The largest micro-batch that fits, and the fastest accumulation for a batch.",
+        lifespan=lifespan,
+        max_body_size=settings.max_body_bytes,
+    )
+    app.state.context = AppContext(
+        settings=settings, db=database, clock=clock, version=autotune.__version__
+    )
+    register_error_handlers(app)
+    app.include_router(health.router)
+    app.include_router(runs.router, prefix=API_PREFIX)
+    app.include_router(worker.router, prefix=API_PREFIX)
+    return app
+
+
+def create_app_from_env() -> FastAPI:
+    """Entry point for `uvicorn --factory`: settings from `AUTOTUNE_*` variables."""
+    return create_app(Settings())

@@ -1,0 +1,1 @@
+"""One router per resource: runs (users), worker (the probe-worker protocol), health."""

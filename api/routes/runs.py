@@ -1,0 +1,169 @@
+"""Users' routes: submit a spec (answered from the cache when it can be), browse, cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path, Query, Response
+from starlette.concurrency import run_in_threadpool
+
+from api import crud
+from api.deps import AppContext, ClientAuth, ContextDep, ReaderAuth
+from autotune.protocol import (
+    MAX_INT,
+    MAX_PAGE_LIMIT,
+    ErrorBody,
+    Run,
+    RunCreate,
+    RunPage,
+    RunStatus,
+    Submitted,
+    fingerprint,
+)
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorBody, "description": "No bearer token."},
+    403: {"model": ErrorBody, "description": "The token may not do this."},
+}
+_NOT_FOUND: dict[int | str, dict[str, Any]] = {
+    404: {"model": ErrorBody, "description": "No such run."}
+}
+
+router = APIRouter(prefix="/runs", tags=["runs"], responses=_ERRORS)
+
+RunId = Annotated[int, Path(ge=1, le=MAX_INT, description="The run id.")]
+WaitSeconds = Annotated[
+    float,
+    Query(ge=0, le=3600, description="Long-poll: answer when the run finishes, or after this."),
+]
+_Label = Annotated[str | None, Query(max_length=300, pattern=r"^[^\x00]*$")]
+
+
+def _fresh_run(context: AppContext, run_id: int) -> Run:
+    """Read a run, first requeueing it if its lease has expired (expiry is checked on read)."""
+    with context.db.read() as session:
+        run = crud.get_run(session, run_id=run_id)
+    now = context.clock()
+    if run.status == RunStatus.RUNNING and run.lease_expires_at and run.lease_expires_at < now:
+        with context.db.write() as session:
+            crud.expire_leases(
+                session, now=now, max_claims=context.settings.max_claims, run_id=run_id
+            )
+        with context.db.read() as session:
+            run = crud.get_run(session, run_id=run_id)
+    return run
+
+
+def _submit(context: AppContext, request: RunCreate) -> tuple[int, RunStatus, bool]:
+    """(run id, status, cached) for a submission: an existing run or a new queued one."""
+    run_fingerprint = fingerprint(request.spec, request.device, context.version)
+    with context.db.read() as session:
+        found = crud.find_reusable_run(session, run_fingerprint=run_fingerprint)
+    if found is None:
+        with context.db.write() as session:
+            # Looked up again inside the write transaction: a twin may have just been queued.
+            found = crud.find_reusable_run(session, run_fingerprint=run_fingerprint)
+            if found is None:
+                run_id = crud.create_run(
+                    session, request=request, version=context.version, now=context.clock()
+                )
+                return run_id, RunStatus.QUEUED, False
+    run_id, status = found
+    return run_id, status, status == RunStatus.SUCCEEDED
+
+
+async def _wait_for(context: AppContext, run_id: int, wait_s: float) -> Run | None:
+    """Poll until the run finishes (its full record) or the wait is over (None)."""
+    deadline = time.monotonic() + min(wait_s, context.settings.max_wait_s)
+    while True:
+        run = await run_in_threadpool(_fresh_run, context, run_id)
+        if run.status.is_finished():
+            return run
+        if time.monotonic() >= deadline:
+            return None
+        await asyncio.sleep(context.settings.wait_poll_s)
+
+
+@router.post(
+    "",
+    status_code=202,
+    dependencies=[ClientAuth],
+    responses={
+        200: {"model": Submitted, "description": "A finished run: cached, or waited for."},
+        202: {"model": Submitted, "description": "Queued (or joined an unfinished twin)."},
+    },
+)
+async def submit_run(
+    request: RunCreate, context: ContextDep, response: Response, wait: WaitSeconds = 0
+) -> Submitted:
+    """Submit a spec and a device target. A succeeded run with the same fingerprint answers
+    at once (200, `cached: true`); otherwise the run is queued (202)."""
+    run_id, status, cached = await run_in_threadpool(_submit, context, request)
+    url = crud.run_url(run_id)
+    run: Run | None = None
+    if cached:
+        run = await run_in_threadpool(_fresh_run, context, run_id)
+    elif wait > 0:
+        run = await _wait_for(context, run_id, wait)
+    if run is None:
+        return Submitted(id=run_id, status=status, url=url, cached=False)
+    response.status_code = 200
+    return Submitted(id=run_id, status=run.status, url=url, cached=cached, run=run)
+
+
+@router.get("", dependencies=[ReaderAuth])
+def list_runs(
+    context: ContextDep,
+    status: RunStatus | None = None,
+    model: _Label = None,
+    device: _Label = None,
+    created_after: datetime | None = None,
+    created_before: datetime | None = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE_LIMIT)] = 50,
+    offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
+) -> RunPage:
+    """Runs, newest first, filtered by status, model label, device label and creation time."""
+    now = context.clock()
+    with context.db.read() as session:
+        expired = crud.has_expired_leases(session, now=now)
+    if expired:
+        with context.db.write() as session:
+            crud.expire_leases(session, now=now, max_claims=context.settings.max_claims)
+    where = crud.RunFilter(
+        status=status,
+        model=model,
+        device=device,
+        created_after=created_after,
+        created_before=created_before,
+    )
+    with context.db.read() as session:
+        return crud.list_runs(session, where=where, limit=limit, offset=offset)
+
+
+@router.get("/{run_id}", dependencies=[ReaderAuth], responses=_NOT_FOUND)
+async def read_run(run_id: RunId, context: ContextDep, wait: WaitSeconds = 0) -> Run:
+    """One run: spec, status, recommendation, exports, attempts, trials, failures, timings."""
+    if wait > 0:
+        waited = await _wait_for(context, run_id, wait)
+        if waited is not None:
+            return waited
+    return await run_in_threadpool(_fresh_run, context, run_id)
+
+
+@router.post(
+    "/{run_id}/cancel",
+    dependencies=[ClientAuth],
+    responses={
+        **_NOT_FOUND,
+        409: {"model": ErrorBody, "description": "The run has already finished."},
+    },
+)
+def cancel_run(run_id: RunId, context: ContextDep) -> Run:
+    """Cancel a queued or running run."""
+    with context.db.write() as session:
+        crud.cancel_run(session, run_id=run_id, now=context.clock())
+    with context.db.read() as session:
+        return crud.get_run(session, run_id=run_id)

@@ -1,0 +1,56 @@
+"""Server settings (pydantic-settings, `AUTOTUNE_` prefix), read only by entry points.
+
+`create_app(settings)` takes a `Settings`; nothing under `api/` reads the environment itself.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Everything the server can be told. Tokens accept a JSON list or comma-separated text."""
+
+    model_config = SettingsConfigDict(env_prefix="AUTOTUNE_", extra="ignore")
+
+    database_url: str | None = Field(
+        default=None,
+        description="SQLAlchemy URL; default: a SQLite file autotune.db in data_dir.",
+    )
+    data_dir: Path = Path("data")
+    client_tokens: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Bearer tokens allowed to submit and cancel runs."
+    )
+    worker_tokens: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Bearer tokens allowed to use the worker protocol."
+    )
+    open_reads: bool = Field(default=False, description="Let anyone GET runs without a token.")
+    lease_s: float = Field(default=60.0, gt=0, description="How long a claim lasts unrenewed.")
+    max_claims: int = Field(
+        default=3, ge=1, description="Claims a run may use up (failures, expired leases)."
+    )
+    max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
+    max_wait_s: float = Field(default=300.0, ge=0, description="Cap on ?wait= long polls.")
+    wait_poll_s: float = Field(default=0.1, gt=0, description="How often a long poll looks.")
+
+    @field_validator("client_tokens", "worker_tokens", mode="before")
+    @classmethod
+    def _split_tokens(cls, value: object) -> object:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [token.strip() for token in text.split(",") if token.strip()]
+        return value
+
+    def resolved_database_url(self) -> str:
+        """The configured URL, or the embedded SQLite file (its directory is created)."""
+        if self.database_url:
+            return self.database_url
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{(self.data_dir / 'autotune.db').resolve()}"

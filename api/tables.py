@@ -1,0 +1,226 @@
+"""The ORM rows of the run store (SQLAlchemy 2, typed). Rows never leave `api/`.
+
+Every table is prefixed `autotune_` because Optuna's RDB storage keeps its own tables (`studies`,
+`trials`, ..., `alembic_version`) in the same database. Schema changes go through a new Alembic
+revision in `api/migrations/versions/`, never through `create_all`.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Dialect,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Aware UTC datetimes on every backend (SQLite would hand back naive ones)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+# 64-bit everywhere; on SQLite a primary key must be declared INTEGER to autoincrement.
+BigInt = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {
+        int: BigInt,
+        datetime: UTCDateTime(),
+        dict[str, Any]: JSON(),
+        list[Any]: JSON(),
+    }
+
+
+class WorkerRow(Base):
+    """A probe worker, as last seen claiming or heartbeating."""
+
+    __tablename__ = "autotune_workers"
+
+    id: Mapped[str] = mapped_column(String(100), primary_key=True)
+    devices: Mapped[list[Any]]
+    first_seen_at: Mapped[datetime]
+    last_seen_at: Mapped[datetime]
+    claims: Mapped[int] = mapped_column(default=0)
+
+
+class RunRow(Base):
+    """One submission: the spec, the device target, its queue state and its outcome."""
+
+    __tablename__ = "autotune_runs"
+    __table_args__ = (
+        # The claim query walks queued runs oldest first.
+        Index("ix_autotune_runs_status_created", "status", "created_at", "id"),
+        Index("ix_autotune_runs_fingerprint_status", "fingerprint", "status"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    fingerprint: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16))
+    spec: Mapped[dict[str, Any]]
+    model: Mapped[str] = mapped_column(String(300), index=True)
+    target_kind: Mapped[str] = mapped_column(String(16))
+    target_name: Mapped[str | None] = mapped_column(String(200))
+    target_memory_bytes: Mapped[int]
+    device: Mapped[str] = mapped_column(String(300), index=True)
+    autotune_version: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[datetime] = mapped_column(index=True)
+    updated_at: Mapped[datetime]
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    claim_count: Mapped[int] = mapped_column(default=0)
+    lease_id: Mapped[str | None] = mapped_column(String(64))
+    lease_expires_at: Mapped[datetime | None]
+    worker_id: Mapped[str | None] = mapped_column(ForeignKey("autotune_workers.id"))
+    device_index: Mapped[int | None]
+    worker_device: Mapped[dict[str, Any] | None]
+    torch_version: Mapped[str | None] = mapped_column(String(32))
+    study_name: Mapped[str | None] = mapped_column(String(100))
+    infeasible: Mapped[dict[str, Any] | None]
+    exports: Mapped[dict[str, Any] | None]
+    error: Mapped[str | None] = mapped_column(Text)
+
+    recommendation: Mapped[RecommendationRow | None] = relationship(
+        cascade="all, delete-orphan", lazy="raise"
+    )
+    modes: Mapped[list[ModeRow]] = relationship(
+        cascade="all, delete-orphan", lazy="raise", order_by="ModeRow.id"
+    )
+    attempts: Mapped[list[AttemptRow]] = relationship(
+        cascade="all, delete-orphan", lazy="raise", order_by="AttemptRow.id"
+    )
+    trials: Mapped[list[TrialRow]] = relationship(
+        cascade="all, delete-orphan", lazy="raise", order_by="TrialRow.id"
+    )
+    failures: Mapped[list[FailureRow]] = relationship(
+        cascade="all, delete-orphan", lazy="raise", order_by="FailureRow.id"
+    )
+
+
+class RecommendationRow(Base):
+    """The chosen configuration of a succeeded run, as columns so runs can be queried by it."""
+
+    __tablename__ = "autotune_recommendations"
+
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("autotune_runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    micro_batch: Mapped[int]
+    accumulation_steps: Mapped[int]
+    checkpointing: Mapped[bool]
+    world_size: Mapped[int]
+    global_batch: Mapped[int]
+    samples_per_s: Mapped[float]
+    tokens_per_s: Mapped[float | None]
+    peak_bytes: Mapped[int]
+    capacity_bytes: Mapped[int]
+
+
+class ModeRow(Base):
+    """The final probe summary of one checkpointing mode; its attempts are AttemptRows."""
+
+    __tablename__ = "autotune_probe_modes"
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("autotune_runs.id", ondelete="CASCADE"), index=True
+    )
+    lease_id: Mapped[str] = mapped_column(String(64))
+    checkpointing: Mapped[bool]
+    max_micro_batch: Mapped[int]
+    recommended_micro_batch: Mapped[int]
+    capped: Mapped[bool]
+
+
+class AttemptRow(Base):
+    """One probe attempt; (run, lease, sequence) is unique so a retried post stores nothing."""
+
+    __tablename__ = "autotune_probe_attempts"
+    __table_args__ = (UniqueConstraint("run_id", "lease_id", "sequence"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("autotune_runs.id", ondelete="CASCADE"), index=True
+    )
+    lease_id: Mapped[str] = mapped_column(String(64))
+    claim_number: Mapped[int]
+    sequence: Mapped[int]
+    checkpointing: Mapped[bool]
+    micro_batch: Mapped[int]
+    fits: Mapped[bool]
+    peak_bytes: Mapped[int]
+    phase_peak_bytes: Mapped[dict[str, Any]]
+    oom_phase: Mapped[str | None] = mapped_column(String(16))
+    created_at: Mapped[datetime]
+
+
+class TrialRow(Base):
+    """One throughput trial; (run, lease, number) is unique so a retried post stores nothing."""
+
+    __tablename__ = "autotune_trials"
+    __table_args__ = (UniqueConstraint("run_id", "lease_id", "number"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("autotune_runs.id", ondelete="CASCADE"), index=True
+    )
+    lease_id: Mapped[str] = mapped_column(String(64))
+    claim_number: Mapped[int]
+    number: Mapped[int]
+    micro_batch: Mapped[int]
+    accumulation_steps: Mapped[int]
+    checkpointing: Mapped[bool]
+    state: Mapped[str] = mapped_column(String(16))
+    samples_per_s: Mapped[float | None]
+    tokens_per_s: Mapped[float | None]
+    step_time_s: Mapped[float | None]
+    step_time_spread: Mapped[float | None]
+    timed_steps: Mapped[int]
+    peak_bytes: Mapped[int | None]
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime]
+
+
+class FailureRow(Base):
+    """Why one claim ended without a result: a reported error or an expired lease."""
+
+    __tablename__ = "autotune_run_failures"
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("autotune_runs.id", ondelete="CASCADE"), index=True
+    )
+    lease_id: Mapped[str] = mapped_column(String(64))
+    claim_number: Mapped[int]
+    worker_id: Mapped[str | None] = mapped_column(String(100))
+    error_type: Mapped[str] = mapped_column(String(200))
+    message: Mapped[str] = mapped_column(Text)
+    traceback_tail: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime]
