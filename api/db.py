@@ -102,7 +102,10 @@ def alembic_config(connection: Connection | None = None) -> Config:
 
 def migrate(database: Database) -> None:
     """Bring the schema to the newest revision (idempotent; safe with many server processes)."""
-    with database.engine.connect() as connection:
+    # On SQLite the write option makes the first statement BEGIN IMMEDIATE: a second process
+    # starting at the same time waits, then finds the schema already at head.
+    engine = database.engine.execution_options(**{_WRITE_OPTION: True})
+    with engine.connect() as connection:
         if database.is_postgres:
             # Two servers starting together must not both create the tables.
             connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": _MIGRATION_LOCK_KEY})

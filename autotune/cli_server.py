@@ -1,0 +1,291 @@
+"""The server-side CLI commands: `autotune serve`, `autotune submit`, `autotune runs list|show`.
+
+    autotune serve [--host 127.0.0.1] [--port 8000] [--db URL] [--workers N]
+    autotune submit SPEC --server URL [--device cpu:4GiB | "cuda:NAME:80GiB"] [--wait]
+    autotune runs list [--status S] [--model M] [--device D] --server URL
+    autotune runs show ID --server URL
+
+`autotune.cli` calls `add_server_commands`. The server's own imports (FastAPI, SQLAlchemy,
+uvicorn) happen inside `serve`, so the other commands work with only the client installed.
+Tokens: `--token` or AUTOTUNE_TOKEN; the server URL: `--server` or AUTOTUNE_SERVER.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+from datetime import datetime
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from autotune.bytesize import format_bytes, parse_bytes
+from autotune.client import ServerClient
+from autotune.errors import SpecError
+from autotune.presets import PRESETS
+from autotune.protocol import CudaTarget, EmulatedTarget, Run, RunPage, RunStatus
+from autotune.schemas import ModelSpec, Spec
+
+EXIT_RUN_FAILED = 1
+DEFAULT_SERVER = "http://127.0.0.1:8000"
+
+
+# ---------------------------------------------------------------------------------------------
+# serve
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from api.main import create_app
+    from api.settings import Settings
+
+    settings = Settings()
+    if args.db:
+        settings = settings.model_copy(update={"database_url": args.db})
+    generated: dict[str, str] = {}
+    # Never run open by default: generate the tokens nobody configured, and show them once.
+    if not settings.client_tokens:
+        generated["client"] = secrets.token_urlsafe(24)
+        settings = settings.model_copy(update={"client_tokens": [generated["client"]]})
+    if not settings.worker_tokens:
+        generated["worker"] = secrets.token_urlsafe(24)
+        settings = settings.model_copy(update={"worker_tokens": [generated["worker"]]})
+    for role, token in generated.items():
+        sys.stderr.write(f"autotune serve: generated {role} token: {token}\n")
+    if generated:
+        sys.stderr.write(
+            "autotune serve: set AUTOTUNE_CLIENT_TOKENS / AUTOTUNE_WORKER_TOKENS to choose them\n"
+        )
+    sys.stderr.flush()
+    if args.workers == 1:
+        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")
+        return 0
+    # Several processes build their own app from the environment (uvicorn's factory mode).
+    os.environ["AUTOTUNE_DATABASE_URL"] = settings.resolved_database_url()
+    os.environ["AUTOTUNE_CLIENT_TOKENS"] = json.dumps(settings.client_tokens)
+    os.environ["AUTOTUNE_WORKER_TOKENS"] = json.dumps(settings.worker_tokens)
+    uvicorn.run(
+        "api.main:create_app_from_env",
+        factory=True,
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        log_level="warning",
+    )
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# submit
+
+
+def parse_device(text: str) -> EmulatedTarget | CudaTarget:
+    """`cpu:4GiB` / `emulated:4GiB` (the emulated GPU) or `cuda:NAME:80GiB` (a GPU model)."""
+    kind, _, rest = text.partition(":")
+    try:
+        if kind in ("cpu", "emulated") and rest:
+            return EmulatedTarget(memory_bytes=parse_bytes(rest))
+        name, _, memory = rest.rpartition(":")
+        if kind == "cuda" and name and memory:
+            return CudaTarget(name=name, memory_bytes=parse_bytes(memory))
+    except ValueError as error:
+        raise SpecError(f"--device: {error}") from None
+    raise SpecError(f"--device: expected cpu:SIZE or cuda:NAME:SIZE, got {text!r}")
+
+
+def _local_gpu_target() -> CudaTarget:
+    from autotune.inventory import read_gpus
+
+    gpus = read_gpus()
+    if not gpus:
+        raise SpecError("--device: no local GPU to default to; give cpu:SIZE or cuda:NAME:SIZE")
+    return CudaTarget(name=gpus[0].name, memory_bytes=gpus[0].total_memory_bytes)
+
+
+def _load_spec(text: str) -> Spec:
+    if text in PRESETS and not os.path.exists(text):
+        return Spec(model=ModelSpec(preset=text))
+    from autotune.specfile import load_spec
+
+    return load_spec(text)
+
+
+def _client(args: argparse.Namespace) -> ServerClient:
+    return ServerClient(args.server, token=args.token)
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    spec = _load_spec(args.spec)
+    device = parse_device(args.device) if args.device else _local_gpu_target()
+    with _client(args) as client:
+        submitted = client.submit_run(spec, device)
+        run = submitted.run
+        if run is None and args.wait:
+            run = client.wait_for_run(submitted.id, timeout_s=args.timeout)
+    out = Console()
+    if args.json:
+        payload = run.model_dump(mode="json") if run else submitted.model_dump(mode="json")
+        sys.stdout.write(json.dumps(payload) + "\n")
+    elif run is None:
+        out.print(f"run {submitted.id} {submitted.status.value}: {args.server}{submitted.url}")
+    else:
+        if submitted.cached:
+            out.print(f"run {run.id}: cached result")
+        _print_run(out, run)
+    if run is not None and run.status in (RunStatus.FAILED, RunStatus.CANCELLED):
+        return EXIT_RUN_FAILED
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# runs list / show
+
+
+def _when(moment: datetime | None) -> str:
+    return moment.strftime("%Y-%m-%d %H:%M:%S") if moment else "-"
+
+
+def _print_page(console: Console, page: RunPage) -> None:
+    first = page.offset + 1 if page.items else 0
+    table = Table(title=f"runs {first}-{page.offset + len(page.items)} of {page.total}")
+    for column in ("id", "status", "model", "device", "created", "micro-batch", "accum"):
+        table.add_column(column, justify="right" if column in ("id", "micro-batch") else "left")
+    table.add_column("ckpt")
+    table.add_column("samples/s", justify="right")
+    for item in page.items:
+        table.add_row(
+            str(item.id),
+            item.status.value,
+            item.model,
+            item.device,
+            _when(item.created_at),
+            str(item.micro_batch) if item.micro_batch is not None else "-",
+            str(item.accumulation_steps) if item.accumulation_steps is not None else "-",
+            "-" if item.checkpointing is None else ("on" if item.checkpointing else "off"),
+            f"{item.samples_per_s:.1f}" if item.samples_per_s is not None else "-",
+        )
+    console.print(table)
+
+
+def _print_run(console: Console, run: Run) -> None:
+    table = Table(title=f"run {run.id}: {run.model} on {run.device.label}", show_header=False)
+    table.add_column("field")
+    table.add_column("value")
+    rows: list[tuple[str, Any]] = [
+        ("status", run.status.value),
+        ("created", _when(run.created_at)),
+        ("finished", _when(run.finished_at)),
+        ("claims", run.claim_count),
+        ("worker", run.worker_id or "-"),
+        ("torch", run.torch_version or "-"),
+        ("attempts / trials", f"{len(run.attempts)} / {len(run.trials)}"),
+    ]
+    rec = run.recommendation
+    if rec is not None:
+        rows += [
+            ("micro-batch", rec.micro_batch),
+            ("accumulation steps", rec.accumulation_steps),
+            ("checkpointing", "on" if rec.checkpointing else "off"),
+            ("global batch", rec.global_batch),
+            ("samples/s", f"{rec.samples_per_s:.1f}"),
+            ("peak", f"{format_bytes(rec.peak_bytes)} of {format_bytes(rec.capacity_bytes)}"),
+        ]
+    if run.infeasible is not None:
+        rows.append(("infeasible", run.infeasible.reason))
+    if run.error:
+        rows.append(("error", run.error))
+    for name, value in rows:
+        table.add_row(name, str(value))
+    console.print(table)
+
+
+def _cmd_runs_list(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        page = client.list_runs(
+            status=RunStatus(args.status) if args.status else None,
+            model=args.model,
+            device=args.device,
+            limit=args.limit,
+            offset=args.offset,
+        )
+    if args.json:
+        sys.stdout.write(page.model_dump_json() + "\n")
+    else:
+        _print_page(Console(), page)
+    return 0
+
+
+def _cmd_runs_show(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        run = client.get_run(args.id)
+    if args.json:
+        sys.stdout.write(run.model_dump_json() + "\n")
+    else:
+        _print_run(Console(), run)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# registration
+
+
+def _add_server_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--server",
+        default=os.environ.get("AUTOTUNE_SERVER", DEFAULT_SERVER),
+        help=f"server URL (default: AUTOTUNE_SERVER or {DEFAULT_SERVER})",
+    )
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("AUTOTUNE_TOKEN"),
+        help="bearer token (default: AUTOTUNE_TOKEN)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def add_server_commands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register `serve`, `submit` and `runs` on the main CLI's subparsers."""
+    serve = subparsers.add_parser("serve", help="run the API server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--db", default=None, help="database URL (default: ./data/autotune.db)")
+    serve.add_argument("--workers", type=_positive_int, default=1, help="server processes")
+    serve.set_defaults(func=_cmd_serve)
+
+    submit = subparsers.add_parser("submit", help="submit a spec to a server")
+    submit.add_argument("spec", help="spec file (YAML or JSON) or a preset name")
+    submit.add_argument(
+        "--device",
+        default=None,
+        help='cpu:SIZE (emulated GPU) or "cuda:NAME:SIZE"; default: this machine\'s first GPU',
+    )
+    submit.add_argument("--wait", action="store_true", help="wait for the result")
+    submit.add_argument("--timeout", type=float, default=3600.0, help="seconds to --wait")
+    _add_server_args(submit)
+    submit.set_defaults(func=_cmd_submit)
+
+    runs = subparsers.add_parser("runs", help="browse a server's runs")
+    runs_commands = runs.add_subparsers(dest="runs_command", required=True)
+    listing = runs_commands.add_parser("list", help="runs, newest first")
+    listing.add_argument("--status", choices=[s.value for s in RunStatus])
+    listing.add_argument("--model", help="model label, e.g. gpt2-tiny")
+    listing.add_argument("--device", help="device label, e.g. emulated:4294967296")
+    listing.add_argument("--limit", type=_positive_int, default=50)
+    listing.add_argument("--offset", type=int, default=0)
+    _add_server_args(listing)
+    listing.set_defaults(func=_cmd_runs_list)
+    show = runs_commands.add_parser("show", help="one run in full")
+    show.add_argument("id", type=_positive_int)
+    _add_server_args(show)
+    show.set_defaults(func=_cmd_runs_show)
