@@ -1,0 +1,132 @@
+"""Payloads for the API tests: tiny specs, worker devices and canned tune results."""
+
+from __future__ import annotations
+
+from autotune.protocol import CudaTarget, EmulatedTarget
+from autotune.schemas import (
+    DeviceInfo,
+    DeviceKind,
+    Exports,
+    ModelSpec,
+    ModeProbe,
+    Phase,
+    ProbeAttempt,
+    ProbeResult,
+    Recommendation,
+    Spec,
+    TrainingSpec,
+    Trial,
+    TrialState,
+    TuneResult,
+)
+
+GIB = 2**30
+
+
+def tiny_spec(seq_len: int = 64) -> Spec:
+    return Spec(model=ModelSpec(preset="gpt2-tiny"), training=TrainingSpec(seq_len=seq_len))
+
+
+def emulated(memory_bytes: int = 4 * GIB) -> EmulatedTarget:
+    return EmulatedTarget(memory_bytes=memory_bytes)
+
+
+def emulated_device(capacity_bytes: int = 4 * GIB, index: int = 0) -> DeviceInfo:
+    return DeviceInfo(
+        kind=DeviceKind.EMULATED,
+        name="cpu",
+        index=index,
+        total_memory_bytes=24 * GIB,
+        capacity_bytes=capacity_bytes,
+        torch_version="2.13.0+cpu",
+    )
+
+
+def cuda_device(
+    name: str = "NVIDIA A100-SXM4-80GB", total_memory_bytes: int = 80 * GIB, index: int = 0
+) -> DeviceInfo:
+    return DeviceInfo(
+        kind=DeviceKind.CUDA,
+        name=name,
+        index=index,
+        uuid=f"GPU-{index}",
+        total_memory_bytes=total_memory_bytes,
+        capacity_bytes=total_memory_bytes - GIB,
+        driver_version="560.35",
+        cuda_version="12.6",
+        torch_version="2.13.0+cu126",
+    )
+
+
+def a100() -> CudaTarget:
+    return CudaTarget(name="NVIDIA A100-SXM4-80GB", memory_bytes=80 * GIB)
+
+
+def attempt(micro_batch: int, fits: bool) -> ProbeAttempt:
+    return ProbeAttempt(
+        micro_batch=micro_batch,
+        fits=fits,
+        peak_bytes=micro_batch * 10_000_000,
+        phase_peak_bytes={Phase.FORWARD: micro_batch * 6_000_000},
+        oom_phase=None if fits else Phase.BACKWARD,
+    )
+
+
+def trial(number: int, micro_batch: int = 8, accumulation_steps: int = 4) -> Trial:
+    return Trial(
+        number=number,
+        micro_batch=micro_batch,
+        accumulation_steps=accumulation_steps,
+        checkpointing=False,
+        state=TrialState.COMPLETE,
+        samples_per_s=100.0 + number,
+        step_time_s=0.32,
+        step_time_spread=0.05,
+        timed_steps=3,
+        peak_bytes=80_000_000,
+    )
+
+
+def tune_result(spec: Spec, device: DeviceInfo, *, study_name: str | None = None) -> TuneResult:
+    """A plausible finished result: max micro-batch 8 without checkpointing, 16 with."""
+    modes = [
+        ModeProbe(
+            checkpointing=False,
+            max_micro_batch=8,
+            recommended_micro_batch=8,
+            capped=False,
+            attempts=[attempt(1, True), attempt(16, False), attempt(8, True)],
+        ),
+        ModeProbe(
+            checkpointing=True,
+            max_micro_batch=16,
+            recommended_micro_batch=16,
+            capped=False,
+            attempts=[attempt(16, True), attempt(32, False)],
+        ),
+    ]
+    return TuneResult(
+        spec=spec,
+        device=device,
+        probe=ProbeResult(device=device, modes=modes),
+        trials=[trial(0), trial(1, micro_batch=4, accumulation_steps=8)],
+        recommendation=Recommendation(
+            micro_batch=8,
+            accumulation_steps=4,
+            checkpointing=False,
+            world_size=1,
+            global_batch=32,
+            samples_per_s=101.0,
+            tokens_per_s=6464.0,
+            peak_bytes=80_000_000,
+            capacity_bytes=device.capacity_bytes,
+        ),
+        exports=Exports(
+            hf={"per_device_train_batch_size": 8, "gradient_accumulation_steps": 4},
+            axolotl={"micro_batch_size": 8, "gradient_accumulation_steps": 4},
+            deepspeed={"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4},
+            lightning={"accumulate_grad_batches": 4},
+            pytorch_loop="for step in range(4): ...",
+        ),
+        study_name=study_name,
+    )

@@ -1,0 +1,311 @@
+"""The worker protocol on a real database (SQLite file and PostgreSQL schema, fresh per test):
+claims and device matching, leases, heartbeats, idempotent events, results, failures, expiry."""
+
+from __future__ import annotations
+
+import pytest
+from starlette.testclient import TestClient
+
+from api.settings import Settings
+from autotune.client import LeaseLost, ServerClient
+from autotune.protocol import CudaTarget, RunStatus
+from tests.api_tests.factories import (
+    GIB,
+    a100,
+    attempt,
+    cuda_device,
+    emulated,
+    emulated_device,
+    tiny_spec,
+    trial,
+    tune_result,
+)
+from tests.conftest import WORKER_TOKEN, FakeClock
+
+pytestmark = pytest.mark.usefixtures("db_url")
+
+
+def test_claim_returns_none_when_queue_empty(worker: ServerClient) -> None:
+    assert worker.claim("w1", [emulated_device()]) is None
+
+
+def test_claim_hands_out_oldest_matching_run_with_lease(
+    user: ServerClient, worker: ServerClient, clock: FakeClock
+) -> None:
+    first = user.submit_run(tiny_spec(64), emulated(4 * GIB)).id
+    clock.advance(1)
+    user.submit_run(tiny_spec(32), emulated(4 * GIB))
+    other_memory = user.submit_run(tiny_spec(64), emulated(2 * GIB)).id
+
+    claim = worker.claim("w1", [emulated_device(8 * GIB), emulated_device(4 * GIB, index=1)])
+
+    assert claim is not None
+    assert claim.run_id == first
+    assert claim.device_index == 1  # the device whose capacity equals the target memory
+    assert claim.spec == tiny_spec(64)
+    assert claim.claim_number == 1
+    assert (claim.lease_expires_at - clock.now).total_seconds() == 30.0
+    assert claim.study_name == f"autotune-run-{first}"
+    run = user.get_run(first)
+    assert run.status == RunStatus.RUNNING
+    assert run.worker_id == "w1"
+    assert user.get_run(other_memory).status == RunStatus.QUEUED
+
+
+def test_claim_never_matches_other_devices(user: ServerClient, worker: ServerClient) -> None:
+    user.submit_run(tiny_spec(), emulated(4 * GIB))
+    user.submit_run(tiny_spec(), a100())
+    # Emulated capacity must be equal; a GPU of another name or memory never matches.
+    assert worker.claim("w1", [emulated_device(4 * GIB + 1)]) is None
+    assert worker.claim("w1", [cuda_device(name="NVIDIA H100 80GB HBM3")]) is None
+    assert worker.claim("w1", [cuda_device(total_memory_bytes=40 * GIB)]) is None
+
+
+@pytest.mark.parametrize(
+    ("total_memory_bytes", "matches"),
+    [
+        (80 * GIB, True),
+        (int(80 * GIB * 1.03), True),
+        (int(80 * GIB * 0.97) + 1, True),
+        (int(80 * GIB * 1.031), False),
+        (int(80 * GIB * 0.969), False),
+    ],
+)
+def test_cuda_claim_accepts_memory_within_three_percent(
+    user: ServerClient, worker: ServerClient, total_memory_bytes: int, matches: bool
+) -> None:
+    run_id = user.submit_run(tiny_spec(), a100()).id
+    claim = worker.claim("w1", [cuda_device(total_memory_bytes=total_memory_bytes)])
+    assert (claim is not None and claim.run_id == run_id) is matches
+    assert a100().matches(cuda_device(total_memory_bytes=total_memory_bytes)) is matches
+
+
+def test_heartbeat_renews_the_lease(
+    user: ServerClient, worker: ServerClient, clock: FakeClock
+) -> None:
+    user.submit_run(tiny_spec(), emulated())
+    claim = worker.claim("w1", [emulated_device()])
+    assert claim is not None
+    clock.advance(20)
+    lease = worker.heartbeat(claim.run_id, claim.lease_id)
+    assert (lease.lease_expires_at - clock.now).total_seconds() == 30.0
+    clock.advance(20)  # 40 s after the claim: alive only because of the heartbeat
+    assert worker.claim("w2", [emulated_device()]) is None
+    assert user.get_run(claim.run_id).status == RunStatus.RUNNING
+
+
+def test_events_are_stored_once_per_key(user: ServerClient, worker: ServerClient) -> None:
+    user.submit_run(tiny_spec(), emulated())
+    claim = worker.claim("w1", [emulated_device()])
+    assert claim is not None
+    run_id, lease = claim.run_id, claim.lease_id
+
+    first = worker.post_attempt(
+        run_id, lease, sequence=0, checkpointing=False, attempt=attempt(8, True)
+    )
+    again = worker.post_attempt(
+        run_id, lease, sequence=0, checkpointing=False, attempt=attempt(8, True)
+    )
+    worker.post_attempt(run_id, lease, sequence=1, checkpointing=False, attempt=attempt(16, False))
+    assert (first.stored, again.stored) == (True, False)
+    assert worker.post_trial(run_id, lease, trial(0)).stored is True
+    assert worker.post_trial(run_id, lease, trial(0)).stored is False
+
+    run = user.get_run(run_id)
+    assert [(a.sequence, a.attempt.micro_batch, a.attempt.fits) for a in run.attempts] == [
+        (0, 8, True),
+        (1, 16, False),
+    ]
+    assert run.attempts[1].attempt.oom_phase == "backward"
+    assert [t.trial.number for t in run.trials] == [0]
+    assert run.trials[0].trial == trial(0)
+
+
+def test_result_finishes_the_run_and_replaces_streamed_records(
+    user: ServerClient, worker: ServerClient
+) -> None:
+    spec = tiny_spec()
+    user.submit_run(spec, emulated())
+    claim = worker.claim("w1", [emulated_device()])
+    assert claim is not None
+    worker.post_attempt(
+        claim.run_id, claim.lease_id, sequence=0, checkpointing=False, attempt=attempt(1, True)
+    )
+    worker.post_trial(claim.run_id, claim.lease_id, trial(0))
+    result = tune_result(spec, emulated_device(), study_name=claim.study_name)
+
+    run = worker.submit_result(claim.run_id, claim.lease_id, result)
+
+    assert run.status == RunStatus.SUCCEEDED
+    assert run.recommendation == result.recommendation
+    assert run.exports == result.exports
+    assert run.modes == result.probe.modes  # each mode with exactly its attempts, in order
+    assert [t.trial for t in run.trials] == result.trials
+    assert len(run.attempts) == 5
+    assert run.worker_device == emulated_device()
+    assert run.torch_version == "2.13"
+    assert run.finished_at is not None and run.run_s is not None
+    # A finished run refuses further events under its old lease.
+    with pytest.raises(LeaseLost) as refused:
+        worker.heartbeat(claim.run_id, claim.lease_id)
+    assert refused.value.code == "stale_lease"
+
+
+def test_result_for_another_spec_or_device_is_rejected(
+    user: ServerClient, worker: ServerClient, http: TestClient
+) -> None:
+    user.submit_run(tiny_spec(64), emulated())
+    claim = worker.claim("w1", [emulated_device()])
+    assert claim is not None
+    headers = {"Authorization": f"Bearer {WORKER_TOKEN}"}
+    url = f"/api/v1/worker/runs/{claim.run_id}/result"
+    for result in (
+        tune_result(tiny_spec(128), emulated_device()),
+        tune_result(tiny_spec(64), emulated_device(2 * GIB)),
+    ):
+        body = {"lease_id": claim.lease_id, "result": result.model_dump(mode="json")}
+        response = http.post(url, json=body, headers=headers)
+        assert response.status_code == 422
+        assert response.json()["code"] == "result_rejected"
+    assert user.get_run(claim.run_id).status == RunStatus.RUNNING
+
+
+def test_expired_lease_requeues_and_stale_events_change_nothing(
+    user: ServerClient, worker: ServerClient, clock: FakeClock
+) -> None:
+    spec = tiny_spec()
+    run_id = user.submit_run(spec, emulated()).id
+    old = worker.claim("w1", [emulated_device()])
+    assert old is not None
+    worker.post_attempt(
+        run_id, old.lease_id, sequence=0, checkpointing=False, attempt=attempt(1, True)
+    )
+
+    clock.advance(31)
+    # Expiry is seen on read: the run is back in the queue, with the reason recorded.
+    run = user.get_run(run_id)
+    assert run.status == RunStatus.QUEUED
+    assert [(f.claim_number, f.error_type, f.worker_id) for f in run.failures] == [
+        (1, "LeaseExpired", "w1")
+    ]
+    new = worker.claim("w2", [emulated_device()])
+    assert new is not None and new.run_id == run_id and new.claim_number == 2
+    assert new.lease_id != old.lease_id
+
+    before = user.get_run(run_id)
+    for stale_call in (
+        lambda: worker.heartbeat(run_id, old.lease_id),
+        lambda: worker.post_attempt(
+            run_id, old.lease_id, sequence=1, checkpointing=True, attempt=attempt(2, True)
+        ),
+        lambda: worker.post_trial(run_id, old.lease_id, trial(5)),
+        lambda: worker.submit_result(run_id, old.lease_id, tune_result(spec, emulated_device())),
+        lambda: worker.report_failure(run_id, old.lease_id, error_type="X", message="late"),
+    ):
+        with pytest.raises(LeaseLost) as refused:
+            stale_call()
+        assert refused.value.status_code == 409
+        assert refused.value.code == "stale_lease"
+    after = user.get_run(run_id)
+    assert after == before
+    assert after.worker_id == "w2"
+
+
+def test_lease_expiry_is_found_by_the_next_claim(
+    user: ServerClient, worker: ServerClient, clock: FakeClock
+) -> None:
+    run_id = user.submit_run(tiny_spec(), emulated()).id
+    assert worker.claim("w1", [emulated_device()]) is not None
+    assert worker.claim("w2", [emulated_device()]) is None
+    clock.advance(30.5)
+    reclaimed = worker.claim("w2", [emulated_device()])
+    assert reclaimed is not None and reclaimed.run_id == run_id
+
+
+def test_run_fails_with_reasons_after_max_claims(
+    user: ServerClient, worker: ServerClient, clock: FakeClock
+) -> None:
+    run_id = user.submit_run(tiny_spec(), emulated()).id
+    first = worker.claim("w1", [emulated_device()])
+    assert first is not None
+    run = worker.report_failure(
+        run_id, first.lease_id, error_type="RuntimeError", message="CUDA error", retryable=True
+    )
+    assert run.status == RunStatus.QUEUED
+    assert worker.claim("w2", [emulated_device()]) is not None
+    clock.advance(31)  # the second claim's lease runs out
+    third = worker.claim("w3", [emulated_device()])
+    assert third is not None and third.claim_number == 3
+    run = worker.report_failure(
+        run_id, third.lease_id, error_type="ValueError", message="bad", traceback_tail="tb"
+    )
+
+    assert run.status == RunStatus.FAILED
+    assert [(f.claim_number, f.error_type) for f in run.failures] == [
+        (1, "RuntimeError"),
+        (2, "LeaseExpired"),
+        (3, "ValueError"),
+    ]
+    assert run.error is not None
+    assert "claim 1: RuntimeError: CUDA error" in run.error
+    assert "claim 3: ValueError: bad" in run.error
+    assert worker.claim("w4", [emulated_device()]) is None
+
+
+def test_non_retryable_failure_fails_at_once(user: ServerClient, worker: ServerClient) -> None:
+    run_id = user.submit_run(tiny_spec(), emulated()).id
+    claim = worker.claim("w1", [emulated_device()])
+    assert claim is not None
+    run = worker.report_failure(
+        run_id,
+        claim.lease_id,
+        error_type="NoFeasibleBatch",
+        message="micro-batch 1 does not fit",
+        retryable=False,
+    )
+    assert run.status == RunStatus.FAILED
+    assert run.claim_count == 1
+    assert (
+        run.error
+        == "failed after 1 claim(s): claim 1: NoFeasibleBatch: micro-batch 1 does not fit"
+    )
+
+
+def test_cancel_while_running_tells_the_worker(user: ServerClient, worker: ServerClient) -> None:
+    run_id = user.submit_run(tiny_spec(), emulated()).id
+    claim = worker.claim("w1", [emulated_device()])
+    assert claim is not None
+    assert user.cancel_run(run_id).status == RunStatus.CANCELLED
+    with pytest.raises(LeaseLost) as refused:
+        worker.heartbeat(run_id, claim.lease_id)
+    assert refused.value.cancelled
+    with pytest.raises(LeaseLost):
+        worker.submit_result(run_id, claim.lease_id, tune_result(tiny_spec(), emulated_device()))
+    assert user.get_run(run_id).recommendation is None
+
+
+def test_cuda_target_in_inventory_order(user: ServerClient, worker: ServerClient) -> None:
+    target = CudaTarget(name="NVIDIA H100 80GB HBM3", memory_bytes="80GiB")  # type: ignore[arg-type]
+    run_id = user.submit_run(tiny_spec(), target).id
+    devices = [cuda_device(index=0), cuda_device(name="NVIDIA H100 80GB HBM3", index=1)]
+    claim = worker.claim("gpu-box", devices)
+    assert claim is not None
+    assert (claim.run_id, claim.device_index, claim.target) == (run_id, 1, target)
+
+
+def test_worker_record_is_kept(
+    user: ServerClient, worker: ServerClient, settings: Settings
+) -> None:
+    from sqlalchemy import select
+
+    from api.db import Database
+    from api.tables import WorkerRow
+
+    user.submit_run(tiny_spec(), emulated())
+    worker.claim("w1", [emulated_device()])
+    worker.claim("w1", [emulated_device(), emulated_device(index=1)])
+    database = Database(settings.resolved_database_url())
+    with database.read() as session:
+        row = session.scalars(select(WorkerRow)).one()
+    database.dispose()
+    assert (row.id, row.claims, len(row.devices)) == ("w1", 1, 2)
