@@ -38,6 +38,17 @@ CUDA_BLOCK_BYTES = 512
 # ops (including checkpoint recomputation) from forward ones at the cost of one C call per op.
 _current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 
+# record_function's enter/exit markers (the optimizer's step and zero_grad open one) are ops
+# too, but they allocate nothing and would mislabel the phase at the end of `step()`.
+_PROFILER_OPS: frozenset[Any] = frozenset(
+    (
+        torch.ops.profiler._record_function_enter.default,
+        torch.ops.profiler._record_function_enter_new.default,
+        torch.ops.profiler._record_function_exit.default,
+        torch.ops.profiler._record_function_exit._RecordFunction,
+    )
+)
+
 
 class _StorageRef(weakref.ref):  # type: ignore[type-arg]
     """A weak reference to one counted storage that remembers its key and its counted bytes."""
@@ -165,6 +176,8 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if func in _PROFILER_OPS:
+            return func(*args, **(kwargs or {}))
         # The phase is decided before the op runs so that a real allocator failure inside the
         # op is reported in the phase of the op that failed.
         if self._in_optimizer:
