@@ -1,0 +1,125 @@
+"""Workload factories for tests of the `factory` model source and of the training step.
+
+Referenced from specs as "tests.autotune_tests.factories:<function>", so they are imported the
+way a user's factory is.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from autotune.presets import DecoderPreset
+from autotune.schemas import TrainingSpec
+from autotune.workload import (
+    IGNORE_INDEX,
+    Batch,
+    Workload,
+    causal_lm_loss_sum,
+    count_label_tokens,
+)
+from autotune.zoo import build_model
+
+TINY_VOCAB = 64
+TINY_GPT2 = DecoderPreset("gpt2", n_layer=2, n_head=2, d_model=32, vocab_size=64, max_seq_len=64)
+TINY_LLAMA = DecoderPreset(
+    "llama", n_layer=2, n_head=4, d_model=32, vocab_size=64, max_seq_len=64, n_kv_head=2,
+    ffn_hidden=48,
+)  # fmt: skip
+
+
+def _lm_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
+    return causal_lm_loss_sum(model(batch["input_ids"]), batch["labels"])
+
+
+def tiny_lm(training: TrainingSpec, preset: DecoderPreset = TINY_LLAMA) -> Workload:
+    """A tiny Llama on random full-length token batches."""
+    seq_len = training.seq_len or 16
+    model = build_model(preset)
+
+    def make_batch(micro_batch: int, device: torch.device) -> Batch:
+        ids = torch.randint(0, preset.vocab_size, (micro_batch, seq_len), device=device)
+        return {"input_ids": ids, "labels": ids}
+
+    def set_checkpointing(enabled: bool) -> None:
+        model.gradient_checkpointing = enabled
+
+    return Workload(
+        model=model,
+        make_batch=make_batch,
+        loss_sum=_lm_loss_sum,
+        num_items=count_label_tokens,
+        set_checkpointing=set_checkpointing,
+        tokens_per_sample=seq_len,
+    )
+
+
+class PaddedSamples:
+    """A fixed pool of variable-length token sequences, handed out in order. Each micro-batch is
+    right-padded to its own longest sequence, with labels -100 on the padding, as a collator
+    does. Two instances with the same seed hand out the same samples."""
+
+    def __init__(self, lengths: list[int], seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.samples = [torch.randint(0, TINY_VOCAB, (n,), generator=generator) for n in lengths]
+        self.cursor = 0
+
+    def make_batch(self, micro_batch: int, device: torch.device) -> Batch:
+        chosen = self.samples[self.cursor : self.cursor + micro_batch]
+        assert len(chosen) == micro_batch, "the pool ran out of samples"
+        self.cursor += micro_batch
+        width = max(len(s) for s in chosen)
+        ids = torch.zeros(micro_batch, width, dtype=torch.int64, device=device)
+        labels = torch.full((micro_batch, width), IGNORE_INDEX, dtype=torch.int64, device=device)
+        for row, sample in enumerate(chosen):
+            ids[row, : len(sample)] = sample
+            labels[row, : len(sample)] = sample
+        return {"input_ids": ids, "labels": labels}
+
+
+def padded_lm(
+    lengths: list[int], preset: DecoderPreset = TINY_GPT2, seed: int = 0
+) -> tuple[Workload, PaddedSamples]:
+    """A tiny LM (same weights for the same seed) fed from a `PaddedSamples` pool."""
+    torch.manual_seed(seed)
+    model = build_model(preset)
+    pool = PaddedSamples(lengths, seed)
+    workload = Workload(
+        model=model,
+        make_batch=pool.make_batch,
+        loss_sum=_lm_loss_sum,
+        num_items=count_label_tokens,
+        set_checkpointing=None,
+    )
+    return workload, pool
+
+
+def tiny_classifier_without_checkpointing(training: TrainingSpec) -> Workload:
+    """A fixed-shape classifier whose workload does not support checkpointing."""
+    shape = training.input_shape or (8,)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(int(torch.Size(shape).numel()), 4))
+
+    def make_batch(micro_batch: int, device: torch.device) -> Batch:
+        return (
+            torch.randn(micro_batch, *shape, device=device),
+            torch.randint(0, 4, (micro_batch,), device=device),
+        )
+
+    def loss_sum(module: nn.Module, batch: Batch) -> torch.Tensor:
+        inputs, labels = batch
+        return nn.functional.cross_entropy(module(inputs), labels, reduction="sum")
+
+    def num_items(batch: Batch) -> int:
+        return int(batch[1].shape[0])
+
+    return Workload(model, make_batch, loss_sum, num_items)
+
+
+def returns_a_module(training: TrainingSpec) -> nn.Module:
+    """Wrong: returns the bare model instead of a Workload."""
+    return nn.Linear(4, 4)
+
+
+def raises_inside(training: TrainingSpec) -> Workload:
+    """Wrong: the user's code fails."""
+    raise RuntimeError("the user's factory broke")
