@@ -182,7 +182,9 @@ class ServerClient:
         headers = dict(self._headers)
         if content is not None:
             headers["Content-Type"] = "application/json"
-        extra: dict[str, Any] = {} if timeout_s is None else {"timeout": timeout_s}
+        # An injected client (e.g. a TestClient) keeps its own timeouts.
+        own_timeout = timeout_s is not None and self._owns_http
+        extra: dict[str, Any] = {"timeout": timeout_s} if own_timeout else {}
         delay_s = self._backoff_s
         for attempt in range(self._retries + 1):
             last_try = attempt == self._retries
