@@ -1,0 +1,71 @@
+"""Migrations: applied at start, idempotent, equal to the ORM model, and living beside Optuna's
+own tables and `alembic_version` in one database."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import inspect, text
+
+from api.db import VERSION_TABLE, Database, migrate
+from api.tables import Base
+
+OUR_TABLES = {
+    "autotune_alembic_version",
+    "autotune_probe_attempts",
+    "autotune_probe_modes",
+    "autotune_recommendations",
+    "autotune_run_failures",
+    "autotune_runs",
+    "autotune_trials",
+    "autotune_workers",
+}
+
+
+def test_migrated_schema_equals_the_models(db_url: str) -> None:
+    database = Database(db_url)
+    migrate(database)
+    migrate(database)  # a second start changes nothing
+    with database.engine.connect() as connection:
+        context = MigrationContext.configure(
+            connection, opts={"compare_type": True, "version_table": VERSION_TABLE}
+        )
+        assert compare_metadata(context, Base.metadata) == []
+        assert connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).all() == [
+            ("0001",)
+        ]
+        assert set(inspect(connection).get_table_names()) == OUR_TABLES
+    database.dispose()
+
+
+def test_sqlite_runs_in_wal_mode_with_foreign_keys(sqlite_url: str) -> None:
+    database = Database(sqlite_url)
+    migrate(database)
+    with database.engine.connect() as connection:
+        assert connection.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        assert connection.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+    database.dispose()
+
+
+@pytest.mark.parametrize("optuna_first", [True, False])
+def test_optuna_storage_shares_the_database(db_url: str, optuna_first: bool) -> None:
+    database = Database(db_url)
+    if not optuna_first:
+        migrate(database)
+    storage = optuna.storages.RDBStorage(db_url)
+    study = optuna.create_study(storage=storage, study_name="autotune-run-1")
+    study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
+    migrate(database)
+    with database.engine.connect() as connection:
+        tables = set(inspect(connection).get_table_names())
+        assert OUR_TABLES <= tables
+        assert {"studies", "trials", "alembic_version"} <= tables
+        assert (
+            connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar() == "0001"
+        )
+    assert len(optuna.load_study(study_name="autotune-run-1", storage=db_url).trials) == 2
+    storage.remove_session()
+    storage.engine.dispose()
+    database.dispose()
