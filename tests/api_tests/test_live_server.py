@@ -1,0 +1,123 @@
+"""Against a real uvicorn process on loopback (both databases): the claim race, long polls, and
+the client's retries. A Starlette TestClient is not a server, so these start one."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx2
+import pytest
+from sqlalchemy import create_engine, text
+
+from autotune.client import ServerClient, ServerUnavailable
+from autotune.protocol import RunStatus
+from tests.api_tests.factories import GIB, emulated, emulated_device, tiny_spec, tune_result
+from tests.conftest import CLIENT_TOKEN, WORKER_TOKEN, LiveServer, free_port
+
+pytestmark = pytest.mark.slow
+RUNS = 200
+CLAIMERS = 8
+
+
+def test_eight_claimers_take_every_run_exactly_once(live_server: LiveServer, db_url: str) -> None:
+    with ServerClient(live_server.url, token=CLIENT_TOKEN) as user:
+        # 200 distinct specs (seq_len) so none joins another as a twin.
+        queued = {
+            user.submit_run(tiny_spec(seq_len), emulated()).id for seq_len in range(1, RUNS + 1)
+        }
+    assert len(queued) == RUNS
+    start = threading.Barrier(CLAIMERS)
+
+    def claim_all(worker_number: int) -> list[int]:
+        claimed = []
+        with ServerClient(live_server.url, token=WORKER_TOKEN, retries=0) as worker:
+            start.wait()
+            while (claim := worker.claim(f"w{worker_number}", [emulated_device()])) is not None:
+                claimed.append(claim.run_id)
+        return claimed
+
+    with ThreadPoolExecutor(CLAIMERS) as pool:
+        per_worker = list(pool.map(claim_all, range(CLAIMERS)))
+
+    counts = Counter(run_id for claimed in per_worker for run_id in claimed)
+    assert set(counts) == queued
+    assert set(counts.values()) == {1}
+    assert sum(1 for claimed in per_worker if claimed) > 1  # they really raced
+    engine = create_engine(db_url)
+    with engine.connect() as connection:
+        rows = connection.execute(
+            text(
+                "SELECT status, claim_count, COUNT(*) FROM autotune_runs"
+                " GROUP BY status, claim_count"
+            )
+        ).all()
+    engine.dispose()
+    assert [tuple(row) for row in rows] == [("running", 1, RUNS)]
+
+
+def test_long_poll_answers_when_the_run_finishes(live_server: LiveServer) -> None:
+    spec = tiny_spec()
+    with (
+        ServerClient(live_server.url, token=CLIENT_TOKEN) as user,
+        ServerClient(live_server.url, token=WORKER_TOKEN) as worker,
+    ):
+        run_id = user.submit_run(spec, emulated()).id
+        claim = worker.claim("w1", [emulated_device()])
+        assert claim is not None
+
+        def finish_soon() -> None:
+            time.sleep(0.5)
+            worker.submit_result(run_id, claim.lease_id, tune_result(spec, emulated_device()))
+
+        finisher = threading.Thread(target=finish_soon)
+        started = time.monotonic()
+        finisher.start()
+        response = httpx2.post(
+            f"{live_server.url}/api/v1/runs",
+            params={"wait": 20},
+            json={
+                "spec": spec.model_dump(mode="json"),
+                "device": emulated().model_dump(mode="json"),
+            },
+            headers={"Authorization": f"Bearer {CLIENT_TOKEN}"},
+            timeout=30,
+        )
+        waited_s = time.monotonic() - started
+        finisher.join()
+    assert response.status_code == 200
+    assert response.json()["run"]["status"] == "succeeded"
+    assert response.json()["cached"] is False
+    assert 0.4 < waited_s < 5
+
+
+def test_client_retries_until_the_server_is_up(live_server: LiveServer) -> None:
+    attempts: list[str] = []
+    real = httpx2.HTTPTransport()
+
+    class FlakyTransport(httpx2.BaseTransport):
+        """Refuses the first two connections, then forwards to the live server."""
+
+        def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+            attempts.append(request.url.path)
+            if len(attempts) <= 2:
+                raise httpx2.ConnectError("connection refused", request=request)
+            return real.handle_request(request)
+
+    http = httpx2.Client(base_url=live_server.url, transport=FlakyTransport())
+    client = ServerClient(http=http, token=CLIENT_TOKEN, retries=3, backoff_s=0.01)
+    submitted = client.submit_run(tiny_spec(), emulated(2 * GIB))
+    assert submitted.status == RunStatus.QUEUED
+    assert attempts == ["/api/v1/runs"] * 3
+    http.close()
+
+
+def test_client_gives_up_with_server_unavailable() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    with ServerClient(dead, retries=2, backoff_s=0.01) as client:
+        started = time.monotonic()
+        with pytest.raises(ServerUnavailable):
+            client.health()
+    assert time.monotonic() - started >= 0.03  # 0.01 + 0.02 of backoff
