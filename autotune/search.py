@@ -27,9 +27,10 @@ Algorithm (the memory facts are from /work/shared/reference/feasibility.md, "Exp
 
 Call budget: ceil(log2(cap)) + 2. Every fallback call is clamped into the window where both
 outcomes still leave a bisection that ends within the budget, so a search without a model never
-exceeds it. A prediction round or a hint that turns out wrong is a bet the budget has no room
-for: its calls are added to the budget, so a wrong first prediction and refit can cost up to 4
-calls (5 with a wrong hint) beyond it. Correct predictions finish far below it.
+exceeds it. A prediction is a bet the budget has no room for (the two fit points already use its
+slack): each missed prediction round adds 2 calls to the budget and a wrong hint 1, which keeps
+room to look right next to a near miss first. Worst case: ceil(log2(cap)) + 2 + 4 (+ 1 with a
+wrong hint); a right prediction finishes in 4.
 
 Invariants: no size is tried twice or above the cap, and the answer is certified: it fitted and
 the next size did not, unless it is the cap.
@@ -223,7 +224,6 @@ class _Search:
 
     def follow_prediction(self, model: PeakModel, capacity_bytes: int) -> None:
         """Verify the predicted p (p fits, p + 1 does not), else aim the gallop at the miss."""
-        calls_before = len(self.attempts)
         predicted = model.max_micro_batch(capacity_bytes)
         target = min(max(predicted, self.lo), self.hi - 1)
         logger.debug("model predicts %d, trying %d", predicted, target)
@@ -234,8 +234,9 @@ class _Search:
             # Underestimate: the answer is most likely just above.
             self.gallop, self.step = _Gallop.UP, 1
         if not self.done:
-            # The bet lost; its calls narrowed the bracket less than bisection would have.
-            self.budget_calls += len(self.attempts) - calls_before
+            # The bet lost. It is budgeted as the 2 calls a hit takes even when the miss took 1,
+            # so the fallback can afford to look right next to the miss first.
+            self.budget_calls += 2
 
     def guard(self, target: int) -> int:
         """Clamp `target` into the window where both outcomes keep the budget reachable."""
