@@ -39,9 +39,11 @@ CUDA_BLOCK_BYTES = 512
 _current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 
 # record_function's enter/exit markers (the optimizer's step and zero_grad open one) are ops
-# too, but they allocate nothing and would mislabel the phase at the end of `step()`.
-_PROFILER_OPS: frozenset[Any] = frozenset(
-    (
+# too, but they allocate nothing and would mislabel the phase at the end of `step()`. Keyed by
+# id because OpOverload.__hash__ is a Python function and this test runs on every op.
+_PROFILER_OP_IDS: frozenset[int] = frozenset(
+    id(op)
+    for op in (
         torch.ops.profiler._record_function_enter.default,
         torch.ops.profiler._record_function_enter_new.default,
         torch.ops.profiler._record_function_exit.default,
@@ -176,7 +178,7 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if func in _PROFILER_OPS:
+        if id(func) in _PROFILER_OP_IDS:
             return func(*args, **(kwargs or {}))
         # The phase is decided before the op runs so that a real allocator failure inside the
         # op is reported in the phase of the op that failed.
