@@ -163,9 +163,11 @@ class TrainingStep:
             scaler_state=scaler_state,
         )
 
-    def restore(self, snapshot: StateSnapshot) -> None:
-        """Put back a snapshot, e.g. after an OOM inside `optimizer.step()` left the parameters
-        half updated. The snapshot stays valid for another restore."""
+    def restore(self, snapshot: object) -> None:
+        """Put back a snapshot from `snapshot()`, e.g. after an OOM inside `optimizer.step()`
+        left the parameters half updated. The snapshot stays valid for another restore."""
+        if not isinstance(snapshot, StateSnapshot):
+            raise TypeError(f"expected a StateSnapshot, got {type(snapshot).__name__}")
         self.clear_grads()
         self.model.load_state_dict(snapshot.model_state)  # copies in place: params keep identity
         # load_state_dict keeps CPU tensors as they are, so give it copies, or the next step

@@ -89,7 +89,7 @@ def padded_lm(
         make_batch=pool.make_batch,
         loss_sum=_lm_loss_sum,
         num_items=count_label_tokens,
-        set_checkpointing=None,
+        set_checkpointing=lambda enabled: setattr(model, "gradient_checkpointing", enabled),
     )
     return workload, pool
 

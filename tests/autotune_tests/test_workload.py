@@ -1,0 +1,231 @@
+"""Workloads from each model source: preset, hf_config, hf_id and factory."""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from autotune.errors import ModelBuildError, SpecError
+from autotune.schemas import ModelSpec, Spec, TrainingSpec
+from autotune.step import TrainingStep
+from autotune.workload import Workload, build_preset, build_workload
+
+CPU = torch.device("cpu")
+TINY_LLAMA_CONFIG: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 64,
+}
+TINY_GPT2_CONFIG: dict[str, Any] = {
+    "model_type": "gpt2",
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 4,
+    "vocab_size": 256,
+    "n_positions": 64,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
+
+
+def _spec(training: TrainingSpec | None = None, **model: Any) -> Spec:
+    return Spec(model=ModelSpec(**model), training=training or TrainingSpec())
+
+
+def _loss_per_item(workload: Workload, micro_batch: int = 2) -> float:
+    batch = workload.make_batch(micro_batch, CPU)
+    return workload.loss_sum(workload.model, batch).item() / workload.num_items(batch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets.
+
+
+def test_preset_token_batches_are_int64_ids_and_the_loss_is_a_sum() -> None:
+    workload = build_workload(_spec(TrainingSpec(seq_len=32), preset="gpt2-tiny"))
+    batch = workload.make_batch(3, CPU)
+    assert batch["input_ids"].shape == (3, 32) and batch["input_ids"].dtype == torch.int64
+    assert workload.num_items(batch) == 3 * 31  # next-token labels: all but the first
+    assert workload.tokens_per_sample == 32
+    # A sum over 93 tokens of about ln(8192) each, not a mean.
+    assert _loss_per_item(workload, 3) == pytest.approx(math.log(8192), rel=0.1)
+
+
+def test_preset_seq_len_defaults_to_max_and_is_capped() -> None:
+    assert build_preset("gpt2-tiny").tokens_per_sample == 256
+    with pytest.raises(SpecError, match=r"training\.seq_len: 257 exceeds the max_seq_len 256"):
+        build_workload(_spec(TrainingSpec(seq_len=257), preset="gpt2-tiny"))
+
+
+def test_preset_classifiers_take_input_shape() -> None:
+    cnn = build_preset("cnn", input_shape=(1, 12, 12))
+    batch = cnn.make_batch(5, CPU)
+    assert batch["inputs"].shape == (5, 1, 12, 12)
+    assert cnn.num_items(batch) == 5 and cnn.tokens_per_sample is None
+    assert _loss_per_item(cnn) == pytest.approx(math.log(10), rel=0.3)
+    mlp = build_workload(_spec(TrainingSpec(input_shape=(2, 14, 14)), preset="mlp"))
+    assert mlp.make_batch(2, CPU)["inputs"].shape == (2, 2, 14, 14)
+    with pytest.raises(SpecError, match=r"training\.input_shape"):
+        build_preset("cnn", input_shape=(32, 32))
+
+
+# ---------------------------------------------------------------------------------------------
+# hf_config.
+
+
+@pytest.mark.parametrize("config", [TINY_LLAMA_CONFIG, TINY_GPT2_CONFIG], ids=["llama", "gpt2"])
+def test_hf_config_builds_a_random_fp32_model_that_trains(config: dict[str, Any]) -> None:
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    training = TrainingSpec(seq_len=16)
+    workload = build_workload(_spec(training, hf_config=config))
+    assert workload.tokens_per_sample == 16
+    assert (
+        type(workload.model).__name__.endswith("ForCausalLM")
+        or "LMHead" in type(workload.model).__name__
+    )
+    assert all(p.dtype == torch.float32 for p in workload.model.parameters())
+    assert _loss_per_item(workload) == pytest.approx(math.log(256), rel=0.1)
+    step = TrainingStep(workload, training, CPU)
+    plain = step.run(2)
+    step.checkpointing = True
+    flags = [getattr(m, "gradient_checkpointing", False) for m in step.model.modules()]
+    assert any(flag is True for flag in flags)
+    assert math.isfinite(step.run(2))
+    step.checkpointing = False
+    flags = [getattr(m, "gradient_checkpointing", False) for m in step.model.modules()]
+    assert not any(flag is True for flag in flags)
+    assert math.isfinite(plain)
+
+
+def test_hf_config_loss_sum_matches_transformers_own_loss() -> None:
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    workload = build_workload(_spec(TrainingSpec(seq_len=16), hf_config=TINY_LLAMA_CONFIG))
+    batch = workload.make_batch(3, CPU)
+    labels = batch["labels"].clone()
+    labels[0, 10:] = -100  # padding on one row
+    batch = {"input_ids": batch["input_ids"], "labels": labels}
+    ours = workload.loss_sum(workload.model, batch)
+    theirs = workload.model(input_ids=batch["input_ids"], labels=labels).loss  # a token mean
+    assert workload.num_items(batch) == 3 * 15 - 6
+    torch.testing.assert_close(ours, theirs * workload.num_items(batch))
+
+
+def test_hf_config_turns_dropout_off_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    pytest.importorskip("transformers")
+    config = {**TINY_GPT2_CONFIG, "attn_pdrop": 0.1, "resid_pdrop": 0.2}
+    with caplog.at_level(logging.WARNING, logger="autotune.workload"):
+        workload = build_workload(_spec(TrainingSpec(seq_len=8), hf_config=config))
+    hf_config = workload.model.config  # type: ignore[union-attr]
+    assert hf_config.attn_pdrop == 0.0 and hf_config.resid_pdrop == 0.0
+    assert "attn_pdrop=0.1" in caplog.text and "resid_pdrop=0.2" in caplog.text
+
+
+def test_hf_config_ignores_the_configs_dtype() -> None:
+    pytest.importorskip("transformers")
+    config = {**TINY_LLAMA_CONFIG, "dtype": "bfloat16"}
+    workload = build_workload(_spec(TrainingSpec(seq_len=8), hf_config=config))
+    assert {p.dtype for p in workload.model.parameters()} == {torch.float32}
+
+
+def test_hf_config_errors_name_the_field() -> None:
+    pytest.importorskip("transformers")
+    with pytest.raises(SpecError, match=r"training\.seq_len: 65 exceeds max_position_embeddings"):
+        build_workload(_spec(TrainingSpec(seq_len=65), hf_config=TINY_LLAMA_CONFIG))
+    with pytest.raises(ModelBuildError, match="hf_config"):
+        build_workload(_spec(TrainingSpec(seq_len=8), hf_config={"model_type": "no-such-model"}))
+
+
+def test_hf_sources_without_transformers_ask_for_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
+    with pytest.raises(ModelBuildError, match=r"install the `hf` extra"):
+        build_workload(_spec(TrainingSpec(seq_len=8), hf_config=TINY_LLAMA_CONFIG))
+
+
+def test_hf_id_fails_fast_without_the_hub() -> None:
+    pytest.importorskip("transformers")
+    hf_id = "autotune-tests/no-such-model-in-any-cache"
+    started = time.monotonic()
+    with pytest.raises(ModelBuildError) as caught:
+        build_workload(_spec(TrainingSpec(seq_len=8), hf_id=hf_id))
+    elapsed_s = time.monotonic() - started
+    message = str(caught.value)
+    assert message.startswith(
+        f"hf_id: could not fetch config for '{hf_id}' from the Hugging Face hub ("
+    )
+    assert message.endswith("); pass hf_config instead")
+    assert elapsed_s < 30
+
+
+# ---------------------------------------------------------------------------------------------
+# factory.
+
+FACTORIES = "tests.autotune_tests.factories"
+
+
+def test_factory_workload_is_built_from_the_training_spec() -> None:
+    training = TrainingSpec(seq_len=12)
+    workload = build_workload(_spec(training, factory=f"{FACTORIES}:tiny_lm"))
+    assert workload.tokens_per_sample == 12
+    assert workload.make_batch(2, CPU)["input_ids"].shape == (2, 12)
+    assert math.isfinite(TrainingStep(workload, training, CPU).run(2, 2))
+
+
+def test_factory_code_is_imported_only_when_the_workload_is_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "user_factory_module.py").write_text(
+        "from tests.autotune_tests.factories import tiny_lm as build\n"
+    )
+    monkeypatch.syspath_prepend(tmp_path)
+    monkeypatch.delitem(sys.modules, "user_factory_module", raising=False)
+    spec = _spec(TrainingSpec(seq_len=4), factory="user_factory_module:build")
+    assert "user_factory_module" not in sys.modules
+    assert build_workload(spec).tokens_per_sample == 4
+    assert "user_factory_module" in sys.modules
+    monkeypatch.delitem(sys.modules, "user_factory_module")
+
+
+def test_factory_missing_module_is_a_model_build_error() -> None:
+    with pytest.raises(ModelBuildError, match=r"No module named 'tests\.autotune_tests\.nope'"):
+        build_workload(_spec(factory="tests.autotune_tests.nope:build"))
+
+
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [
+        (
+            f"{FACTORIES}:no_such_function",
+            rf"factory '{FACTORIES}:no_such_function': AttributeError: .*no_such_function",
+        ),
+        (
+            f"{FACTORIES}:returns_a_module",
+            rf"factory '{FACTORIES}:returns_a_module' must return an autotune\.workload\.Workload"
+            r".*got Linear",
+        ),
+        (
+            f"{FACTORIES}:raises_inside",
+            rf"factory '{FACTORIES}:raises_inside' raised RuntimeError: the user's factory broke",
+        ),
+    ],
+)
+def test_factory_errors_are_model_build_errors_naming_the_factory(
+    factory: str, message: str
+) -> None:
+    with pytest.raises(ModelBuildError, match=message):
+        build_workload(_spec(TrainingSpec(input_shape=(8,)), factory=factory))
