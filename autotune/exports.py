@@ -96,31 +96,43 @@ def build_exports(
 def render_exports(exports: Exports) -> dict[str, str]:
     """Paste-ready text per target: `hf` and `lightning` as Python, `axolotl` as YAML,
     `deepspeed` as JSON, `pytorch_loop` as is."""
+    batch = _batch_comment(exports.deepspeed)
     return {
-        "hf": _render_hf(exports.hf),
-        "axolotl": "# Axolotl config (merge into your YAML)\n"
+        "hf": _render_hf(exports.hf, batch),
+        "axolotl": f"# Axolotl config (merge into your YAML)\n{batch}"
         + yaml.safe_dump(exports.axolotl, sort_keys=False),
         "deepspeed": json.dumps(exports.deepspeed, indent=2) + "\n",
-        "lightning": _render_lightning(exports.lightning),
+        "lightning": _render_lightning(exports.lightning, batch),
         "pytorch_loop": exports.pytorch_loop,
     }
 
 
-def _render_hf(hf: dict[str, Any]) -> str:
+def _batch_comment(deepspeed: dict[str, Any]) -> str:
+    """The batch arithmetic as a comment line; the rank count follows from DeepSpeed's
+    invariant train_batch_size == micro * accumulation * ranks."""
+    micro = deepspeed["train_micro_batch_size_per_gpu"]
+    accumulation = deepspeed["gradient_accumulation_steps"]
+    ranks = deepspeed["train_batch_size"] // (micro * accumulation)
+    return (
+        f"# global batch {deepspeed['train_batch_size']} = {micro} per rank x {accumulation} "
+        f"accumulation steps x {ranks} rank(s)\n"
+    )
+
+
+def _render_hf(hf: dict[str, Any], batch: str) -> str:
     if "activation_checkpointing" in hf:
         rule = "activation_checkpointing: the flag's name since transformers 5"
     else:
         rule = "gradient_checkpointing: the flag's name before transformers 5 (5.x: deprecated)"
     kwargs = "".join(f"    {key}={value!r},\n" for key, value in hf.items())
     return (
-        f"# Hugging Face TrainingArguments; {rule}.\n"
-        "# per_device_train_batch_size is per rank.\n"
+        f"# Hugging Face TrainingArguments; {rule}.\n{batch}"
         "from transformers import TrainingArguments\n\n"
         f"args = TrainingArguments(\n{kwargs}    # ... your other arguments\n)\n"
     )
 
 
-def _render_lightning(lightning: dict[str, Any]) -> str:
+def _render_lightning(lightning: dict[str, Any], batch: str) -> str:
     trainer_kwargs = ", ".join(f"{k}={v!r}" for k, v in lightning["trainer"].items())
     datamodule_kwargs = ", ".join(f"{k}={v!r}" for k, v in lightning["datamodule"].items())
     if lightning["module"]["gradient_checkpointing"]:
@@ -136,7 +148,7 @@ def _render_lightning(lightning: dict[str, Any]) -> str:
         checkpointing = "# Activation checkpointing: off (Lightning has no Trainer flag for it).\n"
     return (
         "# Lightning: the Trainer owns accumulation; batch_size is per rank, in your datamodule.\n"
-        "import lightning as L\n\n"
+        f"{batch}import lightning as L\n\n"
         f"trainer = L.Trainer({trainer_kwargs})\n"
         f"datamodule = YourDataModule({datamodule_kwargs})\n" + checkpointing
     )

@@ -72,6 +72,8 @@ def test_texts_round_trip_through_their_formats(checkpointing: bool) -> None:
     for name in ("hf", "lightning", "pytorch_loop"):
         compile(texts[name], f"<{name}>", "exec")
     assert texts["pytorch_loop"] == exports.pytorch_loop
+    for name in ("hf", "axolotl", "lightning"):
+        assert "global batch 64 = 8 per rank x 4 accumulation steps x 2 rank(s)" in texts[name]
 
 
 def test_values_use_each_ecosystems_key_names() -> None:
