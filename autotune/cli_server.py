@@ -153,20 +153,26 @@ def _when(moment: datetime | None) -> str:
 def _print_page(console: Console, page: RunPage) -> None:
     first = page.offset + 1 if page.items else 0
     table = Table(title=f"runs {first}-{page.offset + len(page.items)} of {page.total}")
-    for column in ("id", "status", "model", "device", "created", "micro-batch", "accum"):
-        table.add_column(column, justify="right" if column in ("id", "micro-batch") else "left")
-    table.add_column("ckpt")
-    table.add_column("samples/s", justify="right")
+    # Short columns never wrap; long labels (model, device) fold on narrow terminals.
+    table.add_column("id", justify="right", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    table.add_column("model", overflow="fold", min_width=5)
+    table.add_column("device", overflow="fold", min_width=5)
+    table.add_column("created", no_wrap=True)
+    table.add_column("micro x acc", no_wrap=True)
+    table.add_column("samples/s", justify="right", no_wrap=True)
     for item in page.items:
+        config = "-"
+        if item.micro_batch is not None:
+            config = f"{item.micro_batch} x {item.accumulation_steps}"
+            config += " ckpt" if item.checkpointing else ""
         table.add_row(
             str(item.id),
             item.status.value,
             item.model,
             item.device,
-            _when(item.created_at),
-            str(item.micro_batch) if item.micro_batch is not None else "-",
-            str(item.accumulation_steps) if item.accumulation_steps is not None else "-",
-            "-" if item.checkpointing is None else ("on" if item.checkpointing else "off"),
+            item.created_at.strftime("%m-%d %H:%M"),
+            config,
             f"{item.samples_per_s:.1f}" if item.samples_per_s is not None else "-",
         )
     console.print(table)

@@ -1,0 +1,104 @@
+"""`autotune serve`, `autotune submit` and `autotune runs` through the real CLI entry point."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx2
+import pytest
+
+from autotune.cli import main
+from autotune.cli_server import parse_device
+from autotune.client import ServerClient
+from autotune.errors import SpecError
+from autotune.protocol import CudaTarget, EmulatedTarget
+from tests.api_tests.factories import GIB, emulated_device, tiny_spec, tune_result
+from tests.conftest import CLIENT_TOKEN, WORKER_TOKEN, LiveServer, free_port, wait_for_health
+
+pytestmark = pytest.mark.slow
+
+
+def test_parse_device() -> None:
+    assert parse_device("cpu:4GiB") == EmulatedTarget(memory_bytes=4 * GIB)
+    assert parse_device("emulated:1024") == EmulatedTarget(memory_bytes=1024)
+    assert parse_device("cuda:NVIDIA A100-SXM4-80GB:80GiB") == CudaTarget(
+        name="NVIDIA A100-SXM4-80GB", memory_bytes=80 * GIB
+    )
+    for bad in ("cpu", "cuda:80GiB", "tpu:4GiB", "cpu:lots"):
+        with pytest.raises(SpecError, match="--device"):
+            parse_device(bad)
+
+
+def test_submit_wait_list_and_show(
+    live_server: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text("model:\n  preset: gpt2-tiny\ntraining:\n  seq_len: 64\n")
+    common = ["--server", live_server.url, "--token", CLIENT_TOKEN]
+
+    assert main(["submit", str(spec_path), "--device", "cpu:4GiB", "--json", *common]) == 0
+    queued = json.loads(capsys.readouterr().out)
+    assert (queued["status"], queued["cached"]) == ("queued", False)
+
+    with ServerClient(live_server.url, token=WORKER_TOKEN) as worker:
+        claim = worker.claim("w1", [emulated_device()])
+        assert claim is not None
+        worker.submit_result(
+            claim.run_id, claim.lease_id, tune_result(tiny_spec(), emulated_device())
+        )
+
+    assert main(["submit", str(spec_path), "--device", "cpu:4GiB", "--wait", *common]) == 0
+    shown = capsys.readouterr().out
+    assert f"run {queued['id']}: cached result" in shown
+    assert re.search(r"micro-batch\s+│\s+8", shown)
+
+    assert main(["runs", "list", *common]) == 0
+    listing = capsys.readouterr().out
+    assert "runs 1-1 of 1" in listing and "succeeded" in listing and "gpt2-tiny" in listing
+    assert main(["runs", "list", "--status", "queued", "--json", *common]) == 0
+    assert json.loads(capsys.readouterr().out)["total"] == 0
+    assert main(["runs", "show", str(queued["id"]), "--json", *common]) == 0
+    assert json.loads(capsys.readouterr().out)["recommendation"]["accumulation_steps"] == 4
+
+
+def test_cli_errors_are_one_line(
+    live_server: LiveServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["runs", "show", "999", "--server", live_server.url, "--token", CLIENT_TOKEN]) == 1
+    assert "404 run_not_found: no run with id 999" in capsys.readouterr().err
+    assert main(["runs", "list", "--server", live_server.url, "--token", "wrong"]) == 1
+    assert "403 forbidden" in capsys.readouterr().err
+    assert main(["submit", "mlp", "--device", "gpu", "--server", live_server.url]) == 2
+    assert "--device" in capsys.readouterr().err
+
+
+def test_serve_generates_and_prints_tokens(tmp_path: Path) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
+    log_path = tmp_path / "serve.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "autotune.cli", "serve", "--port", str(port)],
+            cwd=tmp_path,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_for_health(url, process, log_path)
+            output = log_path.read_text()
+            tokens = dict(re.findall(r"generated (client|worker) token: (\S+)", output))
+            assert set(tokens) == {"client", "worker"}
+            assert httpx2.get(f"{url}/api/v1/runs").status_code == 401
+            with ServerClient(url, token=tokens["client"]) as user:
+                assert user.list_runs().total == 0
+            assert (tmp_path / "data" / "autotune.db").is_file()  # the default embedded store
+        finally:
+            process.terminate()
+            process.wait(timeout=10)
