@@ -35,8 +35,12 @@ def test_parse_device() -> None:
 
 
 def test_submit_wait_list_and_show(
-    live_server: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    live_server: LiveServer,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setenv("COLUMNS", "160")  # Rich tables: no folding, so the text can be found
     spec_path = tmp_path / "spec.yaml"
     spec_path.write_text("model:\n  preset: gpt2-tiny\ntraining:\n  seq_len: 64\n")
     common = ["--server", live_server.url, "--token", CLIENT_TOKEN]
