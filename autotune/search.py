@@ -19,7 +19,9 @@ Algorithm (the memory facts are from /work/shared/reference/feasibility.md, "Exp
    certified from both sides, in 4 calls.
 3. Refit once after an underestimate (p and p + 1 both fit): fit again on the widest pair of
    complete traces with the same op count (a wide span averages allocator rounding, which the
-   newest two neighbours would amplify) and verify its prediction the same way.
+   newest two neighbours would amplify) and verify its prediction the same way. When p + 1 runs
+   an op sequence no other trace has (a kernel that changes with b), try p + 2 first: it is the
+   nearest candidate and the new sequence's second trace.
 4. Fall back when there is no model (no series, unknown capacity, op counts that differ) or the
    predictions missed: gallop (steps 1, 2, 4, ... away from a missed prediction, toward where
    the miss points; doubling from the largest fitting size when there was no prediction), then
@@ -28,9 +30,9 @@ Algorithm (the memory facts are from /work/shared/reference/feasibility.md, "Exp
 Call budget: ceil(log2(cap)) + 2. Every fallback call is clamped into the window where both
 outcomes still leave a bisection that ends within the budget, so a search without a model never
 exceeds it. A prediction is a bet the budget has no room for (the two fit points already use its
-slack): each missed prediction round adds 2 calls to the budget and a wrong hint 1, which keeps
-room to look right next to a near miss first. Worst case: ceil(log2(cap)) + 2 + 4 (+ 1 with a
-wrong hint); a right prediction finishes in 4.
+slack): each missed prediction round adds 2 calls to the budget, the extra trace of step 3 and
+a wrong hint 1 each, which keeps room to look right next to a near miss first. Worst case:
+ceil(log2(cap)) + 2 + 5 (+ 1 with a wrong hint); a right prediction finishes in 4.
 
 Invariants: no size is tried twice or above the cap, and the answer is certified: it fitted and
 the next size did not, unless it is the cap.
@@ -156,7 +158,6 @@ class _Search:
 
     def __init__(self, fits: Callable[[int], Observation], cap: int, capacity_bytes: int | None):
         self._fits = fits
-        self.cap = cap
         self.capacity_bytes = capacity_bytes
         self.lo = 0  # largest size seen fitting (0: none yet)
         self.hi = cap + 1  # smallest size seen failing (cap + 1: none yet)
@@ -233,10 +234,25 @@ class _Search:
         elif not self.done and self.trial(self.lo + 1).fits:
             # Underestimate: the answer is most likely just above.
             self.gallop, self.step = _Gallop.UP, 1
+            if not self.done and not self._has_partner(self.lo):
+                # The op sequence changed past the fit points, so nothing can be refitted yet.
+                # The next size is both the nearest candidate and the new sequence's 2nd trace.
+                self.trial(self.lo + 1)
+                self.budget_calls += 1
         if not self.done:
             # The bet lost. It is budgeted as the 2 calls a hit takes even when the miss took 1,
             # so the fallback can afford to look right next to the miss first.
             self.budget_calls += 2
+
+    def _has_partner(self, micro_batch: int) -> bool:
+        """Whether another complete trace (b >= 2) has the same op count as `micro_batch`'s."""
+        lengths = {
+            b: len(obs.series)
+            for b, obs in self.attempts
+            if obs.fits and obs.series is not None and b >= 2
+        }
+        own = lengths.pop(micro_batch, None)
+        return own is None or own in lengths.values()
 
     def guard(self, target: int) -> int:
         """Clamp `target` into the window where both outcomes keep the budget reachable."""
