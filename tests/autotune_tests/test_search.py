@@ -575,3 +575,83 @@ def test_calls_on_realistic_shapes(cap: int) -> None:
     print(f"realistic, cap {cap}: {len(calls)} searches, median {median}, max {max(calls)} calls")
     assert median <= 4
     assert max(calls) <= _budget_calls(cap)
+
+
+# ---------------------------------------------------------------------------------------------
+# Refits, rounding and the fallback's exact sequences, computed by hand.
+
+
+def _blocky(fixed_bytes: int, per_sample_bytes: int, block_bytes: int) -> SeriesFn:
+    """One op whose per-sample part is rounded up to allocator blocks: a staircase in b."""
+    return lambda b: (fixed_bytes + -(-b * per_sample_bytes // block_bytes) * block_bytes,)
+
+
+def test_underestimate_refits_on_the_widest_pair() -> None:
+    # 100 + 20 b rounded up to 50-byte blocks: 150 at b=2 and 200 at b=3 fit a slope of 50, so
+    # the model predicts 6 for 350 bytes; 6 and 7 fit (250), and the refit on (2, 7) has the true
+    # slope 20 and predicts 12 (350); 13 takes 400.
+    device = FakeDevice(_blocky(100, 20, 50), 350)
+    result = search(device, 64)
+    assert device.calls == [2, 3, 6, 7, 12, 13]
+    assert result.max_micro_batch == 12
+    assert result.peak_model is not None
+    assert (result.peak_model.base_micro_batch, result.peak_model.span_micro_batches) == (2, 5)
+    assert_certified(result, device, 64)
+
+
+def test_without_series_gallop_is_clamped_to_keep_the_budget() -> None:
+    # cap 64, budget 8, answer 5 (100 + 20 b <= 210). 2 and 4 fit; doubling to 8 could leave 60
+    # candidates for 5 calls, so the guard moves it up to 33; then bisection of (4, 33).
+    device = FakeDevice(lambda b: (100 + 20 * b,), 210, record_series=False)
+    result = search(device, 64)
+    assert device.calls == [2, 4, 33, 18, 11, 7, 5, 6]
+    assert result.peak_model is None
+    assert_certified(result, device, 64)
+
+
+def test_overestimate_tries_the_size_below_the_miss_first() -> None:
+    # 1 byte of fragmentation from b=17 on: the fit at 2, 3 predicts 17, which fails by a byte.
+    device = FakeDevice(
+        CKPT_STEP.series, max(CKPT_STEP.series(17)), overhead_bytes=_fragmentation(17, 1)
+    )
+    result = search(device, 1024)
+    assert device.calls == [2, 3, 17, 16]
+    assert result.max_micro_batch == 16
+
+
+def test_new_op_sequence_past_an_underestimate_takes_the_next_size() -> None:
+    # From b=8 on the step runs other ops and needs less per sample. With exactly b=8's peak as
+    # capacity, the fit at 2, 3 predicts 7; 8 fits with an op count no other trace has, so 9 is
+    # tried next, as the nearest candidate and as that sequence's second trace.
+    series = _chunked_logits(
+        CKPT_STEP, transformer_step(layers=5, logits_bytes_per_sample=256 * KiB), 8
+    )
+    capacity_bytes = max(series(8))
+    model = PeakModel.fit(2, series(2), 3, series(3))
+    assert model is not None and model.max_micro_batch(capacity_bytes) == 7
+    device = FakeDevice(series, capacity_bytes)
+    result = search(device, 1024)
+    assert device.calls == [2, 3, 7, 8, 9]
+    assert result.max_micro_batch == 8
+    assert_certified(result, device, 1024)
+
+
+@pytest.mark.parametrize("cap", [64, 1024])
+def test_allocator_blocks_stay_exact_and_cheap(cap: int) -> None:
+    # Every op's per-sample part rounded up to 2 MiB, like the CUDA caching allocator's large
+    # blocks: the 2-point fit is then only nearly right.
+    def rounded(b: int) -> tuple[int, ...]:
+        return tuple(
+            fixed + -(-b * per_sample // (2 * MiB)) * 2 * MiB
+            for fixed, per_sample in CKPT_STEP.ops
+        )
+
+    calls = []
+    for capacity_bytes in range(60 * MiB, 60 * MiB + 30 * MiB * 64, 3 * MiB + 12345):
+        device = FakeDevice(rounded, capacity_bytes)
+        result = search(device, cap)
+        assert_certified(result, device, cap)
+        calls.append(len(device.calls))
+    print(f"2 MiB blocks, cap {cap}: median {statistics.median(calls)}, max {max(calls)} calls")
+    assert statistics.median(calls) <= 4
+    assert max(calls) <= _budget_calls(cap) + 2
