@@ -18,6 +18,7 @@ from api.db import Database, migrate
 from api.deps import AppContext
 from api.errors import register_error_handlers
 from api.routes import health, runs, worker
+from api.runcache import FinishedRunCache
 from api.settings import Settings
 from autotune.protocol import API_PREFIX
 
@@ -53,7 +54,11 @@ def create_app(settings: Settings, *, clock: Callable[[], datetime] = _utc_now) 
         max_body_size=settings.max_body_bytes,
     )
     app.state.context = AppContext(
-        settings=settings, db=database, clock=clock, version=autotune.__version__
+        settings=settings,
+        db=database,
+        clock=clock,
+        version=autotune.__version__,
+        finished_runs=FinishedRunCache(),
     )
     register_error_handlers(app)
     app.include_router(health.router)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from datetime import datetime
 from typing import Annotated, Any
@@ -12,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api import crud
 from api.deps import AppContext, ClientAuth, ContextDep, ReaderAuth
+from api.runcache import CachedRun
 from autotune.protocol import (
     MAX_INT,
     MAX_PAGE_LIMIT,
@@ -57,9 +59,22 @@ def _fresh_run(context: AppContext, run_id: int) -> Run:
     return run
 
 
-def _submit(context: AppContext, request: RunCreate) -> tuple[int, RunStatus, bool]:
+def _load_run(context: AppContext, run_id: int) -> CachedRun:
+    """(status, JSON body) of a run; finished runs come from the in-process cache."""
+    hit = context.finished_runs.body(run_id)
+    if hit is not None:
+        return hit
+    run = _fresh_run(context, run_id)
+    body = run.model_dump_json().encode()
+    if run.status.is_finished():
+        context.finished_runs.put_body(run_id, run.status, body)
+    return run.status, body
+
+
+def _submit(
+    context: AppContext, request: RunCreate, run_fingerprint: str
+) -> tuple[int, RunStatus, bool]:
     """(run id, status, cached) for a submission: an existing run or a new queued one."""
-    run_fingerprint = fingerprint(request.spec, request.device, context.version)
     with context.db.read() as session:
         found = crud.find_reusable_run(session, run_fingerprint=run_fingerprint)
     if found is None:
@@ -72,46 +87,63 @@ def _submit(context: AppContext, request: RunCreate) -> tuple[int, RunStatus, bo
                 )
                 return run_id, RunStatus.QUEUED, False
     run_id, status = found
+    if status == RunStatus.SUCCEEDED:
+        context.finished_runs.put_succeeded(run_fingerprint, run_id)
     return run_id, status, status == RunStatus.SUCCEEDED
 
 
-async def _wait_for(context: AppContext, run_id: int, wait_s: float) -> Run | None:
-    """Poll until the run finishes (its full record) or the wait is over (None)."""
+async def _wait_for(context: AppContext, run_id: int, wait_s: float) -> CachedRun | None:
+    """Poll until the run finishes (its status and body) or the wait is over (None)."""
     deadline = time.monotonic() + min(wait_s, context.settings.max_wait_s)
     while True:
-        run = await run_in_threadpool(_fresh_run, context, run_id)
-        if run.status.is_finished():
-            return run
+        status, body = await run_in_threadpool(_load_run, context, run_id)
+        if status.is_finished():
+            return status, body
         if time.monotonic() >= deadline:
             return None
         await asyncio.sleep(context.settings.wait_poll_s)
 
 
+def _json(body: bytes, status_code: int = 200) -> Response:
+    return Response(body, status_code=status_code, media_type="application/json")
+
+
+def _submitted(run_id: int, status: RunStatus, cached: bool, run_body: bytes | None) -> bytes:
+    """A `Submitted` body around an already serialised run (no second serialisation)."""
+    head = json.dumps(
+        {"id": run_id, "status": status.value, "url": crud.run_url(run_id), "cached": cached}
+    )
+    return head[:-1].encode() + b', "run": ' + (run_body or b"null") + b"}"
+
+
 @router.post(
     "",
     status_code=202,
+    response_model=Submitted,
     dependencies=[ClientAuth],
     responses={
         200: {"model": Submitted, "description": "A finished run: cached, or waited for."},
         202: {"model": Submitted, "description": "Queued (or joined an unfinished twin)."},
     },
 )
-async def submit_run(
-    request: RunCreate, context: ContextDep, response: Response, wait: WaitSeconds = 0
-) -> Submitted:
+async def submit_run(request: RunCreate, context: ContextDep, wait: WaitSeconds = 0) -> Response:
     """Submit a spec and a device target. A succeeded run with the same fingerprint answers
     at once (200, `cached: true`); otherwise the run is queued (202)."""
-    run_id, status, cached = await run_in_threadpool(_submit, context, request)
-    url = crud.run_url(run_id)
-    run: Run | None = None
+    run_fingerprint = fingerprint(request.spec, request.device, context.version)
+    known_id = context.finished_runs.succeeded_run(run_fingerprint)
+    hit = context.finished_runs.body(known_id) if known_id is not None else None
+    if known_id is not None and hit is not None:
+        # The hot path: a repeated submission answered without touching the database.
+        return _json(_submitted(known_id, hit[0], True, hit[1]))
+    run_id, status, cached = await run_in_threadpool(_submit, context, request, run_fingerprint)
+    finished: CachedRun | None = None
     if cached:
-        run = await run_in_threadpool(_fresh_run, context, run_id)
+        finished = await run_in_threadpool(_load_run, context, run_id)
     elif wait > 0:
-        run = await _wait_for(context, run_id, wait)
-    if run is None:
-        return Submitted(id=run_id, status=status, url=url, cached=False)
-    response.status_code = 200
-    return Submitted(id=run_id, status=run.status, url=url, cached=cached, run=run)
+        finished = await _wait_for(context, run_id, wait)
+    if finished is None:
+        return _json(_submitted(run_id, status, False, None), status_code=202)
+    return _json(_submitted(run_id, finished[0], cached, finished[1]))
 
 
 @router.get("", dependencies=[ReaderAuth])
@@ -143,14 +175,18 @@ def list_runs(
         return crud.list_runs(session, where=where, limit=limit, offset=offset)
 
 
-@router.get("/{run_id}", dependencies=[ReaderAuth], responses=_NOT_FOUND)
-async def read_run(run_id: RunId, context: ContextDep, wait: WaitSeconds = 0) -> Run:
+@router.get("/{run_id}", response_model=Run, dependencies=[ReaderAuth], responses=_NOT_FOUND)
+async def read_run(run_id: RunId, context: ContextDep, wait: WaitSeconds = 0) -> Response:
     """One run: spec, status, recommendation, exports, attempts, trials, failures, timings."""
+    hit = context.finished_runs.body(run_id)
+    if hit is not None:
+        return _json(hit[1])
     if wait > 0:
         waited = await _wait_for(context, run_id, wait)
         if waited is not None:
-            return waited
-    return await run_in_threadpool(_fresh_run, context, run_id)
+            return _json(waited[1])
+    _, body = await run_in_threadpool(_load_run, context, run_id)
+    return _json(body)
 
 
 @router.post(

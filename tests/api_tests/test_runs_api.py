@@ -285,3 +285,29 @@ def test_client_maps_422_to_invalid_request_naming_the_field(user: ServerClient)
         user.list_runs(limit=500)
     assert refused.value.status_code == 422
     assert refused.value.detail.startswith("query.limit:")
+
+
+def test_repeated_reads_of_a_finished_run_are_identical(
+    user: ServerClient, worker: ServerClient, http: TestClient
+) -> None:
+    # The second answers come from the in-process cache of finished runs: same bytes as the
+    # first, which came from the database.
+    run_id = _finish(user, worker)
+    reads = [http.get(f"/api/v1/runs/{run_id}", headers=AUTH).content for _ in range(3)]
+    assert reads[0] == reads[1] == reads[2]
+    body = {
+        "spec": tiny_spec().model_dump(mode="json"),
+        "device": {"kind": "emulated", "memory_bytes": 4 * GIB},
+    }
+    posts = [http.post("/api/v1/runs", json=body, headers=AUTH) for _ in range(3)]
+    assert [p.status_code for p in posts] == [200, 200, 200]
+    assert posts[0].content == posts[1].content == posts[2].content
+    assert posts[0].json()["run"] == http.get(f"/api/v1/runs/{run_id}", headers=AUTH).json()
+
+
+def test_cancelled_run_reads_stay_cancelled(user: ServerClient, http: TestClient) -> None:
+    run_id = user.submit_run(tiny_spec(), emulated()).id
+    assert http.get(f"/api/v1/runs/{run_id}", headers=AUTH).json()["status"] == "queued"
+    user.cancel_run(run_id)
+    for _ in range(2):
+        assert http.get(f"/api/v1/runs/{run_id}", headers=AUTH).json()["status"] == "cancelled"
