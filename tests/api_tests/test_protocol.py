@@ -130,7 +130,7 @@ def test_fingerprint_is_canonical() -> None:
     )
     base = fingerprint(spec, emulated(), "0.1.0")
     assert len(base) == 64
-    assert fingerprint(spelled_out, EmulatedTarget(memory_bytes="4GiB"), "0.1.0") == base  # type: ignore[arg-type]
+    assert fingerprint(spelled_out, EmulatedTarget(memory_bytes="4GiB"), "0.1.0") == base
     assert fingerprint(spec, emulated(2 * GIB), "0.1.0") != base
     assert fingerprint(spec, emulated(), "0.2.0") != base
     assert fingerprint(tiny_spec(65), emulated(), "0.1.0") != base

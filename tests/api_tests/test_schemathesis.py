@@ -4,6 +4,7 @@ at least 1000 generated requests, valid and invalid, and no 5xx answer to any of
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import pytest
 import requests
@@ -34,7 +35,7 @@ def test_no_server_errors_on_generated_requests(live_server: LiveServer) -> None
         database=None,
         suppress_health_check=list(HealthCheck),
     )
-    def check(case: Case) -> None:
+    def check(case: Case[Any]) -> None:
         token = WORKER_TOKEN if "/worker/" in case.path else CLIENT_TOKEN
         response = case.call(
             base_url=live_server.url,

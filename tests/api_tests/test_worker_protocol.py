@@ -285,7 +285,7 @@ def test_cancel_while_running_tells_the_worker(user: ServerClient, worker: Serve
 
 
 def test_cuda_target_in_inventory_order(user: ServerClient, worker: ServerClient) -> None:
-    target = CudaTarget(name="NVIDIA H100 80GB HBM3", memory_bytes="80GiB")  # type: ignore[arg-type]
+    target = CudaTarget(name="NVIDIA H100 80GB HBM3", memory_bytes="80GiB")
     run_id = user.submit_run(tiny_spec(), target).id
     devices = [cuda_device(index=0), cuda_device(name="NVIDIA H100 80GB HBM3", index=1)]
     claim = worker.claim("gpu-box", devices)
