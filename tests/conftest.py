@@ -169,7 +169,13 @@ def start_server(
     database_url: str, log_path: Path, *, extra_env: dict[str, str] | None = None
 ) -> LiveServer:
     """A real uvicorn process on loopback serving `api.main` (a TestClient is not a server)."""
-    port = free_port()
+    return start_servers(database_url, [log_path], extra_env=extra_env)[0]
+
+
+def start_servers(
+    database_url: str, log_paths: list[Path], *, extra_env: dict[str, str] | None = None
+) -> list[LiveServer]:
+    """One server process per log path, all launched before any is waited for."""
     env = {
         **os.environ,
         "AUTOTUNE_DATABASE_URL": database_url,
@@ -177,28 +183,32 @@ def start_server(
         "AUTOTUNE_WORKER_TOKENS": WORKER_TOKEN,
         **(extra_env or {}),
     }
-    log = log_path.open("wb")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "uvicorn",
-            "--factory",
-            "api.main:create_app_from_env",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    wait_for_health(url, process, log_path)
-    return LiveServer(url=url, process=process, log_path=log_path)
+    servers = []
+    for log_path in log_paths:
+        port = free_port()
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "uvicorn",
+                    "--factory",
+                    "api.main:create_app_from_env",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--log-level",
+                    "warning",
+                ],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        servers.append(LiveServer(f"http://127.0.0.1:{port}", process, log_path))
+    for server in servers:
+        wait_for_health(server.url, server.process, server.log_path)
+    return servers
 
 
 def wait_for_health(url: str, process: subprocess.Popen[bytes], log_path: Path) -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx2
 import pytest
@@ -15,15 +17,33 @@ from sqlalchemy import create_engine, text
 from autotune.client import ServerClient, ServerUnavailable
 from autotune.protocol import RunStatus
 from tests.api_tests.factories import GIB, emulated, emulated_device, tiny_spec, tune_result
-from tests.conftest import CLIENT_TOKEN, WORKER_TOKEN, LiveServer, free_port
+from tests.conftest import (
+    CLIENT_TOKEN,
+    WORKER_TOKEN,
+    LiveServer,
+    free_port,
+    start_servers,
+    stop_server,
+)
 
 pytestmark = pytest.mark.slow
 RUNS = 200
 CLAIMERS = 8
 
 
-def test_eight_claimers_take_every_run_exactly_once(live_server: LiveServer, db_url: str) -> None:
-    with ServerClient(live_server.url, token=CLIENT_TOKEN) as user:
+@pytest.fixture
+def two_servers(db_url: str, tmp_path: Path) -> Iterator[list[LiveServer]]:
+    """Two server processes on one database, started together (so their migrations race too)."""
+    servers = start_servers(db_url, [tmp_path / "a.log", tmp_path / "b.log"])
+    yield servers
+    for server in servers:
+        stop_server(server)
+
+
+def test_eight_claimers_take_every_run_exactly_once(
+    two_servers: list[LiveServer], db_url: str
+) -> None:
+    with ServerClient(two_servers[0].url, token=CLIENT_TOKEN) as user:
         # 200 distinct specs (seq_len) so none joins another as a twin.
         queued = {
             user.submit_run(tiny_spec(seq_len), emulated()).id for seq_len in range(1, RUNS + 1)
@@ -33,7 +53,9 @@ def test_eight_claimers_take_every_run_exactly_once(live_server: LiveServer, db_
 
     def claim_all(worker_number: int) -> list[int]:
         claimed = []
-        with ServerClient(live_server.url, token=WORKER_TOKEN, retries=0) as worker:
+        # Half the claimers talk to each server process: the guard must hold across processes.
+        url = two_servers[worker_number % 2].url
+        with ServerClient(url, token=WORKER_TOKEN, retries=0) as worker:
             start.wait()
             while (claim := worker.claim(f"w{worker_number}", [emulated_device()])) is not None:
                 claimed.append(claim.run_id)
