@@ -311,3 +311,22 @@ def test_cancelled_run_reads_stay_cancelled(user: ServerClient, http: TestClient
     user.cancel_run(run_id)
     for _ in range(2):
         assert http.get(f"/api/v1/runs/{run_id}", headers=AUTH).json()["status"] == "cancelled"
+
+
+def test_openapi_documents_every_route(http: TestClient) -> None:
+    assert http.get("/docs").status_code == 200
+    paths = http.get("/openapi.json").json()["paths"]
+    assert set(paths) == {
+        "/health",
+        "/api/v1/runs",
+        "/api/v1/runs/{run_id}",
+        "/api/v1/runs/{run_id}/cancel",
+        "/api/v1/worker/claim",
+        "/api/v1/worker/runs/{run_id}/heartbeat",
+        "/api/v1/worker/runs/{run_id}/attempts",
+        "/api/v1/worker/runs/{run_id}/trials",
+        "/api/v1/worker/runs/{run_id}/result",
+        "/api/v1/worker/runs/{run_id}/failure",
+    }
+    submit = paths["/api/v1/runs"]["post"]["responses"]
+    assert {"200", "202", "401", "403", "422"} <= set(submit)
