@@ -21,7 +21,7 @@ from typing import Any
 
 from sqlalchemy import ColumnElement, and_, delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm import Session
 
 from api.errors import ResultRejected, RunCancelled, RunNotCancellable, RunNotFound, StaleLease
 from api.tables import (
@@ -142,29 +142,51 @@ def run_status(session: Session, *, run_id: int) -> tuple[RunStatus, datetime | 
 
 
 def get_run(session: Session, *, run_id: int) -> Run:
-    """Everything about one run, with its attempts, trials and failures."""
-    row = session.scalars(
-        select(RunRow)
-        .where(RunRow.id == run_id)
-        .options(
-            selectinload(RunRow.recommendation),
-            selectinload(RunRow.modes),
-            selectinload(RunRow.attempts),
-            selectinload(RunRow.trials),
-            selectinload(RunRow.failures),
-        )
-    ).first()
+    """Everything about one run, with its attempts, trials and failures.
+
+    Child rows are read as plain rows, and only where they can exist (nothing is recorded
+    before the first claim; a recommendation and modes only on success): reads of queued and
+    running runs are the API's uncached hot path.
+    """
+    row = session.scalars(select(RunRow).where(RunRow.id == run_id)).first()
     if row is None:
         raise RunNotFound(run_id)
-    return _run_of(row)
+    succeeded = row.status == RunStatus.SUCCEEDED.value
+    claimed = row.claim_count > 0
+
+    def children(table: Any, wanted: bool) -> Sequence[Any]:
+        if not wanted:
+            return []
+        columns = table.__table__
+        return session.execute(
+            select(columns).where(columns.c.run_id == run_id).order_by(*columns.primary_key)
+        ).all()
+
+    return _run_of(
+        row,
+        recommendation=next(iter(children(RecommendationRow, succeeded)), None),
+        modes=children(ModeRow, succeeded),
+        attempts=children(AttemptRow, claimed),
+        trials=children(TrialRow, claimed),
+        failures=children(FailureRow, claimed),
+    )
 
 
 def _seconds(start: datetime | None, end: datetime | None) -> float | None:
     return (end - start).total_seconds() if start is not None and end is not None else None
 
 
-def _run_of(row: RunRow) -> Run:
-    attempts = [
+def _run_of(
+    row: RunRow,
+    *,
+    recommendation: Any,
+    modes: Sequence[Any],
+    attempts: Sequence[Any],
+    trials: Sequence[Any],
+    failures: Sequence[Any],
+) -> Run:
+    """The protocol view of a run; child arguments are rows of the matching tables."""
+    attempt_records = [
         AttemptRecord(
             claim_number=a.claim_number,
             sequence=a.sequence,
@@ -178,13 +200,13 @@ def _run_of(row: RunRow) -> Run:
             ),
             created_at=a.created_at,
         )
-        for a in row.attempts
+        for a in attempts
     ]
     # A mode's attempts are those of the lease that produced the mode, in order.
     final_attempts: dict[tuple[str, bool], list[ProbeAttempt]] = {}
-    for a, record in zip(row.attempts, attempts, strict=True):
+    for a, record in zip(attempts, attempt_records, strict=True):
         final_attempts.setdefault((a.lease_id, a.checkpointing), []).append(record.attempt)
-    rec = row.recommendation
+    rec = recommendation
     return Run(
         id=row.id,
         url=run_url(row.id),
@@ -229,9 +251,9 @@ def _run_of(row: RunRow) -> Run:
                 capped=m.capped,
                 attempts=final_attempts.get((m.lease_id, m.checkpointing), []),
             )
-            for m in row.modes
+            for m in modes
         ],
-        attempts=attempts,
+        attempts=attempt_records,
         trials=[
             TrialRecord(
                 claim_number=t.claim_number,
@@ -251,7 +273,7 @@ def _run_of(row: RunRow) -> Run:
                 ),
                 created_at=t.created_at,
             )
-            for t in row.trials
+            for t in trials
         ],
         failures=[
             FailureRecord(
@@ -262,7 +284,7 @@ def _run_of(row: RunRow) -> Run:
                 traceback_tail=f.traceback_tail,
                 created_at=f.created_at,
             )
-            for f in row.failures
+            for f in failures
         ],
         error=row.error,
     )

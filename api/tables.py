@@ -23,7 +23,7 @@ from sqlalchemy import (
     TypeDecorator,
     UniqueConstraint,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -106,22 +106,6 @@ class RunRow(Base):
     infeasible: Mapped[dict[str, Any] | None]
     exports: Mapped[dict[str, Any] | None]
     error: Mapped[str | None] = mapped_column(Text)
-
-    recommendation: Mapped[RecommendationRow | None] = relationship(
-        cascade="all, delete-orphan", lazy="raise"
-    )
-    modes: Mapped[list[ModeRow]] = relationship(
-        cascade="all, delete-orphan", lazy="raise", order_by="ModeRow.id"
-    )
-    attempts: Mapped[list[AttemptRow]] = relationship(
-        cascade="all, delete-orphan", lazy="raise", order_by="AttemptRow.id"
-    )
-    trials: Mapped[list[TrialRow]] = relationship(
-        cascade="all, delete-orphan", lazy="raise", order_by="TrialRow.id"
-    )
-    failures: Mapped[list[FailureRow]] = relationship(
-        cascade="all, delete-orphan", lazy="raise", order_by="FailureRow.id"
-    )
 
 
 class RecommendationRow(Base):

@@ -7,6 +7,8 @@ its next request when the previous answer arrives):
 
 * `POST /api/v1/runs` of the finished run's spec (answered 200 from the cache, full run body)
 * `GET /api/v1/runs/{id}` of the same run
+* `GET /api/v1/runs/{id}` of a queued run: not finished, so read from the database every time
+  (the two above are served from the server's in-process cache of finished runs)
 
 Each scenario runs twice: closed loop (throughput, and the latency of a saturated server, which
 is queueing: 50 clients / throughput) and paced at a fixed aggregate rate below saturation (the
@@ -154,8 +156,9 @@ def _drive_in_process(args: tuple[int, bytes, int, float, float, float]) -> dict
     return asyncio.run(_drive(*args))
 
 
-def _seed(url: str) -> tuple[int, bytes]:
-    """Finish one run through the worker protocol; return its id and the POST body for it."""
+def _seed(url: str) -> tuple[int, bytes, int]:
+    """Finish one run through the worker protocol and queue another; return the finished run's
+    id, the POST body that repeats it, and the queued run's id."""
     spec, target = tiny_spec(), emulated()
     with (
         ServerClient(url, token=CLIENT_TOKEN) as user,
@@ -166,10 +169,11 @@ def _seed(url: str) -> tuple[int, bytes]:
         assert claim is not None and claim.run_id == run_id
         worker.submit_result(run_id, claim.lease_id, tune_result(spec, emulated_device()))
         assert user.submit_run(spec, target).cached
+        queued_id = user.submit_run(tiny_spec(seq_len=128), target).id
     body = json.dumps(
         {"spec": spec.model_dump(mode="json"), "device": target.model_dump(mode="json")}
     )
-    return run_id, body.encode()
+    return run_id, body.encode(), queued_id
 
 
 def main() -> None:
@@ -193,11 +197,14 @@ def main() -> None:
         db_url = args.db or f"sqlite:///{Path(tmp) / 'autotune.db'}"
         server = start_server(db_url, Path(tmp) / "server.log")
         try:
-            run_id, body = _seed(server.url)
+            run_id, body, queued_id = _seed(server.url)
             port = int(server.url.rsplit(":", 1)[1])
             scenarios = {
                 "cached POST /api/v1/runs": _request_bytes("POST", "/api/v1/runs", body),
                 "GET /api/v1/runs/{id}": _request_bytes("GET", f"/api/v1/runs/{run_id}", None),
+                "GET /api/v1/runs/{id} of a queued run (database)": _request_bytes(
+                    "GET", f"/api/v1/runs/{queued_id}", None
+                ),
             }
             results = {}
             with multiprocessing.get_context("spawn").Pool(1) as pool:
@@ -221,7 +228,7 @@ def main() -> None:
         "clients": args.clients,
         "seconds_per_scenario": args.seconds,
         "server": "one uvicorn process (asyncio + h11), loopback",
-        "load_generator": "asyncio HTTP/1.1 keep-alive, closed loop, separate process",
+        "load_generator": "asyncio HTTP/1.1 keep-alive clients in a separate process",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores shared with the load generator",
         "load_average_before": round(load_before, 2),
         "python": platform.python_version(),
@@ -238,14 +245,23 @@ def main() -> None:
         f"Python {report['python']}; the run body is {response_bytes} bytes; "
         f"1-minute load average before the run: {report['load_average_before']}.",
         "",
-        "| scenario | requests/s | p50 ms | p90 ms | p99 ms | max ms | errors |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| scenario | requests/s | p50 ms | p90 ms | p99 ms | max ms | errors "
+        f"| p99 <= {GOAL_P99_MS:g} ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for name, r in results.items():
         lines.append(
             f"| {name} | {r['requests_per_s']} | {r['p50_ms']} | {r['p90_ms']} | "
-            f"{r['p99_ms']} | {r['max_ms']} | {r['errors']} |"
+            f"{r['p99_ms']} | {r['max_ms']} | {r['errors']} | "
+            f"{'yes' if r['p99_ms'] <= GOAL_P99_MS else 'no'} |"
         )
+    lines += [
+        "",
+        "Closed loop, every client sends again as soon as it is answered, so the server is "
+        "saturated and latency is mostly queueing (mean = clients / throughput). Paced, the "
+        f"{args.clients} clients together send {args.rate:g} requests/s and latency is counted "
+        "from when each request was due.",
+    ]
     (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
 
 
