@@ -52,7 +52,11 @@ class Device(Protocol):
     gradients, optimizer state, inputs that exist before the step) as already allocated. It
     returns `fits=False` on out-of-memory, raises anything else unchanged, and leaves the
     device clean for the next trial either way. Probe on a throwaway model and optimizer: an
-    out-of-memory inside `optimizer.step()` leaves parameters half updated."""
+    out-of-memory inside `optimizer.step()` leaves parameters half updated.
+
+    `track=False` runs without the dispatch-mode tracker, for timing: the tracker costs about
+    10-30 us per op. The emulated device then cannot enforce its capacity (peak_bytes is 0),
+    so untracked trials are only for steps already shown to fit under tracking."""
 
     @property
     def info(self) -> DeviceInfo: ...
@@ -66,6 +70,7 @@ class Device(Protocol):
         *,
         resident: Iterable[torch.Tensor],
         record_series: bool = False,
+        track: bool = True,
     ) -> TrialOutcome: ...
 
     def synchronize(self) -> None: ...
@@ -79,18 +84,22 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(m in str(error) for m in _OOM_MESSAGES)
 
 
-def _run_tracked(step: Callable[[], object], tracker: LiveBytesTracker) -> Phase | None:
-    """Run `step()` under `tracker`; return None if it completed, else the phase that ran out."""
+def _run_tracked(step: Callable[[], object], tracker: LiveBytesTracker | None) -> Phase | None:
+    """Run `step()` under `tracker` (or bare); return None if it completed, else the phase that
+    ran out (FORWARD when untracked: nothing labels phases then)."""
     oom_phase: Phase | None = None
     try:
-        with tracker:
+        if tracker is None:
             step()
+        else:
+            with tracker:
+                step()
     except RuntimeError as error:  # torch.OutOfMemoryError is a RuntimeError
         if not is_out_of_memory(error):
             raise
         # Only record here. pytorch#18853: the exception's traceback keeps the step's frames,
         # and with them its tensors, alive; memory is freed only once we have left `except`.
-        oom_phase = tracker.phase
+        oom_phase = tracker.phase if tracker is not None else Phase.FORWARD
         logger.debug("trial ran out of memory in %s: %s", oom_phase.value, error)
     if oom_phase is not None:
         gc.collect()
@@ -133,7 +142,17 @@ class EmulatedDevice:
         *,
         resident: Iterable[torch.Tensor],
         record_series: bool = False,
+        track: bool = True,
     ) -> TrialOutcome:
+        if not track:
+            oom_phase = _run_tracked(step, None)
+            return TrialOutcome(
+                fits=oom_phase is None,
+                peak_bytes=0,
+                phase_peak_bytes={},
+                oom_phase=oom_phase,
+                series=None,
+            )
         tracker = LiveBytesTracker(
             self.capacity_bytes, block_bytes=self.block_bytes, record_series=record_series
         )
@@ -225,14 +244,16 @@ class CudaDevice:
         *,
         resident: Iterable[torch.Tensor],
         record_series: bool = False,
+        track: bool = True,
     ) -> TrialOutcome:
         # Blocks cached by an earlier, larger trial would count in this trial's reserved peak.
         self.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self._index)
         # No capacity: the card enforces its own. The tracker only labels phases and series.
-        tracker = LiveBytesTracker(None, record_series=record_series)
-        tracker.add_resident(resident)
+        tracker = LiveBytesTracker(None, record_series=record_series) if track else None
+        if tracker is not None:
+            tracker.add_resident(resident)
         oom_phase = _run_tracked(step, tracker)
         if oom_phase is None:
             self.synchronize()  # kernels may still be running; the peak is final only after
@@ -241,14 +262,17 @@ class CudaDevice:
         peak_bytes = torch.cuda.max_memory_reserved(self._index)
         # The user's --memory cap can be below the card, so completing is not enough.
         fits = oom_phase is None and peak_bytes <= self.capacity_bytes
+        phase_peak_bytes = dict(tracker.phase_peak_bytes) if tracker is not None else {}
         if oom_phase is None and not fits:
-            oom_phase = _peak_phase(tracker.phase_peak_bytes)
+            oom_phase = _peak_phase(phase_peak_bytes) or Phase.FORWARD
         return TrialOutcome(
             fits=fits,
             peak_bytes=peak_bytes,
-            phase_peak_bytes=dict(tracker.phase_peak_bytes),
+            phase_peak_bytes=phase_peak_bytes,
             oom_phase=oom_phase,
-            series=tuple(tracker.series) if record_series and fits else None,
+            series=tuple(tracker.series)
+            if tracker is not None and record_series and fits
+            else None,
         )
 
     def synchronize(self) -> None:

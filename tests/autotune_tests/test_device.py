@@ -218,3 +218,31 @@ def test_inventory_imports_without_torch() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_untracked_trials_are_for_timing_only(trainer: MlpTrainer) -> None:
+    # Untracked, even a tiny capacity is not enforced: the caller must have checked the fit.
+    tiny = EmulatedDevice(MiB // 4)
+    assert not tiny.run_trial(trainer.step_fn(512), resident=trainer.resident()).fits
+    trainer.optimizer.zero_grad(set_to_none=True)
+    outcome = tiny.run_trial(trainer.step_fn(512), resident=trainer.resident(), track=False)
+    assert outcome.fits
+    assert outcome.peak_bytes == 0
+    assert outcome.phase_peak_bytes == {}
+
+
+def test_untracked_trials_still_catch_only_out_of_memory(trainer: MlpTrainer) -> None:
+    device = EmulatedDevice(64 * MiB)
+
+    def oom() -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    outcome = device.run_trial(oom, resident=[], track=False)
+    assert not outcome.fits
+    assert outcome.oom_phase is Phase.FORWARD
+
+    def bug() -> None:
+        raise KeyError("input_ids")
+
+    with pytest.raises(KeyError, match="input_ids"):
+        device.run_trial(bug, resident=[], track=False)
