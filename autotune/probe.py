@@ -50,15 +50,16 @@ class ProbeSession:
             self._snapshot = self.step.snapshot()
         return outcome
 
-    def trial(self, micro_batch: int) -> TrialOutcome:
+    def trial(
+        self, micro_batch: int, accumulation_steps: int = 1, *, track: bool = True
+    ) -> TrialOutcome:
         """One complete training step at `micro_batch`, in the current checkpointing mode."""
-        return self._run(micro_batch)
+        return self._run(micro_batch, accumulation_steps, track=track)
 
-    def _run(self, micro_batch: int) -> TrialOutcome:
+    def run(self, step: Callable[[], object], *, track: bool = True) -> TrialOutcome:
+        """Run any work on this session's model (e.g. timed steps) as one trial."""
         outcome = self.device.run_trial(
-            lambda: self.step.run(micro_batch),
-            resident=self.step.resident_tensors(),
-            record_series=True,
+            step, resident=self.step.resident_tensors(), record_series=track, track=track
         )
         if not outcome.fits:
             self.step.clear_grads()
@@ -66,6 +67,11 @@ class ProbeSession:
                 # Some parameters may already be updated; put all of them back as one.
                 self.step.restore(self._snapshot)
         return outcome
+
+    def _run(
+        self, micro_batch: int, accumulation_steps: int = 1, *, track: bool = True
+    ) -> TrialOutcome:
+        return self.run(lambda: self.step.run(micro_batch, accumulation_steps), track=track)
 
 
 def _attempt(micro_batch: int, outcome: TrialOutcome) -> ProbeAttempt:
@@ -87,10 +93,25 @@ def recommended_micro_batch(search: SearchResult, *, capacity_bytes: int, headro
     budget_bytes = int(capacity_bytes * (1.0 - headroom))
     if search.max_micro_batch == 0:
         return 0
-    if search.peak_model is not None:
-        return min(search.max_micro_batch, search.peak_model.max_micro_batch(budget_bytes))
+    model = search.peak_model
+    if model is not None and _model_agrees(model, search, capacity_bytes):
+        return min(search.max_micro_batch, model.max_micro_batch(budget_bytes))
     within = [b for b, obs in search.attempts if obs.fits and obs.peak_bytes <= budget_bytes]
     return max(within, default=0)
+
+
+def _model_agrees(model: PeakModel, search: SearchResult, capacity_bytes: int) -> bool:
+    """Trust the fitted model only where every real trial agrees with it: same verdict, and
+    (for micro-batches >= 2, where the op sequence is the fitted one) the same peak within 1 %
+    (512-byte rounding of small tensors makes the fit approximate on tiny models)."""
+    for micro_batch, observation in search.attempts:
+        predicted_bytes = model.peak_bytes(micro_batch)
+        if (predicted_bytes <= capacity_bytes) != observation.fits:
+            return False
+        if observation.fits and micro_batch >= 2:
+            if abs(predicted_bytes - observation.peak_bytes) > observation.peak_bytes // 100:
+                return False
+    return True
 
 
 def probe_mode(
@@ -147,7 +168,14 @@ def probe(spec: Spec, device: Device, *, on_attempt: AttemptCallback | None = No
         ModelBuildError: the model cannot be built.
         Any non-OOM error of the training step, unchanged.
     """
-    session = ProbeSession(spec, device)
+    return probe_session(ProbeSession(spec, device), on_attempt=on_attempt)
+
+
+def probe_session(
+    session: ProbeSession, *, on_attempt: AttemptCallback | None = None
+) -> ProbeResult:
+    """`probe` on an existing session, which stays usable (warm, in steady state) afterwards."""
+    device = session.device
     modes_to_probe = [False, True] if session.supports_checkpointing else [False]
     if not session.supports_checkpointing:
         logger.warning("this model cannot toggle gradient checkpointing; probing without only")
@@ -218,4 +246,4 @@ def run_step(spec: Spec, device: Device, *, micro_batch: int, checkpointing: boo
     )
 
 
-__all__ = ["PeakModel", "ProbeSession", "probe", "probe_mode", "run_step"]
+__all__ = ["ProbeSession", "probe", "probe_mode", "probe_session", "run_step"]

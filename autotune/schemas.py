@@ -197,6 +197,11 @@ class ModeProbe(Base):
     )
     capped: bool = Field(description="True when max_micro_batch is the search cap.")
     attempts: list[ProbeAttempt]
+    accumulating_micro_batch: int | None = Field(
+        default=None,
+        description="Largest micro-batch within the headroom when gradients accumulate over "
+        "two or more micro-batches (earlier gradients stay alive); set by the tuner.",
+    )
 
 
 class ProbeResult(Base):

@@ -176,6 +176,7 @@ def run_study(
     study_name: str,
     n_trials: int,
     seed: int = 0,
+    first: list[Candidate] | None = None,
     progress: Callable[[Trial], None] | None = None,
 ) -> list[Trial]:
     """Measure up to `n_trials` distinct candidates, chosen by Optuna, maximising samples/s.
@@ -189,6 +190,8 @@ def run_study(
         study_name: A new study's name; an existing study of that name is an error.
         n_trials: Budget of measurements.
         seed: Seeds the sampler (and the choice of forced candidates).
+        first: Candidates to measure before the sampler proposes any (enqueued in order;
+            the tuner's prior of what is likely best). They count against the budget.
         progress: Called with each new measurement as soon as it is recorded.
 
     Returns:
@@ -220,6 +223,13 @@ def run_study(
                 storage=storage, study_name=study_name, sampler=sampler, direction="maximize"
             )
             study.set_user_attr("n_candidates", len(candidates))
+            for candidate in (first or [])[:n_trials]:
+                study.enqueue_trial(
+                    {
+                        CHECKPOINTING_PARAM: candidate.checkpointing,
+                        micro_batch_param(candidate.checkpointing): candidate.micro_batch,
+                    }
+                )
             logger.info(
                 "study %s: %d candidates, budget %d, %s sampler",
                 study_name,
