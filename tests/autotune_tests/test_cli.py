@@ -57,14 +57,28 @@ def test_step_json_agrees_with_probe(spec_path: Path) -> None:
     )
     best = probed["modes"][0]["max_micro_batch"]
     fits = autotune(
-        "step", str(spec_path), "--micro-batch", str(best), "--device", "cpu",
-        "--memory", "200MiB", "--json",
+        "step",
+        str(spec_path),
+        "--micro-batch",
+        str(best),
+        "--device",
+        "cpu",
+        "--memory",
+        "200MiB",
+        "--json",
     )
     assert fits.returncode == 0, fits.stderr
     assert json.loads(fits.stdout)["fits"] is True
     over = autotune(
-        "step", str(spec_path), "--micro-batch", str(best + 1), "--device", "cpu",
-        "--memory", "200MiB", "--json",
+        "step",
+        str(spec_path),
+        "--micro-batch",
+        str(best + 1),
+        "--device",
+        "cpu",
+        "--memory",
+        "200MiB",
+        "--json",
     )
     result = json.loads(over.stdout)
     assert result["fits"] is False

@@ -66,11 +66,19 @@ def test_headroom_lowers_the_recommendation_not_the_max() -> None:
     plain = probe(spec, device).modes[0]
     assert plain.recommended_micro_batch < plain.max_micro_batch
     budget = int(device.info.capacity_bytes * 0.7)
-    rec = run_step(spec, EmulatedDevice(budget), micro_batch=plain.recommended_micro_batch,
-                   checkpointing=False)
+    rec = run_step(
+        spec,
+        EmulatedDevice(budget),
+        micro_batch=plain.recommended_micro_batch,
+        checkpointing=False,
+    )
     assert rec.fits
-    more = run_step(spec, EmulatedDevice(budget), micro_batch=plain.recommended_micro_batch + 1,
-                    checkpointing=False)
+    more = run_step(
+        spec,
+        EmulatedDevice(budget),
+        micro_batch=plain.recommended_micro_batch + 1,
+        checkpointing=False,
+    )
     assert not more.fits
 
 

@@ -1,0 +1,210 @@
+"""How many real trials the probe's search needs, next to two classic baselines.
+
+For every preset of the zoo, several capacities of the emulated GPU and both checkpointing modes,
+this runs the probe's search (`autotune.search.find_max_micro_batch`), plain bisection over
+[1, cap] and doubling-then-bisection (Lightning's `power` then `binsearch`) on the *same* fits
+function: real training steps on the emulated GPU, memoised per micro-batch so every algorithm
+sees identical outcomes and each distinct size costs one real step. It checks that all three
+agree on the answer and writes bench/results/probe_trials.{json,md}.
+
+    .venv/bin/python bench/probe_trials.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from autotune.device import EmulatedDevice
+from autotune.presets import PRESETS
+from autotune.probe import ProbeSession
+from autotune.schemas import Spec
+from autotune.search import Observation, find_max_micro_batch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CAP = 1024
+# Short sequences keep the big presets affordable on a 2-core CPU; the search is shape-agnostic.
+SEQ_LEN = {"gpt2-small": 16, "llama-small": 16, "gpt2-mini": 32, "llama-mini": 32}
+# Capacity = peak(3) + m * (peak(3) - peak(2)) for these m: max micro-batches of roughly 4 to 40.
+MULTIPLIERS = (1.5, 9.5, 37.5)
+
+
+def spec_for(name: str) -> Spec:
+    training: dict[str, object] = {"max_micro_batch": CAP}
+    if PRESETS[name].kind == "decoder":
+        training["seq_len"] = SEQ_LEN.get(name, 64)
+    return Spec.model_validate({"model": {"preset": name}, "training": training})
+
+
+def plain_bisection(fits: Callable[[int], bool], cap: int) -> int:
+    lo, hi = 0, cap + 1  # lo fits (0 trivially), hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def doubling_then_bisection(fits: Callable[[int], bool], cap: int) -> int:
+    lo, b = 0, 1
+    while b <= cap and fits(b):
+        lo, b = b, b * 2
+    hi = min(b, cap + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+class MemoisedTrials:
+    """Real trials at each micro-batch, run once and replayed; counts what each caller asks."""
+
+    def __init__(self, session: ProbeSession) -> None:
+        self.session = session
+        self.cache: dict[int, Observation] = {}
+        self.asked: set[int] = set()
+
+    def observe(self, micro_batch: int) -> Observation:
+        self.asked.add(micro_batch)
+        if micro_batch not in self.cache:
+            outcome = self.session.trial(micro_batch)
+            self.cache[micro_batch] = Observation(
+                fits=outcome.fits, peak_bytes=outcome.peak_bytes, series=outcome.series
+            )
+        return self.cache[micro_batch]
+
+    def fits(self, micro_batch: int) -> bool:
+        return self.observe(micro_batch).fits
+
+    def count(self, run: Callable[[], int]) -> tuple[int, int]:
+        self.asked = set()
+        answer = run()
+        return answer, len(self.asked)
+
+
+def calibrate(spec: Spec) -> tuple[int, int]:
+    session = ProbeSession(spec, EmulatedDevice(1 << 40))
+    assert session.warm_up().fits
+    return session.trial(2).peak_bytes, session.trial(3).peak_bytes
+
+
+def bench_case(spec: Spec, capacity_bytes: int) -> list[dict[str, object]]:
+    session = ProbeSession(spec, EmulatedDevice(capacity_bytes))
+    assert session.warm_up().fits
+    rows: list[dict[str, object]] = []
+    known_fitting = 0
+    for checkpointing in (False, True):
+        session.step.checkpointing = checkpointing
+        trials = MemoisedTrials(session)
+        started = time.perf_counter()
+        ours = find_max_micro_batch(
+            trials.observe, cap=CAP, capacity_bytes=capacity_bytes, known_fitting=known_fitting
+        )
+        ours_s = time.perf_counter() - started
+        ours_trials = len(ours.attempts)
+        bisect_answer, bisect_trials = trials.count(lambda: plain_bisection(trials.fits, CAP))
+        doubling_answer, doubling_trials = trials.count(
+            lambda: doubling_then_bisection(trials.fits, CAP)
+        )
+        if not ours.max_micro_batch == bisect_answer == doubling_answer:
+            raise AssertionError(
+                f"disagreement: ours {ours.max_micro_batch}, bisection {bisect_answer}, "
+                f"doubling {doubling_answer}"
+            )
+        rows.append(
+            {
+                "checkpointing": checkpointing,
+                "max_micro_batch": ours.max_micro_batch,
+                "trials": ours_trials,
+                "sizes_tried": [b for b, _ in ours.attempts],
+                "bisection_trials": bisect_trials,
+                "doubling_trials": doubling_trials,
+                "bound": math.ceil(math.log2(CAP)) + 2,
+                "search_s": round(ours_s, 2),
+            }
+        )
+        known_fitting = ours.max_micro_batch
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny presets, one capacity")
+    args = parser.parse_args()
+    names = ["gpt2-tiny", "mlp"] if args.quick else sorted(PRESETS)
+    multipliers = MULTIPLIERS[:1] if args.quick else MULTIPLIERS
+    torch.manual_seed(0)
+
+    cases: list[dict[str, object]] = []
+    for name in names:
+        spec = spec_for(name)
+        peak2, peak3 = calibrate(spec)
+        for multiplier in multipliers:
+            capacity_bytes = peak3 + int((peak3 - peak2) * multiplier)
+            for row in bench_case(spec, capacity_bytes):
+                row = {"preset": name, "capacity_bytes": capacity_bytes, **row}
+                cases.append(row)
+                print(
+                    f"{name:12} cap {capacity_bytes / 2**20:9.1f} MiB ckpt {row['checkpointing']!s:5}"
+                    f" max {row['max_micro_batch']:4}  ours {row['trials']:2} {row['sizes_tried']}"
+                    f"  bisection {row['bisection_trials']:2}  doubling {row['doubling_trials']:2}",
+                    flush=True,
+                )
+
+    def summary(key: str) -> dict[str, float]:
+        values = [int(str(case[key])) for case in cases]
+        return {
+            "median": statistics.median(values),
+            "max": max(values),
+            "mean": statistics.fmean(values),
+        }
+
+    report = {
+        "machine": f"{platform.machine()}, {platform.python_version()}, torch {torch.__version__}",
+        "cap": CAP,
+        "summary": {
+            "ours": summary("trials"),
+            "plain_bisection": summary("bisection_trials"),
+            "doubling_then_bisection": summary("doubling_trials"),
+        },
+        "cases": cases,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    suffix = "_quick" if args.quick else ""
+    (RESULTS / f"probe_trials{suffix}.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [
+        "# Real trials per probe (emulated GPU, search cap 1024)",
+        "",
+        f"{report['machine']}. Produced by `bench/probe_trials.py`.",
+        "",
+        "| algorithm | median | mean | max |",
+        "|---|---|---|---|",
+    ]
+    for algorithm, stats in report["summary"].items():  # type: ignore[union-attr]
+        lines.append(f"| {algorithm} | {stats['median']} | {stats['mean']:.2f} | {stats['max']} |")
+    lines += [
+        "",
+        "| preset | capacity MiB | checkpointing | max | ours | sizes tried | bisection | doubling |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for case in cases:
+        lines.append(
+            f"| {case['preset']} | {int(str(case['capacity_bytes'])) / 2**20:.1f} | "
+            f"{case['checkpointing']} | {case['max_micro_batch']} | {case['trials']} | "
+            f"{case['sizes_tried']} | {case['bisection_trials']} | {case['doubling_trials']} |"
+        )
+    (RESULTS / f"probe_trials{suffix}.md").write_text("\n".join(lines) + "\n")
+    print(json.dumps(report["summary"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

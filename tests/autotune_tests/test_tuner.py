@@ -1,0 +1,189 @@
+"""The tuner end to end on the emulated GPU: exact target batch, fits, explains what it cannot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+
+from autotune.candidates import Candidate
+from autotune.device import EmulatedDevice
+from autotune.probe import ProbeSession
+from autotune.schemas import Spec, TrialState
+from autotune.tuner import default_trial_budget, priority_candidates, tune
+
+MiB = 2**20
+CAPACITY_BYTES = 120 * MiB  # gpt2-tiny at 32 tokens: about 10 samples without checkpointing
+
+
+def tiny_spec(**training: object) -> Spec:
+    settings: dict[str, object] = {"seq_len": 32, "max_micro_batch": 64, **training}
+    return Spec.model_validate({"model": {"preset": "gpt2-tiny"}, "training": settings})
+
+
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'tune.db'}"
+
+
+@pytest.mark.parametrize(("target", "world_size"), [(32, 1), (24, 2)])
+def test_recommendation_hits_the_target_exactly_and_fits(
+    tmp_path: Path, target: int, world_size: int
+) -> None:
+    spec = tiny_spec(target_global_batch=target, world_size=world_size)
+    device = EmulatedDevice(CAPACITY_BYTES)
+    result = tune(spec, device, storage_url=sqlite_url(tmp_path), target_seconds=0.05)
+
+    rec = result.recommendation
+    assert rec is not None
+    assert rec.micro_batch * rec.accumulation_steps * rec.world_size == target
+    assert rec.global_batch == target
+    assert rec.peak_bytes <= int(CAPACITY_BYTES * (1 - spec.training.headroom))
+    assert rec.samples_per_s > 0
+    # It really fits: a fresh model on a fresh device runs that exact step.
+    session = ProbeSession(spec, EmulatedDevice(CAPACITY_BYTES))
+    session.step.checkpointing = rec.checkpointing
+    assert session.warm_up().fits
+    assert session.trial(rec.micro_batch, rec.accumulation_steps).fits
+    # Every measured trial hits the target too, and the best one is the recommendation.
+    complete = [t for t in result.trials if t.state is TrialState.COMPLETE]
+    for trial in result.trials:
+        assert trial.micro_batch * trial.accumulation_steps * world_size == target
+    assert max(t.samples_per_s or 0 for t in complete) == rec.samples_per_s
+    assert result.exports is not None
+    assert result.exports.deepspeed["train_batch_size"] == target
+
+
+def test_the_study_is_stored_for_the_dashboard(tmp_path: Path) -> None:
+    spec = tiny_spec(target_global_batch=16)
+    result = tune(
+        spec,
+        EmulatedDevice(CAPACITY_BYTES),
+        storage_url=sqlite_url(tmp_path),
+        study_name="my-study",
+        target_seconds=0.05,
+    )
+    study = optuna.load_study(study_name="my-study", storage=sqlite_url(tmp_path))
+    assert result.study_name == "my-study"
+    assert len({t.number for t in study.trials}) >= len(result.trials)
+
+
+def test_accumulation_limit_is_found_and_respected(tmp_path: Path) -> None:
+    result = tune(
+        tiny_spec(target_global_batch=32),
+        EmulatedDevice(CAPACITY_BYTES),
+        storage_url=sqlite_url(tmp_path),
+        target_seconds=0.05,
+    )
+    for mode in result.probe.modes:
+        assert mode.accumulating_micro_batch is not None
+        # Gradients alive across micro-batches can only lower the limit.
+        assert mode.accumulating_micro_batch <= mode.recommended_micro_batch
+    limit = {m.checkpointing: m.accumulating_micro_batch for m in result.probe.modes}
+    for trial in result.trials:
+        assert trial.micro_batch <= (limit[trial.checkpointing] or 0)
+
+
+def test_an_indivisible_target_is_explained_not_changed(tmp_path: Path) -> None:
+    result = tune(
+        tiny_spec(target_global_batch=7, world_size=2),
+        EmulatedDevice(CAPACITY_BYTES),
+        storage_url=sqlite_url(tmp_path),
+        target_seconds=0.05,
+    )
+    assert result.recommendation is None
+    assert result.trials == []
+    assert result.infeasible is not None
+    assert "not divisible by world size 2" in result.infeasible.reason
+    assert (result.infeasible.nearest_below, result.infeasible.nearest_above) == (6, 8)
+
+
+def test_nothing_fits_is_explained(tmp_path: Path) -> None:
+    result = tune(
+        tiny_spec(target_global_batch=8), EmulatedDevice(MiB), storage_url=sqlite_url(tmp_path)
+    )
+    assert result.recommendation is None
+    assert result.infeasible is not None
+    assert "not even a micro-batch of 1 fits" in result.infeasible.reason
+
+
+def test_priority_and_budget() -> None:
+    candidates = [Candidate(b, 32 // b, False) for b in (1, 2, 4, 8)] + [
+        Candidate(b, 32 // b, True) for b in (1, 2, 4, 8, 16)
+    ]
+    assert priority_candidates(candidates) == [
+        Candidate(8, 4, False),
+        Candidate(16, 2, True),
+        Candidate(4, 8, False),
+    ]
+    # Checkpointing at a micro-batch that fits without it is never a priority.
+    no_gain = [Candidate(4, 8, False), Candidate(4, 8, True), Candidate(2, 16, True)]
+    assert priority_candidates(no_gain) == [Candidate(4, 8, False)]
+    assert default_trial_budget(2) == 2
+    assert default_trial_budget(9) == 3
+    assert default_trial_budget(40) == 10
+
+
+def test_cli_tune_json(tmp_path: Path) -> None:
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(
+        "model: {preset: gpt2-tiny}\ntraining: {seq_len: 32, target_global_batch: 16}\n"
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autotune.cli",
+            "tune",
+            str(spec_path),
+            "--device",
+            "cpu",
+            "--memory",
+            "120MiB",
+            "--json",
+            "--db",
+            sqlite_url(tmp_path),
+            "--seconds-per-trial",
+            "0.05",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    document = json.loads(done.stdout)
+    assert set(document) >= {"recommendation", "exports", "trials", "probe"}
+    assert set(document["exports"]) >= {"hf", "axolotl", "deepspeed", "lightning"}
+    rec = document["recommendation"]
+    assert rec["micro_batch"] * rec["accumulation_steps"] * rec["world_size"] == 16
+    assert "trial" in done.stderr  # progress on stderr
+
+
+def test_cli_tune_needs_a_target(tmp_path: Path) -> None:
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text("model: {preset: gpt2-tiny}\ntraining: {seq_len: 32}\n")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autotune.cli",
+            "tune",
+            str(spec_path),
+            "--device",
+            "cpu",
+            "--memory",
+            "120MiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2
+    assert (
+        done.stderr.strip() == "autotune: error: training.target_global_batch: required for tuning"
+    )
