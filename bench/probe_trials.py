@@ -84,9 +84,12 @@ class MemoisedTrials:
     def fits(self, micro_batch: int) -> bool:
         return self.observe(micro_batch).fits
 
-    def count(self, run: Callable[[], int]) -> tuple[int, int]:
+    def count(
+        self, search: Callable[[Callable[[int], bool], int], int], cap: int
+    ) -> tuple[int, int]:
+        """Run a bool-only search on these trials; its answer and how many sizes it asked."""
         self.asked = set()
-        answer = run()
+        answer = search(self.fits, cap)
         return answer, len(self.asked)
 
 
@@ -110,10 +113,8 @@ def bench_case(spec: Spec, capacity_bytes: int) -> list[dict[str, object]]:
         )
         ours_s = time.perf_counter() - started
         ours_trials = len(ours.attempts)
-        bisect_answer, bisect_trials = trials.count(lambda: plain_bisection(trials.fits, CAP))
-        doubling_answer, doubling_trials = trials.count(
-            lambda: doubling_then_bisection(trials.fits, CAP)
-        )
+        bisect_answer, bisect_trials = trials.count(plain_bisection, CAP)
+        doubling_answer, doubling_trials = trials.count(doubling_then_bisection, CAP)
         if not ours.max_micro_batch == bisect_answer == doubling_answer:
             raise AssertionError(
                 f"disagreement: ours {ours.max_micro_batch}, bisection {bisect_answer}, "
@@ -153,9 +154,10 @@ def main() -> int:
                 row = {"preset": name, "capacity_bytes": capacity_bytes, **row}
                 cases.append(row)
                 print(
-                    f"{name:12} cap {capacity_bytes / 2**20:9.1f} MiB ckpt {row['checkpointing']!s:5}"
-                    f" max {row['max_micro_batch']:4}  ours {row['trials']:2} {row['sizes_tried']}"
-                    f"  bisection {row['bisection_trials']:2}  doubling {row['doubling_trials']:2}",
+                    f"{name:12} cap {capacity_bytes / 2**20:9.1f} MiB "
+                    f"ckpt {row['checkpointing']!s:5} max {row['max_micro_batch']:4}  "
+                    f"ours {row['trials']:2} {row['sizes_tried']}  "
+                    f"bisection {row['bisection_trials']:2}  doubling {row['doubling_trials']:2}",
                     flush=True,
                 )
 
@@ -167,14 +169,15 @@ def main() -> int:
             "mean": statistics.fmean(values),
         }
 
+    summaries = {
+        "ours": summary("trials"),
+        "plain_bisection": summary("bisection_trials"),
+        "doubling_then_bisection": summary("doubling_trials"),
+    }
     report = {
         "machine": f"{platform.machine()}, {platform.python_version()}, torch {torch.__version__}",
         "cap": CAP,
-        "summary": {
-            "ours": summary("trials"),
-            "plain_bisection": summary("bisection_trials"),
-            "doubling_then_bisection": summary("doubling_trials"),
-        },
+        "summary": summaries,
         "cases": cases,
     }
     RESULTS.mkdir(exist_ok=True)
@@ -188,11 +191,12 @@ def main() -> int:
         "| algorithm | median | mean | max |",
         "|---|---|---|---|",
     ]
-    for algorithm, stats in report["summary"].items():  # type: ignore[union-attr]
+    for algorithm, stats in summaries.items():
         lines.append(f"| {algorithm} | {stats['median']} | {stats['mean']:.2f} | {stats['max']} |")
     lines += [
         "",
-        "| preset | capacity MiB | checkpointing | max | ours | sizes tried | bisection | doubling |",
+        "| preset | capacity MiB | checkpointing | max | ours | sizes tried | bisection "
+        "| doubling |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for case in cases:
@@ -202,7 +206,7 @@ def main() -> int:
             f"{case['sizes_tried']} | {case['bisection_trials']} | {case['doubling_trials']} |"
         )
     (RESULTS / f"probe_trials{suffix}.md").write_text("\n".join(lines) + "\n")
-    print(json.dumps(report["summary"], indent=2))
+    print(json.dumps(summaries, indent=2))
     return 0
 
 
