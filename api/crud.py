@@ -776,3 +776,18 @@ def fail_claim(
         now=now,
         max_claims=max_claims,
     )
+
+
+def start_local_claim(session: Session, *, run_id: int, now: datetime, lease_s: float) -> str:
+    """Mark a just-created run as running under a lease of this process, for a tuning run that
+    happened locally (`autotune tune`) and is recorded like any worker's. Returns the lease id.
+    """
+    row = _lock_run(session, run_id)
+    lease_id = secrets.token_hex(16)
+    row.status = RunStatus.RUNNING.value
+    row.lease_id = lease_id
+    row.claim_count += 1
+    row.started_at = now
+    row.updated_at = now
+    row.lease_expires_at = now + timedelta(seconds=lease_s)
+    return lease_id

@@ -15,6 +15,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.syntax import Syntax
@@ -100,7 +101,7 @@ def tune_json(result: TuneResult) -> str:
     }
     from pydantic import TypeAdapter
 
-    return TypeAdapter(dict[str, object]).dump_json(document).decode()
+    return TypeAdapter(dict[str, Any]).dump_json(document).decode()
 
 
 def _record_locally(result: TuneResult, storage_url: str, console: Console) -> None:

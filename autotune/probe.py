@@ -2,10 +2,8 @@
 training step fits, without and with gradient checkpointing.
 
 It wires the pure search (`autotune.search`) to real trials: each `fits(b)` runs one complete
-optimizer step through `autotune.device`, which is the only place that knows about
-out-of-memory. One model and optimizer serve every trial: a warm-up step first creates the
-optimizer state (steady state), gradients are freed after each step, and an OOM inside
-`optimizer.step()` is undone from a snapshot so parameters are never left half-updated.
+optimizer step on a `TrialRunner` (`autotune.session`): in this process, or in a child process
+per trial on a probe worker. Out-of-memory arrives as `fits=False`; nothing here catches it.
 """
 
 from __future__ import annotations
@@ -15,63 +13,14 @@ from collections.abc import Callable
 
 from autotune.device import Device, TrialOutcome
 from autotune.errors import SpecError
-from autotune.schemas import ModeProbe, Phase, ProbeAttempt, ProbeResult, Spec, StepResult
+from autotune.schemas import ModeProbe, ProbeAttempt, ProbeResult, Spec, StepResult
 from autotune.search import Observation, PeakModel, SearchResult, find_max_micro_batch
-from autotune.step import TrainingStep
-from autotune.workload import build_workload
+from autotune.session import ProbeSession, TrialRunner
 
 logger = logging.getLogger(__name__)
 
 AttemptCallback = Callable[[bool, ProbeAttempt], None]
 """Called with (checkpointing, attempt) as soon as a trial finishes, for progress displays."""
-
-
-class ProbeSession:
-    """One model, optimizer and device, ready to run trials in steady state."""
-
-    def __init__(self, spec: Spec, device: Device) -> None:
-        self.spec = spec
-        self.device = device
-        self.workload = build_workload(spec)
-        self.step = TrainingStep(self.workload, spec.training, device.torch_device)
-        self._snapshot: object | None = None
-
-    @property
-    def supports_checkpointing(self) -> bool:
-        return self.workload.set_checkpointing is not None
-
-    def warm_up(self) -> TrialOutcome:
-        """Run one step at micro-batch 1 so the optimizer state exists before any trial.
-
-        Returns the outcome: when even this does not fit, nothing will.
-        """
-        outcome = self._run(1)
-        if outcome.fits:
-            self._snapshot = self.step.snapshot()
-        return outcome
-
-    def trial(
-        self, micro_batch: int, accumulation_steps: int = 1, *, track: bool = True
-    ) -> TrialOutcome:
-        """One complete training step at `micro_batch`, in the current checkpointing mode."""
-        return self._run(micro_batch, accumulation_steps, track=track)
-
-    def run(self, step: Callable[[], object], *, track: bool = True) -> TrialOutcome:
-        """Run any work on this session's model (e.g. timed steps) as one trial."""
-        outcome = self.device.run_trial(
-            step, resident=self.step.resident_tensors(), record_series=track, track=track
-        )
-        if not outcome.fits:
-            self.step.clear_grads()
-            if outcome.oom_phase is Phase.OPTIMIZER and self._snapshot is not None:
-                # Some parameters may already be updated; put all of them back as one.
-                self.step.restore(self._snapshot)
-        return outcome
-
-    def _run(
-        self, micro_batch: int, accumulation_steps: int = 1, *, track: bool = True
-    ) -> TrialOutcome:
-        return self.run(lambda: self.step.run(micro_batch, accumulation_steps), track=track)
 
 
 def _attempt(micro_batch: int, outcome: TrialOutcome) -> ProbeAttempt:
@@ -115,18 +64,17 @@ def _model_agrees(model: PeakModel, search: SearchResult, capacity_bytes: int) -
 
 
 def probe_mode(
-    session: ProbeSession,
+    session: TrialRunner,
     *,
     checkpointing: bool,
     known_fitting: int = 0,
     on_attempt: AttemptCallback | None = None,
 ) -> ModeProbe:
     """Search one checkpointing mode. `known_fitting` is a hint to verify, not a fact."""
-    session.step.checkpointing = checkpointing
     attempts: list[ProbeAttempt] = []
 
     def fits(micro_batch: int) -> Observation:
-        outcome = session.trial(micro_batch)
+        outcome = session.trial(micro_batch, checkpointing=checkpointing)
         attempt = _attempt(micro_batch, outcome)
         attempts.append(attempt)
         if on_attempt is not None:
@@ -134,7 +82,7 @@ def probe_mode(
         return Observation(fits=outcome.fits, peak_bytes=outcome.peak_bytes, series=outcome.series)
 
     training = session.spec.training
-    capacity_bytes = session.device.info.capacity_bytes
+    capacity_bytes = session.device_info.capacity_bytes
     search = find_max_micro_batch(
         fits,
         cap=training.max_micro_batch,
@@ -172,10 +120,10 @@ def probe(spec: Spec, device: Device, *, on_attempt: AttemptCallback | None = No
 
 
 def probe_session(
-    session: ProbeSession, *, on_attempt: AttemptCallback | None = None
+    session: TrialRunner, *, on_attempt: AttemptCallback | None = None
 ) -> ProbeResult:
     """`probe` on an existing session, which stays usable (warm, in steady state) afterwards."""
-    device = session.device
+    device_info = session.device_info
     modes_to_probe = [False, True] if session.supports_checkpointing else [False]
     if not session.supports_checkpointing:
         logger.warning("this model cannot toggle gradient checkpointing; probing without only")
@@ -184,7 +132,7 @@ def probe_session(
     if len(failed_warm_ups) == len(modes_to_probe):
         # Not even micro-batch 1 fits, in any mode: report how far each got.
         return ProbeResult(
-            device=device.info,
+            device=device_info,
             modes=[
                 ModeProbe(
                     checkpointing=checkpointing,
@@ -210,15 +158,14 @@ def probe_session(
         # Checkpointing only ever removes saved activations, so the plain max is a good first
         # guess for the checkpointed search; the search still verifies it.
         known_fitting = max(known_fitting, mode.max_micro_batch)
-    return ProbeResult(device=device.info, modes=modes)
+    return ProbeResult(device=device_info, modes=modes)
 
 
-def _warm_up(session: ProbeSession, modes: list[bool]) -> list[tuple[bool, TrialOutcome]]:
+def _warm_up(session: TrialRunner, modes: list[bool]) -> list[tuple[bool, TrialOutcome]]:
     """Warm up in the first mode where micro-batch 1 fits; returns the modes that failed first."""
     failed: list[tuple[bool, TrialOutcome]] = []
     for checkpointing in modes:
-        session.step.checkpointing = checkpointing
-        outcome = session.warm_up()
+        outcome = session.warm_up(checkpointing=checkpointing)
         if outcome.fits:
             break
         failed.append((checkpointing, outcome))
@@ -234,10 +181,9 @@ def run_step(spec: Spec, device: Device, *, micro_batch: int, checkpointing: boo
     session = ProbeSession(spec, device)
     if checkpointing and not session.supports_checkpointing:
         raise SpecError("--checkpointing: this model cannot toggle gradient checkpointing")
-    session.step.checkpointing = checkpointing
-    outcome = session.warm_up()
+    outcome = session.warm_up(checkpointing=checkpointing)
     if outcome.fits and micro_batch != 1:
-        outcome = session.trial(micro_batch)
+        outcome = session.trial(micro_batch, checkpointing=checkpointing)
     return StepResult(
         fits=outcome.fits,
         peak_bytes=outcome.peak_bytes,
@@ -246,4 +192,4 @@ def run_step(spec: Spec, device: Device, *, micro_batch: int, checkpointing: boo
     )
 
 
-__all__ = ["ProbeSession", "probe", "probe_mode", "probe_session", "run_step"]
+__all__ = ["probe", "probe_mode", "probe_session", "run_step"]

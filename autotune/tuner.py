@@ -14,13 +14,12 @@ import logging
 import math
 import uuid
 from collections.abc import Callable
-from dataclasses import replace
 
 from autotune.candidates import Candidate, enumerate_candidates, explain_infeasible
 from autotune.device import Device
 from autotune.errors import SpecError
 from autotune.exports import build_exports
-from autotune.probe import AttemptCallback, ProbeSession, probe_session
+from autotune.probe import AttemptCallback, probe_session
 from autotune.schemas import (
     Infeasible,
     ProbeResult,
@@ -31,8 +30,8 @@ from autotune.schemas import (
     TuneResult,
 )
 from autotune.search import Observation, find_max_micro_batch
+from autotune.session import ProbeSession, TrialRunner
 from autotune.study import run_study
-from autotune.throughput import Measurement, measure_throughput
 
 logger = logging.getLogger(__name__)
 
@@ -68,42 +67,6 @@ def priority_candidates(candidates: list[Candidate]) -> list[Candidate]:
     return first
 
 
-class _Measurer:
-    """Measures candidates on the probe's session (same model, optimizer and device)."""
-
-    def __init__(self, session: ProbeSession, *, target_seconds: float) -> None:
-        self.session = session
-        self.target_seconds = target_seconds
-
-    def __call__(self, candidate: Candidate) -> Measurement | None:
-        session = self.session
-        session.step.checkpointing = candidate.checkpointing
-        b, accumulation = candidate.micro_batch, candidate.accumulation_steps
-        # With G > 1 the gradients of earlier micro-batches are alive during later ones, so a
-        # micro-batch that fit in the probe (G = 1) can still run out here: check it tracked.
-        check = session.trial(b, accumulation)
-        if not check.fits:
-            return None
-        measured: list[Measurement] = []
-        timed = session.run(
-            lambda: measured.append(
-                measure_throughput(
-                    session.step,
-                    micro_batch=b,
-                    accumulation_steps=accumulation,
-                    synchronize=session.device.synchronize,
-                    tokens_per_sample=session.workload.tokens_per_sample,
-                    target_seconds=self.target_seconds,
-                    warmup_steps=0,  # the tracked check step above was the warm-up
-                )
-            ),
-            track=False,
-        )
-        if not timed.fits:
-            return None
-        return replace(measured[0], peak_bytes=check.peak_bytes)
-
-
 def tune(
     spec: Spec,
     device: Device,
@@ -129,7 +92,35 @@ def tune(
     training = spec.training
     if training.target_global_batch is None:
         raise SpecError("training.target_global_batch: required for tuning")
-    session = ProbeSession(spec, device)
+    return tune_session(
+        ProbeSession(spec, device),
+        storage_url=storage_url,
+        study_name=study_name,
+        n_trials=n_trials,
+        seed=seed,
+        target_seconds=target_seconds,
+        on_attempt=on_attempt,
+        on_trial=on_trial,
+    )
+
+
+def tune_session(
+    session: TrialRunner,
+    *,
+    storage_url: str,
+    study_name: str | None = None,
+    n_trials: int | None = None,
+    seed: int = 0,
+    target_seconds: float = 1.0,
+    on_attempt: AttemptCallback | None = None,
+    on_trial: TrialCallback | None = None,
+) -> TuneResult:
+    """`tune` on any trial runner (in this process, or a child process per trial)."""
+    spec = session.spec
+    training = spec.training
+    if training.target_global_batch is None:
+        raise SpecError("training.target_global_batch: required for tuning")
+    device_info = session.device_info
     probe_result = probe_session(session, on_attempt=on_attempt)
     limits = {mode.checkpointing: mode.recommended_micro_batch for mode in probe_result.modes}
     candidates = enumerate_candidates(training.target_global_batch, training.world_size, limits)
@@ -145,7 +136,7 @@ def tune(
         infeasible = explain_infeasible(training.target_global_batch, training.world_size, limits)
         return TuneResult(
             spec=spec,
-            device=device.info,
+            device=device_info,
             probe=probe_result,
             trials=[],
             recommendation=None,
@@ -156,7 +147,12 @@ def tune(
     budget = n_trials or default_trial_budget(len(candidates))
     trials = run_study(
         candidates,
-        _Measurer(session, target_seconds=target_seconds),
+        lambda c: session.measure(
+            c.micro_batch,
+            c.accumulation_steps,
+            checkpointing=c.checkpointing,
+            target_seconds=target_seconds,
+        ),
         storage_url=storage_url,
         study_name=study_name,
         n_trials=budget,
@@ -164,12 +160,12 @@ def tune(
         first=priority_candidates(candidates),
         progress=on_trial,
     )
-    recommendation = _recommend(trials, spec, capacity_bytes=device.info.capacity_bytes)
+    recommendation = _recommend(trials, spec, capacity_bytes=device_info.capacity_bytes)
     if recommendation is None:
         # Every measured candidate ran out of memory with its accumulation steps.
         return TuneResult(
             spec=spec,
-            device=device.info,
+            device=device_info,
             probe=probe_result,
             trials=trials,
             recommendation=None,
@@ -182,13 +178,13 @@ def tune(
         )
     return TuneResult(
         spec=spec,
-        device=device.info,
+        device=device_info,
         probe=probe_result,
         trials=trials,
         recommendation=recommendation,
         exports=build_exports(
             recommendation,
-            token_model=session.workload.tokens_per_sample is not None,
+            token_model=session.tokens_per_sample is not None,
             transformers_version=_installed_transformers_version(),
         ),
         study_name=study_name,
@@ -196,7 +192,7 @@ def tune(
 
 
 def _probe_accumulation(
-    session: ProbeSession, probe_result: ProbeResult, candidates: list[Candidate]
+    session: TrialRunner, probe_result: ProbeResult, candidates: list[Candidate]
 ) -> ProbeResult:
     """Per mode, the exact largest micro-batch within the headroom when gradients accumulate.
 
@@ -205,7 +201,7 @@ def _probe_accumulation(
     which adds about the parameter size to the peak; G = 2 and G = 8 peak alike. The same
     frugal search runs over trials at G = 2, starting from the probe's answer.
     """
-    capacity_bytes = session.device.info.capacity_bytes
+    capacity_bytes = session.device_info.capacity_bytes
     budget_bytes = int(capacity_bytes * (1.0 - session.spec.training.headroom))
     modes = []
     for mode in probe_result.modes:
@@ -220,17 +216,7 @@ def _probe_accumulation(
         if cap == 0:
             modes.append(mode)
             continue
-        session.step.checkpointing = mode.checkpointing
-
-        def fits(micro_batch: int) -> Observation:
-            outcome = session.trial(micro_batch, ACCUMULATION_PROBE_STEPS)
-            within = outcome.fits and outcome.peak_bytes <= budget_bytes
-            return Observation(
-                fits=within,
-                peak_bytes=outcome.peak_bytes,
-                series=outcome.series if within else None,
-            )
-
+        fits = _accumulating_fits(session, mode.checkpointing, budget_bytes)
         search = find_max_micro_batch(
             fits,
             cap=cap,
@@ -245,6 +231,23 @@ def _probe_accumulation(
         )
         modes.append(mode.model_copy(update={"accumulating_micro_batch": search.max_micro_batch}))
     return probe_result.model_copy(update={"modes": modes})
+
+
+def _accumulating_fits(
+    session: TrialRunner, checkpointing: bool, budget_bytes: int
+) -> Callable[[int], Observation]:
+    """fits(b) for a step of two accumulated micro-batches, within the headroom budget."""
+
+    def fits(micro_batch: int) -> Observation:
+        outcome = session.trial(micro_batch, ACCUMULATION_PROBE_STEPS, checkpointing=checkpointing)
+        within = outcome.fits and outcome.peak_bytes <= budget_bytes
+        return Observation(
+            fits=within,
+            peak_bytes=outcome.peak_bytes,
+            series=outcome.series if within else None,
+        )
+
+    return fits
 
 
 def _recommend(trials: list[Trial], spec: Spec, *, capacity_bytes: int) -> Recommendation | None:
