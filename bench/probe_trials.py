@@ -26,7 +26,7 @@ import torch
 
 from autotune.device import EmulatedDevice
 from autotune.presets import PRESETS
-from autotune.probe import ProbeSession
+from autotune.session import ProbeSession
 from autotune.schemas import Spec
 from autotune.search import Observation, find_max_micro_batch
 
@@ -34,8 +34,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 CAP = 1024
 # Short sequences keep the big presets affordable on a 2-core CPU; the search is shape-agnostic.
 SEQ_LEN = {"gpt2-small": 16, "llama-small": 16, "gpt2-mini": 32, "llama-mini": 32}
-# Capacity = peak(3) + m * (peak(3) - peak(2)) for these m: max micro-batches of roughly 4 to 40.
-MULTIPLIERS = (1.5, 9.5, 37.5)
+# Capacities aimed at these max micro-batches, from the per-sample slope between b=8 and b=16
+# (at b=2..3 the optimizer step can dominate the peak, which has no slope in b).
+TARGET_MAX = (4, 16, 48)
 
 
 def spec_for(name: str) -> Spec:
@@ -67,15 +68,16 @@ def doubling_then_bisection(fits: Callable[[int], bool], cap: int) -> int:
 class MemoisedTrials:
     """Real trials at each micro-batch, run once and replayed; counts what each caller asks."""
 
-    def __init__(self, session: ProbeSession) -> None:
+    def __init__(self, session: ProbeSession, checkpointing: bool) -> None:
         self.session = session
+        self.checkpointing = checkpointing
         self.cache: dict[int, Observation] = {}
         self.asked: set[int] = set()
 
     def observe(self, micro_batch: int) -> Observation:
         self.asked.add(micro_batch)
         if micro_batch not in self.cache:
-            outcome = self.session.trial(micro_batch)
+            outcome = self.session.trial(micro_batch, checkpointing=self.checkpointing)
             self.cache[micro_batch] = Observation(
                 fits=outcome.fits, peak_bytes=outcome.peak_bytes, series=outcome.series
             )
@@ -93,10 +95,12 @@ class MemoisedTrials:
         return answer, len(self.asked)
 
 
-def calibrate(spec: Spec) -> tuple[int, int]:
+def capacity_for(spec: Spec, target_max: int) -> int:
     session = ProbeSession(spec, EmulatedDevice(1 << 40))
     assert session.warm_up().fits
-    return session.trial(2).peak_bytes, session.trial(3).peak_bytes
+    peak8 = session.trial(8).peak_bytes
+    per_sample_bytes = (session.trial(16).peak_bytes - peak8) / 8
+    return int(peak8 + (target_max - 8 + 0.5) * per_sample_bytes)
 
 
 def bench_case(spec: Spec, capacity_bytes: int) -> list[dict[str, object]]:
@@ -105,8 +109,7 @@ def bench_case(spec: Spec, capacity_bytes: int) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     known_fitting = 0
     for checkpointing in (False, True):
-        session.step.checkpointing = checkpointing
-        trials = MemoisedTrials(session)
+        trials = MemoisedTrials(session, checkpointing)
         started = time.perf_counter()
         ours = find_max_micro_batch(
             trials.observe, cap=CAP, capacity_bytes=capacity_bytes, known_fitting=known_fitting
@@ -141,15 +144,14 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="tiny presets, one capacity")
     args = parser.parse_args()
     names = ["gpt2-tiny", "mlp"] if args.quick else sorted(PRESETS)
-    multipliers = MULTIPLIERS[:1] if args.quick else MULTIPLIERS
+    targets = TARGET_MAX[:1] if args.quick else TARGET_MAX
     torch.manual_seed(0)
 
     cases: list[dict[str, object]] = []
     for name in names:
         spec = spec_for(name)
-        peak2, peak3 = calibrate(spec)
-        for multiplier in multipliers:
-            capacity_bytes = peak3 + int((peak3 - peak2) * multiplier)
+        for target_max in targets:
+            capacity_bytes = capacity_for(spec, target_max)
             for row in bench_case(spec, capacity_bytes):
                 row = {"preset": name, "capacity_bytes": capacity_bytes, **row}
                 cases.append(row)

@@ -6,7 +6,8 @@ import pytest
 
 from autotune.device import EmulatedDevice
 from autotune.presets import PRESETS
-from autotune.probe import ProbeSession, probe, run_step
+from autotune.probe import probe, run_step
+from autotune.session import ProbeSession
 from autotune.schemas import Spec
 
 # Short sequences keep the larger presets quick on two CPU cores; the search does not care.

@@ -12,7 +12,7 @@ import pytest
 
 from autotune.candidates import Candidate
 from autotune.device import EmulatedDevice
-from autotune.probe import ProbeSession
+from autotune.session import ProbeSession
 from autotune.schemas import Spec, TrialState
 from autotune.tuner import default_trial_budget, priority_candidates, tune
 
@@ -45,9 +45,10 @@ def test_recommendation_hits_the_target_exactly_and_fits(
     assert rec.samples_per_s > 0
     # It really fits: a fresh model on a fresh device runs that exact step.
     session = ProbeSession(spec, EmulatedDevice(CAPACITY_BYTES))
-    session.step.checkpointing = rec.checkpointing
-    assert session.warm_up().fits
-    assert session.trial(rec.micro_batch, rec.accumulation_steps).fits
+    assert session.warm_up(checkpointing=rec.checkpointing).fits
+    assert session.trial(
+        rec.micro_batch, rec.accumulation_steps, checkpointing=rec.checkpointing
+    ).fits
     # Every measured trial hits the target too, and the best one is the recommendation.
     complete = [t for t in result.trials if t.state is TrialState.COMPLETE]
     for trial in result.trials:
