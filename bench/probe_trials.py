@@ -26,9 +26,9 @@ import torch
 
 from autotune.device import EmulatedDevice
 from autotune.presets import PRESETS
-from autotune.session import ProbeSession
 from autotune.schemas import Spec
 from autotune.search import Observation, find_max_micro_batch
+from autotune.session import ProbeSession
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CAP = 1024

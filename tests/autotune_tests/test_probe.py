@@ -7,8 +7,8 @@ import pytest
 from autotune.device import EmulatedDevice
 from autotune.presets import PRESETS
 from autotune.probe import probe, run_step
-from autotune.session import ProbeSession
 from autotune.schemas import Spec
+from autotune.session import ProbeSession
 
 # Short sequences keep the larger presets quick on two CPU cores; the search does not care.
 SEQ_LEN = {"gpt2-small": 16, "llama-small": 16, "gpt2-mini": 32, "llama-mini": 32}

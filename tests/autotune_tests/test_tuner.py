@@ -12,8 +12,8 @@ import pytest
 
 from autotune.candidates import Candidate
 from autotune.device import EmulatedDevice
-from autotune.session import ProbeSession
 from autotune.schemas import Spec, TrialState
+from autotune.session import ProbeSession
 from autotune.tuner import default_trial_budget, priority_candidates, tune
 
 MiB = 2**20
