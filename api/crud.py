@@ -249,6 +249,7 @@ def _run_of(
                 max_micro_batch=m.max_micro_batch,
                 recommended_micro_batch=m.recommended_micro_batch,
                 capped=m.capped,
+                accumulating_micro_batch=m.accumulating_micro_batch,
                 attempts=final_attempts.get((m.lease_id, m.checkpointing), []),
             )
             for m in modes
@@ -732,6 +733,7 @@ def complete_run(
                 max_micro_batch=mode.max_micro_batch,
                 recommended_micro_batch=mode.recommended_micro_batch,
                 capped=mode.capped,
+                accumulating_micro_batch=mode.accumulating_micro_batch,
             )
         )
         for attempt in mode.attempts:

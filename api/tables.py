@@ -141,6 +141,7 @@ class ModeRow(Base):
     max_micro_batch: Mapped[int]
     recommended_micro_batch: Mapped[int]
     capped: Mapped[bool]
+    accumulating_micro_batch: Mapped[int | None]
 
 
 class AttemptRow(Base):

@@ -34,6 +34,7 @@ def test_a_local_tuning_run_is_served_and_answers_the_cache(
     assert run.study_name == result.study_name
     assert len(run.attempts) == sum(len(m.attempts) for m in result.probe.modes)
     assert [record.trial for record in run.trials] == result.trials
+    assert run.modes == result.probe.modes  # including the accumulation limits
     assert [m.max_micro_batch for m in run.modes] == [
         m.max_micro_batch for m in result.probe.modes
     ]

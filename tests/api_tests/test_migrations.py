@@ -7,9 +7,10 @@ import optuna
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, text
 
-from api.db import VERSION_TABLE, Database, migrate
+from api.db import VERSION_TABLE, Database, alembic_config, migrate
 from api.tables import Base
 
 OUR_TABLES = {
@@ -34,9 +35,23 @@ def test_migrated_schema_equals_the_models(db_url: str) -> None:
         )
         assert compare_metadata(context, Base.metadata) == []
         assert connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).all() == [
-            ("0001",)
+            (ScriptDirectory.from_config(alembic_config()).get_current_head(),)
         ]
         assert set(inspect(connection).get_table_names()) == OUR_TABLES
+    database.dispose()
+
+
+def test_upgrades_from_the_first_revision_keep_runs(db_url: str) -> None:
+    from alembic import command
+
+    database = Database(db_url)
+    with database.engine.connect() as connection:
+        command.upgrade(alembic_config(connection), "0001")
+        connection.commit()
+    migrate(database)
+    with database.engine.connect() as connection:
+        columns = {c["name"] for c in inspect(connection).get_columns("autotune_probe_modes")}
+    assert "accumulating_micro_batch" in columns
     database.dispose()
 
 
@@ -63,7 +78,8 @@ def test_optuna_storage_shares_the_database(db_url: str, optuna_first: bool) -> 
         assert OUR_TABLES <= tables
         assert {"studies", "trials", "alembic_version"} <= tables
         assert (
-            connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar() == "0001"
+            connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar()
+            == ScriptDirectory.from_config(alembic_config()).get_current_head()
         )
     assert len(optuna.load_study(study_name="autotune-run-1", storage=db_url).trials) == 2
     storage.remove_session()
