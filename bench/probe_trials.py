@@ -100,7 +100,10 @@ def capacity_for(spec: Spec, target_max: int) -> int:
     assert session.warm_up().fits
     peak8 = session.trial(8).peak_bytes
     per_sample_bytes = (session.trial(16).peak_bytes - peak8) / 8
-    return int(peak8 + (target_max - 8 + 0.5) * per_sample_bytes)
+    # Where the optimizer step dominates small micro-batches, extrapolating down from b=8 can
+    # land below what b=1 needs: never go below a measured small step.
+    floor_bytes = session.trial(min(target_max, 8)).peak_bytes
+    return int(max(peak8 + (target_max - 8 + 0.5) * per_sample_bytes, floor_bytes))
 
 
 def bench_case(spec: Spec, capacity_bytes: int) -> list[dict[str, object]]:
