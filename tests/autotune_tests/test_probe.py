@@ -41,9 +41,12 @@ def test_probe_result_fits_and_one_more_does_not(name: str) -> None:
     for mode in result.modes:
         b = mode.max_micro_batch
         assert b >= 1
-        assert run_step(spec, device, micro_batch=b, checkpointing=mode.checkpointing).fits
+        # Checked independently: a fresh model and optimizer on a fresh device of that size.
+        fresh = ProbeSession(spec, EmulatedDevice(device.info.capacity_bytes))
+        assert fresh.warm_up(checkpointing=mode.checkpointing).fits
+        assert fresh.trial(b, checkpointing=mode.checkpointing).fits
         if not mode.capped:
-            after = run_step(spec, device, micro_batch=b + 1, checkpointing=mode.checkpointing)
+            after = fresh.trial(b + 1, checkpointing=mode.checkpointing)
             assert not after.fits
             assert after.peak_bytes <= device.info.capacity_bytes
         # Every attempt agrees with the answer (memory is monotone in b).
