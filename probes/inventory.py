@@ -1,0 +1,77 @@
+"""The worker's inventory: the devices it offers when it claims runs, and how to open each.
+
+* "cpu": one emulated GPU of `--memory` bytes (no torch work needed to describe it);
+* "cuda": every GPU torch sees; "cuda:N": that one. Each is read in a child process through
+  `autotune.device.CudaDevice` (NVML: name, UUID, total memory, driver and CUDA versions; plus
+  the torch version), so that no CUDA context lives on in the worker itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from autotune.bytesize import format_bytes
+from autotune.errors import SpecError
+from autotune.schemas import DeviceInfo, DeviceKind
+from probes.isolation import read_devices
+
+logger = logging.getLogger(__name__)
+
+INVENTORY_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class WorkerDevice:
+    """A device this worker can run trials on: what it tells the server, and the
+    `autotune.device.open_device` arguments a trial's child process opens it with."""
+
+    info: DeviceInfo
+    device_name: str
+    memory_bytes: int | None
+
+
+def default_device_name() -> str:
+    """ "cuda" when NVML lists a GPU, else "cpu" (without touching CUDA here)."""
+    from autotune.inventory import read_gpus
+
+    return "cuda" if read_gpus() else "cpu"
+
+
+def read_inventory(device_name: str, memory_bytes: int | None) -> list[WorkerDevice]:
+    """The devices for a `--device` / `--memory` pair.
+
+    Raises:
+        SpecError: "cpu" without a memory size, or an unknown device name.
+        DeviceError: CUDA was asked for and is unavailable.
+    """
+    if device_name == "cpu":
+        if memory_bytes is None:
+            raise SpecError(
+                "--memory: required with the emulated cpu device (the GPU size to emulate, "
+                "e.g. --memory 4GiB)"
+            )
+        from autotune.device import open_device
+
+        info = open_device("cpu", memory_bytes).info
+        devices = [WorkerDevice(info, "cpu", memory_bytes)]
+    else:
+        infos = read_devices(device_name, memory_bytes, timeout_s=INVENTORY_TIMEOUT_S)
+        devices = [
+            WorkerDevice(info, f"cuda:{info.index}", memory_bytes)
+            for info in infos
+            if info.kind == DeviceKind.CUDA
+        ]
+    for device in devices:
+        info = device.info
+        logger.info(
+            "device %s: %s, capacity %s (total %s)%s",
+            device.device_name,
+            info.name,
+            format_bytes(info.capacity_bytes),
+            format_bytes(info.total_memory_bytes),
+            f", driver {info.driver_version}, CUDA {info.cuda_version}"
+            if info.driver_version
+            else "",
+        )
+    return devices

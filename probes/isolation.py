@@ -1,0 +1,481 @@
+"""Trial isolation: every trial of a run in a fresh child process, with a time limit.
+
+`ChildProcessRunner` is the worker's `autotune.session.TrialRunner`. Each of its calls starts a
+new `spawn` process that builds a `ProbeSession` (model, optimizer, device) from the spec,
+warms it up so that the trial runs in steady state (optimizer state allocated, as in one
+long-lived session), runs the one trial or measurement and sends the result back through a
+pipe. So an out-of-memory that leaves the allocator fragmented, a wedged CUDA context, a
+segfault or a hang in one trial can never reach the worker or the next trial.
+
+What comes back:
+* a result: out-of-memory is still `fits=False` (or a None measurement), decided in the child
+  by `autotune.device` as in one process;
+* an exception raised in the child: autotune's own errors as themselves, anything else as
+  `TrialError` with the child's type name, message and traceback;
+* no answer (death by a signal, an exit without answering, the time limit): `TrialCrashed`.
+
+A child never outlives the worker: it asks the kernel for SIGKILL when its parent dies (Linux
+PR_SET_PDEATHSIG), watches its parent from a thread as well, ignores SIGINT (Ctrl-C in a
+terminal reaches the whole process group; the worker decides what happens to a trial), and
+runs in its own process group so that killing it kills whatever it started.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Literal
+
+from autotune.device import TrialOutcome
+from autotune.errors import AutotuneError
+from autotune.schemas import DeviceInfo, Spec
+from autotune.throughput import Measurement
+from probes.errors import TrialCrashed, TrialError
+
+logger = logging.getLogger(__name__)
+
+Operation = Literal["devices", "describe", "warm_up", "trial", "measure"]
+Interrupt = Callable[[], None]
+"""Called while a child runs; raises to stop the run now (the child is killed first)."""
+
+StartMethod = Literal["spawn", "forkserver"]
+START_METHODS: tuple[StartMethod, ...] = ("spawn", "forkserver")
+# What a forkserver imports once, so that its children start in milliseconds instead of
+# seconds (torch, and torch._dynamo, which the first optimizer built imports: 2 s each).
+FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "autotune.session", "probes.isolation"]
+
+DEFAULT_TIMEOUT_S = 600.0
+# A child that answered but does not exit (e.g. stuck tearing down a CUDA context) is killed
+# after this long; its answer stands.
+EXIT_GRACE_S = 10.0
+_POLL_S = 0.05
+_PARENT_WATCH_S = 0.5
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+@dataclass(frozen=True)
+class ChildRequest:
+    """What one child process does. `warm_mode` is the checkpointing mode to warm up in before
+    a trial or measurement (None: no warm-up, as in a session that never warmed up).
+    `worker_pid` is the parent a spawned child must have (None under a forkserver)."""
+
+    operation: Operation
+    device_name: str
+    memory_bytes: int | None
+    worker_pid: int | None
+    spec_json: str = ""
+    warm_mode: bool | None = None
+    micro_batch: int = 1
+    accumulation_steps: int = 1
+    checkpointing: bool = False
+    target_seconds: float = 1.0
+    log_level: int = logging.WARNING
+
+
+@dataclass(frozen=True)
+class Description:
+    """What the tuner asks of a runner before any trial."""
+
+    device_info: DeviceInfo
+    supports_checkpointing: bool
+    tokens_per_sample: int | None
+
+
+@dataclass(frozen=True)
+class FailedCall:
+    """A runner call whose child crashed or raised: which call, with what, and the error."""
+
+    operation: Operation
+    micro_batch: int
+    accumulation_steps: int
+    checkpointing: bool
+    error: TrialCrashed | TrialError
+
+
+# ---------------------------------------------------------------------------------------------
+# The child side.
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)  # orphaned: nobody will read the answer
+        time.sleep(_PARENT_WATCH_S)
+
+
+def _become_expendable(worker_pid: int | None) -> None:
+    """Tie this child's life to its parent's (the worker, or the worker's forkserver, which
+    exits with the worker); see the module docstring."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent_pid = os.getppid()
+    try:
+        os.setpgid(0, 0)
+    except OSError:  # already a group leader, or not permitted: the pid kill still works
+        pass
+    if sys.platform == "linux":
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+    # A spawned child's parent may have died before prctl took effect (we were re-parented);
+    # the thread covers other platforms, but not a child stuck holding the GIL.
+    if worker_pid is not None and parent_pid != worker_pid:
+        os._exit(1)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+
+
+def _open_devices(device_name: str, memory_bytes: int | None) -> list[DeviceInfo]:
+    """ "cuda" is every visible GPU; anything else the one device it names."""
+    from autotune.device import open_device
+
+    if device_name == "cuda":
+        import torch
+
+        count = torch.cuda.device_count()
+        if count > 0:
+            return [open_device(f"cuda:{i}", memory_bytes).info for i in range(count)]
+    return [open_device(device_name, memory_bytes).info]
+
+
+def _perform(request: ChildRequest) -> object:
+    if request.operation == "devices":
+        return _open_devices(request.device_name, request.memory_bytes)
+    from autotune.device import open_device
+    from autotune.session import ProbeSession
+
+    spec = Spec.model_validate_json(request.spec_json)
+    session = ProbeSession(spec, open_device(request.device_name, request.memory_bytes))
+    if request.operation == "describe":
+        return Description(
+            device_info=session.device_info,
+            supports_checkpointing=session.supports_checkpointing,
+            tokens_per_sample=session.tokens_per_sample,
+        )
+    if request.operation == "warm_up":
+        return session.warm_up(checkpointing=request.checkpointing)
+    if request.warm_mode is not None:
+        session.warm_up(checkpointing=request.warm_mode)
+    if request.operation == "trial":
+        return session.trial(
+            request.micro_batch, request.accumulation_steps, checkpointing=request.checkpointing
+        )
+    return session.measure(
+        request.micro_batch,
+        request.accumulation_steps,
+        checkpointing=request.checkpointing,
+        target_seconds=request.target_seconds,
+    )
+
+
+def child_main(connection: Connection, request: ChildRequest) -> None:
+    """Entry point of a child process: perform `request`, send ("ok", result) or ("error",
+    module, class name, message, traceback)."""
+    _become_expendable(request.worker_pid)
+    logging.basicConfig(
+        level=request.log_level, format="%(levelname)s %(name)s (trial child): %(message)s"
+    )
+    message: tuple[Any, ...]
+    try:
+        message = ("ok", _perform(request))
+    except BaseException as error:  # the parent decides; a child has nothing to protect
+        kind = type(error)
+        message = ("error", kind.__module__, kind.__qualname__, str(error), traceback.format_exc())
+    try:
+        connection.send(message)
+    except Exception as error:  # an answer that does not pickle is a bug worth seeing
+        connection.send(
+            ("error", type(error).__module__, type(error).__qualname__, str(error), "")
+        )
+    connection.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent side.
+
+
+def _exit_reason(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "did not finish"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exited with code {exitcode} without an answer"
+
+
+def _kill(process: multiprocessing.process.BaseProcess) -> None:
+    """SIGKILL the child's process group (whatever it started too), then the child."""
+    pid = process.pid
+    if pid is not None:
+        try:
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if process.is_alive():
+        process.kill()
+    process.join()
+
+
+def _rebuild_error(module: str, qualname: str, message: str, child_traceback: str) -> Exception:
+    """autotune's (and the worker's) own errors come back as themselves, anything else as a
+    TrialError naming the child's exception."""
+    if module.startswith(("autotune.", "probes.")) and "." not in qualname:
+        try:
+            kind = getattr(importlib.import_module(module), qualname)
+            if isinstance(kind, type) and issubclass(kind, AutotuneError):
+                rebuilt = kind(message)
+                assert isinstance(rebuilt, Exception)
+                return rebuilt
+        except (ImportError, AttributeError, TypeError):
+            pass
+    return TrialError(qualname, message, child_traceback)
+
+
+def _describe_request(request: ChildRequest) -> dict[str, Any]:
+    if request.operation in ("devices", "describe"):
+        return {}
+    return {
+        "micro_batch": request.micro_batch,
+        "accumulation_steps": request.accumulation_steps,
+        "checkpointing": request.checkpointing,
+    }
+
+
+def _context(
+    start_method: StartMethod,
+) -> multiprocessing.context.SpawnContext | multiprocessing.context.ForkServerContext:
+    if start_method == "spawn":
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    # Only read when the forkserver starts (the first child); harmless afterwards.
+    context.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return context
+
+
+def run_child(
+    request: ChildRequest,
+    *,
+    timeout_s: float,
+    interrupt: Interrupt | None = None,
+    start_method: StartMethod = "spawn",
+) -> object:
+    """Run `request` in a fresh child process and return its result.
+
+    `spawn` starts a new interpreter per child. `forkserver` forks each child from a server
+    process that the worker starts once and that has only imported torch and autotune (it never
+    runs a trial, nor touches CUDA): every child is still a new process with nothing of any
+    earlier trial, and starts in milliseconds instead of the 2-5 s that importing torch takes.
+
+    Raises:
+        TrialCrashed: the child died, exited without answering or ran past `timeout_s`.
+        TrialError: the child raised an exception that is not an AutotuneError.
+        AutotuneError: the child raised one (SpecError, ModelBuildError, DeviceError, ...).
+        Whatever `interrupt` raises (after the child was killed).
+    """
+    context = _context(start_method)
+    reader, writer = context.Pipe(duplex=False)
+    process = context.Process(
+        target=child_main,
+        args=(writer, request),
+        name=f"autotune-{request.operation}",
+        daemon=False,  # a daemonic child could not start processes of its own (user code may)
+    )
+    started_s = time.monotonic()
+    process.start()
+    writer.close()  # so that the reader sees EOF when the child dies
+    crash_where = _describe_request(request)
+    message: tuple[Any, ...] | None = None
+    try:
+        while message is None:
+            if reader.poll(_POLL_S):
+                try:
+                    message = reader.recv()
+                except EOFError:  # died without answering
+                    process.join()
+                    raise TrialCrashed(
+                        request.operation, _exit_reason(process.exitcode), **crash_where
+                    ) from None
+                break
+            if interrupt is not None:
+                interrupt()
+            if time.monotonic() - started_s > timeout_s:
+                raise TrialCrashed(
+                    request.operation, f"timed out after {timeout_s:g} s", **crash_where
+                )
+        process.join(EXIT_GRACE_S)
+        if process.is_alive():
+            logger.warning(
+                "%s child %s answered but did not exit; killed", request.operation, process.pid
+            )
+    finally:
+        reader.close()
+        if process.is_alive():
+            _kill(process)
+        process.close()
+    logger.debug(
+        "%s %s in a child: %.2f s", request.operation, crash_where, time.monotonic() - started_s
+    )
+    if message[0] == "ok":
+        return message[1]
+    _, module, qualname, text, child_traceback = message
+    raise _rebuild_error(module, qualname, text, child_traceback)
+
+
+def read_devices(
+    device_name: str, memory_bytes: int | None, *, timeout_s: float
+) -> list[DeviceInfo]:
+    """The devices "cpu" (emulated; needs `memory_bytes`), "cuda" (every visible GPU) or
+    "cuda:N" would run on, read in a child process: a CUDA context created to read a GPU's
+    free memory must not live on in the worker, where it would take memory from every trial.
+
+    Raises:
+        SpecError, DeviceError: as `autotune.device.open_device`.
+    """
+    request = ChildRequest(
+        operation="devices",
+        device_name=device_name,
+        memory_bytes=memory_bytes,
+        worker_pid=os.getpid(),
+    )
+    # Always spawned: a forkserver started now would outlive the need for it.
+    devices = run_child(request, timeout_s=timeout_s)
+    assert isinstance(devices, list)
+    return devices
+
+
+class ChildProcessRunner:
+    """A `TrialRunner` whose every call runs in a fresh child process.
+
+    Args:
+        spec: What to train.
+        device_name: "cpu" (emulated) or "cuda:N"; as `autotune.device.open_device`.
+        memory_bytes: The emulated capacity, or a cap on a GPU's.
+        timeout_s: Time limit of one child (start-up, model build, warm-up and the trial).
+        interrupt: Checked while children run; whatever it raises stops the run.
+        start_method: "spawn" or "forkserver" (see `run_child`).
+    """
+
+    def __init__(
+        self,
+        spec: Spec,
+        device_name: str,
+        memory_bytes: int | None,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        interrupt: Interrupt | None = None,
+        start_method: StartMethod = "spawn",
+    ) -> None:
+        self.spec = spec
+        self.start_method = start_method
+        self.device_name = device_name
+        self.memory_bytes = memory_bytes
+        self.timeout_s = timeout_s
+        self.interrupt = interrupt
+        self.children_run = 0
+        self.last_failure: FailedCall | None = None
+        self._spec_json = spec.model_dump_json()
+        self._description: Description | None = None
+        # The mode of the last warm-up that fitted: every later child warms up the same way, so
+        # that its trial sees the optimizer state a long-lived session would have.
+        self._warm_mode: bool | None = None
+
+    def _run(self, operation: Operation, **fields: Any) -> object:
+        if self.interrupt is not None:
+            self.interrupt()
+        request = ChildRequest(
+            operation=operation,
+            device_name=self.device_name,
+            memory_bytes=self.memory_bytes,
+            worker_pid=os.getpid() if self.start_method == "spawn" else None,
+            spec_json=self._spec_json,
+            warm_mode=self._warm_mode,
+            log_level=logging.getLogger("autotune").getEffectiveLevel(),
+            **fields,
+        )
+        self.children_run += 1
+        try:
+            return run_child(
+                request,
+                timeout_s=self.timeout_s,
+                interrupt=self.interrupt,
+                start_method=self.start_method,
+            )
+        except (TrialCrashed, TrialError) as error:
+            self.last_failure = FailedCall(
+                operation,
+                request.micro_batch,
+                request.accumulation_steps,
+                request.checkpointing,
+                error,
+            )
+            raise
+
+    def describe(self) -> Description:
+        """The device, and what the model supports; one child, the first time only."""
+        if self._description is None:
+            description = self._run("describe")
+            assert isinstance(description, Description)
+            self._description = description
+        return self._description
+
+    @property
+    def device_info(self) -> DeviceInfo:
+        return self.describe().device_info
+
+    @property
+    def supports_checkpointing(self) -> bool:
+        return self.describe().supports_checkpointing
+
+    @property
+    def tokens_per_sample(self) -> int | None:
+        return self.describe().tokens_per_sample
+
+    def warm_up(self, *, checkpointing: bool) -> TrialOutcome:
+        outcome = self._run("warm_up", checkpointing=checkpointing)
+        assert isinstance(outcome, TrialOutcome)
+        if outcome.fits:
+            self._warm_mode = checkpointing
+        return outcome
+
+    def trial(
+        self, micro_batch: int, accumulation_steps: int = 1, *, checkpointing: bool
+    ) -> TrialOutcome:
+        outcome = self._run(
+            "trial",
+            micro_batch=micro_batch,
+            accumulation_steps=accumulation_steps,
+            checkpointing=checkpointing,
+        )
+        assert isinstance(outcome, TrialOutcome)
+        return outcome
+
+    def measure(
+        self,
+        micro_batch: int,
+        accumulation_steps: int,
+        *,
+        checkpointing: bool,
+        target_seconds: float,
+    ) -> Measurement | None:
+        measurement = self._run(
+            "measure",
+            micro_batch=micro_batch,
+            accumulation_steps=accumulation_steps,
+            checkpointing=checkpointing,
+            target_seconds=target_seconds,
+        )
+        assert measurement is None or isinstance(measurement, Measurement)
+        return measurement

@@ -1,0 +1,486 @@
+"""The probe worker: claim runs from the server, tune each with every trial in a child process,
+stream progress, report the result or the failure.
+
+    worker = Worker(client, read_inventory("cpu", 4 * 2**30), WorkerConfig(...))
+    worker.install_signal_handlers()
+    worker.run_forever()
+
+One run at a time. Around each run is the worker's one catch-all boundary: whatever goes wrong
+in a run (a crashed or hung trial, a bug in the user's model, an unexpected error) is reported
+to the server with its type, message and traceback tail, and the worker takes the next run.
+
+* Lease: a heartbeat thread renews it every `heartbeat_interval_s` (a third of the lease).
+  When the server answers that the lease is stale or the run was cancelled, the run stops at
+  once (its current trial is killed) and nothing more is sent for it.
+* Progress: probe attempts and trials are posted as they finish. A post that fails because the
+  server is unreachable is skipped: the final result carries everything.
+* Failures: errors that come from the spec (a model that cannot be built, a trial that crashes,
+  hangs or raises in user code) are reported as not retryable; they would recur on any worker.
+  Anything else is retryable, and the server requeues the run until its claim limit.
+  A trial that crashes during a throughput measurement is also posted as a FAILED trial; the
+  run then fails (the Optuna study cannot continue past an objective that raised).
+* Shutdown (SIGTERM, Ctrl-C): no new claims; a run in progress gets `shutdown_grace_s` to
+  finish, else its trial is killed and the run is released (a retryable failure, "worker
+  shutting down"). A second signal stops at once.
+* Server down: the claim loop waits with capped exponential backoff and logs each change of
+  state once; the final result and failure reports are retried for as long as the lease lasts.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from types import FrameType
+from typing import TypeVar
+
+from autotune.client import LeaseLost, ServerClient, ServerError, ServerUnavailable
+from autotune.errors import ModelBuildError, NoFeasibleBatch, SpecError
+from autotune.probe import probe_session
+from autotune.protocol import Claim
+from autotune.schemas import ProbeAttempt, Trial, TrialState, TuneResult
+from autotune.tuner import tune_session
+from probes.errors import TrialCrashed, TrialError, WorkerShutdown
+from probes.inventory import WorkerDevice
+from probes.isolation import DEFAULT_TIMEOUT_S, ChildProcessRunner, StartMethod
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Errors that the spec causes: another claim, on any worker, would end the same way.
+_SPEC_ERRORS = (SpecError, ModelBuildError, NoFeasibleBatch, TrialCrashed, TrialError)
+_TRACEBACK_CHARS = 4000
+_SLEEP_SLICE_S = 0.1
+SHUTDOWN_REASON = "worker shutting down"
+
+
+class RunOutcome(StrEnum):
+    SUCCEEDED = "succeeded"  # the result was accepted
+    FAILED = "failed"  # reported as a failure
+    RELEASED = "released"  # handed back on shutdown
+    LOST = "lost"  # the lease went stale or the run was cancelled
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """How the worker behaves; every field has a CLI option (`autotune worker --help`)."""
+
+    worker_id: str
+    storage_url: str
+    trial_timeout_s: float = DEFAULT_TIMEOUT_S
+    poll_interval_s: float = 5.0
+    max_backoff_s: float = 60.0
+    seconds_per_trial: float = 1.0
+    shutdown_grace_s: float = 10.0
+    start_method: StartMethod = "spawn"
+
+
+class _LeaseKeeper:
+    """Renews a claim's lease from a thread; remembers a refusal for the main thread."""
+
+    def __init__(self, client: ServerClient, claim: Claim) -> None:
+        self.client = client
+        self.claim = claim
+        self.interval_s = claim.heartbeat_interval_s
+        self.lost: LeaseLost | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._beat, name=f"heartbeat-run-{claim.run_id}", daemon=True
+        )
+
+    @property
+    def lease_s(self) -> float:
+        return self.interval_s * 3
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.client.heartbeat(self.claim.run_id, self.claim.lease_id)
+            except LeaseLost as error:
+                logger.warning("run %d: heartbeat refused: %s", self.claim.run_id, error)
+                self.lost = error
+                return
+            except ServerError as error:  # keep trying: the lease may still be ours
+                logger.warning("run %d: heartbeat failed: %s", self.claim.run_id, error)
+
+    def check(self) -> None:
+        """Raises LeaseLost once the server refused a heartbeat."""
+        lost = self.lost
+        if lost is not None:
+            raise LeaseLost(lost.status_code, lost.code, lost.detail)
+
+
+class _Progress:
+    """Streams a run's attempts and trials to the server as they finish."""
+
+    def __init__(self, client: ServerClient, claim: Claim) -> None:
+        self.client = client
+        self.claim = claim
+        self.sequence = 0
+        self.trial_numbers: list[int] = []
+
+    def attempt(self, checkpointing: bool, attempt: ProbeAttempt) -> None:
+        sequence = self.sequence
+        self.sequence += 1
+        self._post(
+            lambda: self.client.post_attempt(
+                self.claim.run_id,
+                self.claim.lease_id,
+                sequence=sequence,
+                checkpointing=checkpointing,
+                attempt=attempt,
+            )
+        )
+
+    def trial(self, trial: Trial) -> None:
+        self.trial_numbers.append(trial.number)
+        self._post(lambda: self.client.post_trial(self.claim.run_id, self.claim.lease_id, trial))
+
+    def _post(self, call: Callable[[], object]) -> None:
+        try:
+            call()
+        except ServerUnavailable as error:
+            logger.warning(
+                "run %d: progress not streamed (%s); the result will carry it",
+                self.claim.run_id,
+                error,
+            )
+
+
+def _error_type(error: BaseException) -> str:
+    return error.error_type if isinstance(error, TrialError) else type(error).__name__
+
+
+def _traceback_tail(error: BaseException) -> str:
+    if isinstance(error, TrialError) and error.child_traceback:
+        text = error.child_traceback
+    else:
+        text = "".join(traceback.format_exception(error))
+    return text[-_TRACEBACK_CHARS:]
+
+
+class Worker:
+    """Claims runs for `devices` and tunes them, one at a time.
+
+    Args:
+        client: A worker-token client of the server.
+        devices: What this worker offers (`probes.inventory.read_inventory`).
+        config: Timeouts, intervals, the Optuna storage.
+        heartbeat_client: The client the heartbeat thread uses (default: `client`); give it
+            its own so that a slow request of the main thread never delays a heartbeat.
+    """
+
+    def __init__(
+        self,
+        client: ServerClient,
+        devices: list[WorkerDevice],
+        config: WorkerConfig,
+        *,
+        heartbeat_client: ServerClient | None = None,
+    ) -> None:
+        if not devices:
+            raise ValueError("a worker needs at least one device")
+        self.client = client
+        self.heartbeat_client = heartbeat_client or client
+        self.devices = devices
+        self.config = config
+        self._stopping = False
+        self._stop_deadline_s: float | None = None
+
+    # -- stopping -------------------------------------------------------------------------
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def request_stop(self, *, now: bool = False) -> None:
+        """Take no more runs; the current one may finish within the grace period (or not at
+        all with `now`). Safe to call from a signal handler."""
+        grace_s = 0.0 if now or self._stopping else self.config.shutdown_grace_s
+        deadline_s = time.monotonic() + grace_s
+        if self._stop_deadline_s is None or deadline_s < self._stop_deadline_s:
+            self._stop_deadline_s = deadline_s
+        self._stopping = True
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT stop the worker (see `request_stop`); a second one, at once."""
+
+        def handle(signum: int, frame: FrameType | None) -> None:
+            again = self._stopping
+            logger.warning(
+                "%s: %s",
+                signal.Signals(signum).name,
+                "stopping now"
+                if again
+                else f"stopping; a run in progress gets {self.config.shutdown_grace_s:g} s "
+                "to finish (signal again to stop now)",
+            )
+            self.request_stop(now=again)
+
+        signal.signal(signal.SIGTERM, handle)
+        signal.signal(signal.SIGINT, handle)
+
+    def _sleep(self, seconds: float) -> None:
+        """Sleep in short slices, so that a stop request ends the wait."""
+        deadline_s = time.monotonic() + seconds
+        while not self._stopping and time.monotonic() < deadline_s:
+            time.sleep(min(_SLEEP_SLICE_S, max(0.0, deadline_s - time.monotonic())))
+
+    def _interrupt(self, keeper: _LeaseKeeper) -> None:
+        """Checked while trials run: raises to stop the run now."""
+        keeper.check()
+        deadline_s = self._stop_deadline_s
+        if deadline_s is not None and time.monotonic() >= deadline_s:
+            raise WorkerShutdown(SHUTDOWN_REASON)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def run_forever(self, *, max_runs: int | None = None) -> list[RunOutcome]:
+        """Claim and run until stopped (or `max_runs` runs were done); returns the outcomes.
+
+        Raises:
+            AuthError, RequestRejected: the server refuses this worker (a wrong token);
+                waiting would not help.
+        """
+        outcomes: list[RunOutcome] = []
+        backoff_s = self.config.poll_interval_s
+        unreachable = False
+        logger.info(
+            "worker %s: waiting for runs for %s",
+            self.config.worker_id,
+            ", ".join(d.info.name for d in self.devices),
+        )
+        while not self._stopping:
+            try:
+                outcome = self.run_once()
+            except ServerUnavailable as error:
+                if not unreachable:
+                    logger.warning("server unreachable (%s); waiting for it", error)
+                    unreachable = True
+                self._sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, self.config.max_backoff_s)
+                continue
+            if unreachable:
+                logger.warning("server reachable again")
+                unreachable = False
+            backoff_s = self.config.poll_interval_s
+            if outcome is None:
+                self._sleep(self.config.poll_interval_s)
+                continue
+            outcomes.append(outcome)
+            if max_runs is not None and len(outcomes) >= max_runs:
+                break
+        logger.info("worker %s: stopped after %d run(s)", self.config.worker_id, len(outcomes))
+        return outcomes
+
+    def run_once(self) -> RunOutcome | None:
+        """Claim one run and run it; None when nothing queued matches this worker.
+
+        Raises:
+            ServerUnavailable: the claim could not reach the server.
+            RequestRejected: the server refused the claim.
+        """
+        claim = self.client.claim(self.config.worker_id, [d.info for d in self.devices])
+        if claim is None:
+            return None
+        return self._run_claim(claim)
+
+    # -- one run --------------------------------------------------------------------------
+
+    def _run_claim(self, claim: Claim) -> RunOutcome:
+        device = self.devices[claim.device_index]
+        logger.info(
+            "run %d: claimed (claim %d, lease %s): %s on %s",
+            claim.run_id,
+            claim.claim_number,
+            claim.lease_id,
+            claim.spec.model.label,
+            device.info.name,
+        )
+        keeper = _LeaseKeeper(self.heartbeat_client, claim)
+        keeper.start()
+        runner = ChildProcessRunner(
+            claim.spec,
+            device.device_name,
+            device.memory_bytes,
+            timeout_s=self.config.trial_timeout_s,
+            interrupt=lambda: self._interrupt(keeper),
+            start_method=self.config.start_method,
+        )
+        progress = _Progress(self.client, claim)
+        # One Optuna study per claim: a study left by an earlier claim of this run (a killed
+        # worker sharing this storage) is not continued, nor clobbered.
+        study_name = f"{claim.study_name}-claim-{claim.claim_number}"
+        try:
+            if self._stopping:
+                raise WorkerShutdown(SHUTDOWN_REASON)
+            result = self._tune(claim, runner, progress, study_name)
+            self._patiently(
+                keeper, lambda: self.client.submit_result(claim.run_id, claim.lease_id, result)
+            )
+            logger.info("run %d: result submitted (%s)", claim.run_id, _summary(result))
+            return RunOutcome.SUCCEEDED
+        except LeaseLost as error:
+            logger.warning(
+                "run %d: %s; dropping it (%s)",
+                claim.run_id,
+                "cancelled" if error.cancelled else "lease lost",
+                error,
+            )
+            return RunOutcome.LOST
+        except WorkerShutdown as error:
+            logger.warning("run %d: released: %s", claim.run_id, error)
+            return self._give_up(claim, keeper, error, retryable=True, outcome=RunOutcome.RELEASED)
+        except Exception as error:  # the one catch-all: no run may take the worker down
+            retryable = not isinstance(error, _SPEC_ERRORS)
+            logger.error(
+                "run %d failed: %s: %s",
+                claim.run_id,
+                _error_type(error),
+                error,
+                exc_info=error if retryable else None,
+            )
+            self._post_failed_trial(claim, runner, progress, study_name, error)
+            return self._give_up(
+                claim, keeper, error, retryable=retryable, outcome=RunOutcome.FAILED
+            )
+        finally:
+            keeper.stop()
+
+    def _tune(
+        self, claim: Claim, runner: ChildProcessRunner, progress: _Progress, study_name: str
+    ) -> TuneResult:
+        spec = claim.spec
+        if spec.training.target_global_batch is None:
+            # Nothing to tune for: the probe alone answers (largest micro-batch per mode).
+            probe = probe_session(runner, on_attempt=progress.attempt)
+            return TuneResult(
+                spec=spec, device=runner.device_info, probe=probe, trials=[], recommendation=None
+            )
+        return tune_session(
+            runner,
+            storage_url=self.config.storage_url,
+            study_name=study_name,
+            target_seconds=self.config.seconds_per_trial,
+            on_attempt=progress.attempt,
+            on_trial=progress.trial,
+        )
+
+    def _post_failed_trial(
+        self,
+        claim: Claim,
+        runner: ChildProcessRunner,
+        progress: _Progress,
+        study_name: str,
+        error: Exception,
+    ) -> None:
+        """A measurement that crashed or raised becomes a FAILED trial on the run."""
+        failure = runner.last_failure
+        if failure is None or failure.error is not error or failure.operation != "measure":
+            return
+        trial = Trial(
+            number=self._failed_trial_number(study_name, progress),
+            micro_batch=failure.micro_batch,
+            accumulation_steps=failure.accumulation_steps,
+            checkpointing=failure.checkpointing,
+            state=TrialState.FAILED,
+            error=str(error)[:2000],
+        )
+        try:
+            progress.trial(trial)
+        except LeaseLost as lost:
+            logger.warning("run %d: failed trial not stored: %s", claim.run_id, lost)
+
+    def _failed_trial_number(self, study_name: str, progress: _Progress) -> int:
+        """The Optuna trial number of the measurement that failed (Optuna marks it FAIL)."""
+        import optuna
+
+        storage = optuna.storages.RDBStorage(self.config.storage_url)
+        try:
+            study = optuna.load_study(study_name=study_name, storage=storage)
+            failed = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,))
+            if failed:
+                return max(t.number for t in failed)
+        except KeyError:  # no such study: the failure came before the study was created
+            pass
+        finally:
+            storage.engine.dispose()
+        return max(progress.trial_numbers, default=-1) + 1
+
+    def _give_up(
+        self,
+        claim: Claim,
+        keeper: _LeaseKeeper,
+        error: Exception,
+        *,
+        retryable: bool,
+        outcome: RunOutcome,
+    ) -> RunOutcome:
+        try:
+            self._patiently(
+                keeper,
+                lambda: self.client.report_failure(
+                    claim.run_id,
+                    claim.lease_id,
+                    error_type=_error_type(error),
+                    message=str(error),
+                    traceback_tail=_traceback_tail(error),
+                    retryable=retryable,
+                ),
+            )
+        except LeaseLost as lost:
+            logger.warning("run %d: failure not recorded: %s", claim.run_id, lost)
+            return RunOutcome.LOST
+        except ServerError as unsent:
+            logger.error(
+                "run %d: could not report the failure (%s); the lease will expire",
+                claim.run_id,
+                unsent,
+            )
+        return outcome
+
+    def _patiently(self, keeper: _LeaseKeeper, call: Callable[[], T]) -> T:
+        """`call()`, retried while the server is unreachable and the lease may still hold
+        (an answer after the lease expired would be refused anyway)."""
+        deadline_s = time.monotonic() + keeper.lease_s
+        delay_s = 1.0
+        while True:
+            try:
+                return call()
+            except ServerUnavailable as error:
+                stop_deadline_s = self._stop_deadline_s
+                if time.monotonic() + delay_s > deadline_s or (
+                    stop_deadline_s is not None and time.monotonic() > stop_deadline_s
+                ):
+                    raise
+                logger.warning("server unreachable (%s); retrying in %.0f s", error, delay_s)
+                time.sleep(delay_s)
+                delay_s = min(delay_s * 2, 10.0)
+
+
+def _summary(result: TuneResult) -> str:
+    rec = result.recommendation
+    if rec is not None:
+        return (
+            f"micro-batch {rec.micro_batch} x {rec.accumulation_steps}, checkpointing "
+            f"{'on' if rec.checkpointing else 'off'}, {rec.samples_per_s:.1f} samples/s"
+        )
+    if result.infeasible is not None:
+        return f"infeasible: {result.infeasible.reason}"
+    return ", ".join(
+        f"max micro-batch {m.max_micro_batch} (checkpointing {'on' if m.checkpointing else 'off'})"
+        for m in result.probe.modes
+    )
