@@ -538,9 +538,12 @@ def test_server_command_healthcheck_and_ports_agree(monkeypatch: pytest.MonkeyPa
 def test_worker_commands_parse_as_the_worker_cli(monkeypatch: pytest.MonkeyPatch) -> None:
     worker = load_compose()["services"]["worker"]
     args = parse_cli(command_of(worker), service_env(worker), monkeypatch)
-    assert args.command == "worker"
-    assert "http://server:8000" in vars(args).values()
-    assert "cuda:0" in vars(args).values()
+    assert (args.command, args.server, args.device) == ("worker", "http://server:8000", "cuda:0")
+    # The compose settings reach the worker: its token through AUTOTUNE_TOKEN, its GPU index.
+    chosen = {**REQUIRED_ENV, "AUTOTUNE_WORKER_TOKEN": "gpu-box-token", "AUTOTUNE_GPU": "3"}
+    worker = load_compose(chosen)["services"]["worker"]
+    args = parse_cli(command_of(worker), service_env(worker), monkeypatch)
+    assert (args.token, args.device) == ("gpu-box-token", "cuda:3")
     # The image's default command, with the server and token from the environment.
     instructions = parse_dockerfile((REPO / "docker" / "worker.Dockerfile").read_text())
     image_cmd = exec_form(next(i for i in instructions if i.keyword == "CMD").arguments)
@@ -549,7 +552,12 @@ def test_worker_commands_parse_as_the_worker_cli(monkeypatch: pytest.MonkeyPatch
         "AUTOTUNE_SERVER": "http://server:8000",
         "AUTOTUNE_TOKEN": "worker-token",
     }
-    assert parse_cli(image_cmd, env, monkeypatch).command == "worker"
+    args = parse_cli(image_cmd, env, monkeypatch)
+    assert (args.command, args.server, args.token) == (
+        "worker",
+        env["AUTOTUNE_SERVER"],
+        "worker-token",
+    )
 
 
 def test_readme_documents_the_compose_worker_command(monkeypatch: pytest.MonkeyPatch) -> None:
