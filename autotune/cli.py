@@ -10,6 +10,7 @@ Bad input exits with code 2 and one line naming the problem.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -179,25 +180,26 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--json", action="store_true", help="print one JSON object")
     step.set_defaults(func=_cmd_step)
 
-    for register in _extra_command_registrars():
-        register(commands)
+    _register_optional_commands(commands)
     return parser
 
 
-def _extra_command_registrars() -> list[Callable[[argparse._SubParsersAction[_Parser]], None]]:
-    """Commands of the optional parts (tuner, server, worker), each only if installed."""
-    registrars = []
-    for module_name in ("autotune.cli_tune", "autotune.cli_server", "probes.cli_worker"):
+# Commands of the optional parts, each only where its extra is installed: the server image has
+# no torch, so the tuner and worker commands must fail to register quietly, not break `serve`.
+_OPTIONAL_COMMANDS = (
+    ("autotune.cli_tune", "register"),
+    ("autotune.cli_server", "add_server_commands"),
+    ("probes.cli_worker", "register"),
+)
+
+
+def _register_optional_commands(commands: argparse._SubParsersAction[_Parser]) -> None:
+    for module_name, function_name in _OPTIONAL_COMMANDS:
         try:
-            module = __import__(module_name, fromlist=["register"])
-        except ImportError:
-            continue
-        registrar = getattr(module, "add_server_commands", None) or getattr(
-            module, "register", None
-        )
-        if registrar is not None:
-            registrars.append(registrar)
-    return registrars
+            module = importlib.import_module(module_name)
+            getattr(module, function_name)(commands)
+        except ImportError as error:
+            logging.getLogger(__name__).debug("%s unavailable: %s", module_name, error)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
