@@ -68,12 +68,13 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 class ChildRequest:
     """What one child process does. `warm_mode` is the checkpointing mode to warm up in before
     a trial or measurement (None: no warm-up, as in a session that never warmed up).
-    `worker_pid` is the parent a spawned child must have (None under a forkserver)."""
+    `worker_pid` is the worker's process id; `spawned` says whether it is the parent too."""
 
     operation: Operation
     device_name: str
     memory_bytes: int | None
-    worker_pid: int | None
+    worker_pid: int
+    spawned: bool = True
     spec_json: str = ""
     warm_mode: bool | None = None
     micro_batch: int = 1
@@ -107,16 +108,27 @@ class FailedCall:
 # The child side.
 
 
-def _watch_parent(parent_pid: int) -> None:
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, under another user (a reused pid; rare enough)
+        return True
+    return True
+
+
+def _watch_parent(parent_pid: int, worker_pid: int) -> None:
     while True:
-        if os.getppid() != parent_pid:
+        if os.getppid() != parent_pid or not _is_alive(worker_pid):
             os._exit(1)  # orphaned: nobody will read the answer
         time.sleep(_PARENT_WATCH_S)
 
 
-def _become_expendable(worker_pid: int | None) -> None:
-    """Tie this child's life to its parent's (the worker, or the worker's forkserver, which
-    exits with the worker); see the module docstring."""
+def _become_expendable(worker_pid: int, spawned: bool) -> None:
+    """Tie this child's life to the worker's; see the module docstring. A spawned child's
+    parent is the worker; a forkserver's child's parent is the forkserver, which exits when
+    the worker does."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent_pid = os.getppid()
     try:
@@ -128,11 +140,11 @@ def _become_expendable(worker_pid: int | None) -> None:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         except (OSError, AttributeError):
             pass
-    # A spawned child's parent may have died before prctl took effect (we were re-parented);
+    # The worker may have died before prctl took effect (and we were re-parented already);
     # the thread covers other platforms, but not a child stuck holding the GIL.
-    if worker_pid is not None and parent_pid != worker_pid:
+    if (spawned and parent_pid != worker_pid) or not _is_alive(worker_pid):
         os._exit(1)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(parent_pid, worker_pid), daemon=True).start()
 
 
 def _open_devices(device_name: str, memory_bytes: int | None) -> list[DeviceInfo]:
@@ -181,7 +193,7 @@ def _perform(request: ChildRequest) -> object:
 def child_main(connection: Connection, request: ChildRequest) -> None:
     """Entry point of a child process: perform `request`, send ("ok", result) or ("error",
     module, class name, message, traceback)."""
-    _become_expendable(request.worker_pid)
+    _become_expendable(request.worker_pid, request.spawned)
     logging.basicConfig(
         level=request.log_level, format="%(levelname)s %(name)s (trial child): %(message)s"
     )
@@ -399,7 +411,8 @@ class ChildProcessRunner:
             operation=operation,
             device_name=self.device_name,
             memory_bytes=self.memory_bytes,
-            worker_pid=os.getpid() if self.start_method == "spawn" else None,
+            worker_pid=os.getpid(),
+            spawned=self.start_method == "spawn",
             spec_json=self._spec_json,
             warm_mode=self._warm_mode,
             log_level=logging.getLogger("autotune").getEffectiveLevel(),

@@ -116,7 +116,7 @@ def wide_spec(
     *,
     features: int = 64,
     target_global_batch: int | None = 32,
-    max_micro_batch: int = 64,
+    max_micro_batch: int = 128,
 ) -> Spec:
     return Spec(
         model=ModelSpec(factory=f"{FACTORIES}:{factory}"),

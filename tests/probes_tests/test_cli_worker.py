@@ -1,0 +1,59 @@
+"""`autotune worker` argument handling, in process: bad input is exit code 2 and one line."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from autotune.cli import main
+
+GIB = 2**30
+
+
+@pytest.fixture(autouse=True)
+def _no_token_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AUTOTUNE_TOKEN", raising=False)
+    monkeypatch.delenv("AUTOTUNE_SERVER", raising=False)
+
+
+def test_a_token_is_required(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["worker", "--device", "cpu", "--memory", "4GiB"]) == 2
+    assert "--token: required (or set AUTOTUNE_TOKEN)" in capsys.readouterr().err
+
+
+def test_the_emulated_device_needs_a_memory_size(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["worker", "--token", "t", "--device", "cpu"]) == 2
+    assert "--memory: required with the emulated cpu device" in capsys.readouterr().err
+
+
+def test_cuda_without_a_gpu_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["worker", "--token", "t", "--device", "cuda:0"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--trial-timeout", "0"],
+        ["--poll-interval", "-1"],
+        ["--seconds-per-trial", "soon"],
+        ["--start-method", "fork"],
+        ["--memory", "lots"],
+    ],
+)
+def test_bad_options_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["worker", "--token", "t", "--device", "cpu", "--memory", "1GiB", *argv])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_the_signal_handlers_are_restored_after_the_command() -> None:
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    assert main(["worker", "--token", "t", "--device", "cpu"]) == 2
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before

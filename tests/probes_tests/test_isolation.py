@@ -1,0 +1,245 @@
+"""ChildProcessRunner: every call in a fresh child process, with the in-process answers.
+
+Real children (both start methods where it matters), real emulated devices, real crashes:
+`os.abort()`, a forward that never returns, a user exception, a parent killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from autotune.device import open_device
+from autotune.errors import ModelBuildError
+from autotune.probe import probe_session
+from autotune.schemas import ModelSpec, Spec, TrainingSpec
+from autotune.session import ProbeSession
+from autotune.tuner import tune_session
+from probes.errors import TrialCrashed, TrialError, WorkerShutdown
+from probes.isolation import ChildProcessRunner, StartMethod
+from tests.probes_tests.factories import wide_spec
+from tests.probes_tests.live import MARK_VARIABLE, REPO, marked_pids, new_mark, wait_for_no_marked
+
+MIB = 2**20
+CAPACITY_BYTES = 4 * MIB
+METHODS: list[StartMethod] = ["spawn", "forkserver"]
+
+
+def _trial_children() -> set[int]:
+    """Live descendants of this test process, but for multiprocessing's long-lived helpers
+    (the resource tracker, the forkserver) that a first child starts."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # The state and ppid follow the parenthesised command name, which may hold spaces.
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if state != "Z":
+            children.setdefault(int(ppid), []).append(int(entry.name))
+    found: set[int] = set()
+    pending = [os.getpid()]
+    while pending:
+        for child in children.get(pending.pop(), []):
+            found.add(child)
+            pending.append(child)
+    helpers = set()
+    for pid in children.get(os.getpid(), []):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"resource_tracker" in command or b"forkserver import main" in command:
+            helpers.add(pid)
+    return found - helpers
+
+
+def test_child_trials_equal_the_same_trials_in_one_process() -> None:
+    """A child warms up before its trial, so it sees what a long-lived session sees: the same
+    verdict, peak, per-phase peaks and per-op series, byte for byte."""
+    spec = wide_spec(features=16)
+    runner = ChildProcessRunner(spec, "cpu", CAPACITY_BYTES, start_method="forkserver")
+    session = ProbeSession(spec, open_device("cpu", CAPACITY_BYTES))
+
+    assert runner.device_info == session.device_info
+    assert runner.supports_checkpointing is False
+    assert runner.tokens_per_sample is None
+    assert runner.warm_up(checkpointing=False) == session.warm_up(checkpointing=False)
+    for micro_batch, accumulation_steps in [(8, 1), (54, 1), (55, 1), (30, 2)]:
+        in_child = runner.trial(micro_batch, accumulation_steps, checkpointing=False)
+        in_process = session.trial(micro_batch, accumulation_steps, checkpointing=False)
+        assert in_child == in_process, (micro_batch, accumulation_steps)
+    assert runner.trial(55, checkpointing=False).fits is False  # out of memory is a verdict
+    measured = runner.measure(16, 2, checkpointing=False, target_seconds=0.05)
+    assert measured is not None and measured.samples_per_s > 0
+    assert measured.peak_bytes == session.trial(16, 2, checkpointing=False).peak_bytes
+    assert runner.measure(55, 1, checkpointing=False, target_seconds=0.05) is None
+    # One describe child, one warm-up, seven trials and measurements.
+    assert runner.children_run == 9
+    assert _trial_children() == set()
+
+
+def test_spawned_children_answer_crash_and_leave_the_next_trial_unharmed() -> None:
+    """The default start method, end to end: a new interpreter per call."""
+    spec = wide_spec("abort_above_4", features=16)
+    runner = ChildProcessRunner(spec, "cpu", CAPACITY_BYTES, start_method="spawn")
+    session = ProbeSession(spec, open_device("cpu", CAPACITY_BYTES))
+    assert runner.warm_up(checkpointing=False) == session.warm_up(checkpointing=False)
+    assert runner.trial(3, 2, checkpointing=False) == session.trial(3, 2, checkpointing=False)
+    with pytest.raises(TrialCrashed, match="killed by SIGABRT"):
+        runner.trial(8, checkpointing=False)
+    assert runner.trial(4, checkpointing=False) == session.trial(4, checkpointing=False)
+    assert _trial_children() == set()
+
+
+def test_probe_in_children_finds_what_one_process_finds() -> None:
+    """A preset model with checkpointing: the whole probe, every trial in its own child."""
+    spec = Spec(
+        model=ModelSpec(preset="mlp"),
+        training=TrainingSpec(input_shape=(64,), max_micro_batch=4096),
+    )
+    capacity_bytes = 40 * MIB
+    runner = ChildProcessRunner(spec, "cpu", capacity_bytes, start_method="forkserver")
+    in_children = probe_session(runner)
+    in_process = probe_session(ProbeSession(spec, open_device("cpu", capacity_bytes)))
+    assert in_children == in_process
+    assert [m.checkpointing for m in in_children.modes] == [False, True]
+    assert 0 < in_children.modes[0].max_micro_batch < 4096
+
+
+def test_abort_is_a_crash_not_an_oom_and_the_next_trial_is_unharmed() -> None:
+    runner = ChildProcessRunner(
+        wide_spec("abort_above_4", features=16), "cpu", CAPACITY_BYTES, start_method="forkserver"
+    )
+    assert runner.warm_up(checkpointing=False).fits
+    with pytest.raises(TrialCrashed) as crashed:
+        runner.trial(8, checkpointing=False)
+    assert crashed.value.reason == "killed by SIGABRT"
+    assert crashed.value.operation == "trial"
+    assert crashed.value.micro_batch == 8
+    assert "micro-batch 8" in str(crashed.value)
+    assert runner.last_failure is not None and runner.last_failure.error is crashed.value
+    assert runner.trial(4, checkpointing=False).fits
+
+
+@pytest.mark.parametrize("start_method", METHODS)
+def test_a_hang_is_killed_at_the_time_limit(start_method: StartMethod) -> None:
+    # The limit covers the child's start (seconds for a new interpreter to import torch) and
+    # warm-up; the verdict is "timed out" either way.
+    timeout_s = 6.0 if start_method == "spawn" else 3.0
+    runner = ChildProcessRunner(
+        wide_spec("hang_above_4", features=16),
+        "cpu",
+        CAPACITY_BYTES,
+        timeout_s=timeout_s,
+        start_method=start_method,
+    )
+    started_s = time.monotonic()
+    with pytest.raises(TrialCrashed) as crashed:
+        runner.trial(8, checkpointing=False)
+    elapsed_s = time.monotonic() - started_s
+    assert crashed.value.reason == f"timed out after {timeout_s:g} s"
+    assert timeout_s <= elapsed_s < timeout_s + 5
+    assert _trial_children() == set()  # the hung child is gone
+
+
+def test_an_interrupt_kills_the_running_child_at_once() -> None:
+    deadline_s = time.monotonic() + 3.0
+
+    def interrupt() -> None:
+        if time.monotonic() > deadline_s:
+            raise WorkerShutdown("worker shutting down")
+
+    runner = ChildProcessRunner(
+        wide_spec("hang_above_4", features=16),
+        "cpu",
+        CAPACITY_BYTES,
+        timeout_s=60,
+        interrupt=interrupt,
+        start_method="forkserver",
+    )
+    with pytest.raises(WorkerShutdown):
+        runner.trial(8, checkpointing=False)
+    assert time.monotonic() - deadline_s < 2.0
+
+
+def test_a_user_exception_comes_back_with_its_type_message_and_traceback() -> None:
+    spec = Spec(
+        model=ModelSpec(factory="tests.autotune_tests.probe_factories:value_error_above_2"),
+        training=TrainingSpec(input_shape=(16,)),
+    )
+    runner = ChildProcessRunner(spec, "cpu", CAPACITY_BYTES, start_method="forkserver")
+    assert runner.trial(2, checkpointing=False).fits
+    with pytest.raises(TrialError) as raised:
+        runner.trial(3, checkpointing=False)
+    assert raised.value.error_type == "ValueError"
+    assert str(raised.value) == "ValueError: shape mismatch in user model"
+    assert "probe_factories.py" in raised.value.child_traceback
+
+
+def test_autotune_errors_come_back_as_themselves() -> None:
+    spec = Spec(
+        model=ModelSpec(factory="tests.probes_tests.factories:no_such_factory"),
+        training=TrainingSpec(input_shape=(16,)),
+    )
+    runner = ChildProcessRunner(spec, "cpu", CAPACITY_BYTES, start_method="forkserver")
+    with pytest.raises(ModelBuildError, match="no_such_factory"):
+        runner.describe()
+
+
+def test_a_crash_in_a_measurement_stops_the_tuner_with_the_failed_call() -> None:
+    spec = wide_spec("abort_in_measurement", features=16)
+    runner = ChildProcessRunner(spec, "cpu", CAPACITY_BYTES, start_method="forkserver")
+    storage_url = f"sqlite:///{Path(os.environ.get('TMPDIR', '/tmp')) / new_mark()}.db"
+    with pytest.raises(TrialCrashed) as crashed:
+        tune_session(runner, storage_url=storage_url, target_seconds=0.05)
+    assert crashed.value.operation == "measure"
+    failure = runner.last_failure
+    assert failure is not None and failure.operation == "measure"
+    assert failure.micro_batch * failure.accumulation_steps == 32  # a candidate of the target
+
+
+_ORPHAN_SCRIPT = """
+import sys
+from probes.isolation import ChildProcessRunner
+from tests.probes_tests.factories import wide_spec
+
+runner = ChildProcessRunner(
+    wide_spec("hang_above_4", features=16), "cpu", 4 * 2**20, timeout_s=600,
+    start_method=sys.argv[1],
+)
+runner.trial(8, checkpointing=False)
+"""
+
+
+@pytest.mark.parametrize("start_method", METHODS)
+def test_children_die_with_a_killed_worker(start_method: StartMethod) -> None:
+    mark = new_mark()
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _ORPHAN_SCRIPT, start_method],
+        cwd=REPO,
+        env={**os.environ, MARK_VARIABLE: mark},
+    )
+    try:
+        # The parent, the child (and the forkserver or resource tracker): wait for the child,
+        # give it time to reach the hang, then kill the parent without warning.
+        deadline_s = time.monotonic() + 60
+        while len(marked_pids(mark)) < 3 and time.monotonic() < deadline_s:
+            time.sleep(0.1)
+        assert len(marked_pids(mark)) >= 3
+        time.sleep(3)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        assert wait_for_no_marked(mark) == []
+    finally:
+        for pid in marked_pids(mark):
+            os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,377 @@
+"""`autotune worker` end to end: a real uvicorn server on loopback, real worker processes on
+emulated GPUs, real trial children; faults injected by killing processes and by models that
+crash or hang.
+
+Workers use the forkserver start method here (each trial is still a fresh process) so that
+the suite fits its time budget; the default spawn method is covered by test_isolation.py and
+by the shutdown tests below.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from autotune.client import LeaseLost, ServerClient
+from autotune.protocol import EmulatedTarget, Run, RunStatus
+from autotune.schemas import Phase, ProbeAttempt, Spec, Trial, TrialState
+from tests.conftest import (
+    CLIENT_TOKEN,
+    WORKER_TOKEN,
+    LiveServer,
+    free_port,
+    start_server,
+    stop_server,
+    wait_for_health,
+)
+from tests.probes_tests.factories import wide_spec
+from tests.probes_tests.live import (
+    WorkerProcess,
+    kill_marked,
+    start_worker,
+    stop_worker,
+    wait_for_no_marked,
+)
+
+pytestmark = pytest.mark.slow
+
+MIB = 2**20
+
+
+class Fleet:
+    """The server and workers of one test; torn down (and checked for leftovers) after it."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.server: LiveServer | None = None
+        self.workers: list[WorkerProcess] = []
+
+    def serve(self, **env: str) -> LiveServer:
+        self.server = start_server(
+            f"sqlite:///{self.tmp_path / 'server.db'}",
+            self.tmp_path / "server.log",
+            extra_env={"AUTOTUNE_WAIT_POLL_S": "0.05", **env},
+        )
+        return self.server
+
+    def worker(self, name: str, memory: str, *extra_args: str, **options: str) -> WorkerProcess:
+        assert self.server is not None
+        worker = start_worker(
+            self.server.url, self.tmp_path, name, memory=memory, extra_args=extra_args, **options
+        )
+        self.workers.append(worker)
+        return worker
+
+    def user(self) -> ServerClient:
+        assert self.server is not None
+        return ServerClient(self.server.url, token=CLIENT_TOKEN)
+
+    def close(self) -> list[str]:
+        """Stop everything; returns complaints about processes that outlived their worker."""
+        leftovers = []
+        for worker in self.workers:
+            if worker.process.poll() is None:
+                worker.process.kill()
+                worker.process.wait()
+            stray = wait_for_no_marked(worker.mark)
+            if stray:
+                leftovers.append(f"{worker.name} left processes {stray}")
+                kill_marked(worker.mark)
+        if self.server is not None:
+            stop_server(self.server)
+        return leftovers
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    fleet = Fleet(tmp_path)
+    try:
+        yield fleet
+    finally:
+        leftovers = fleet.close()
+    assert leftovers == []
+
+
+def _wait(user: ServerClient, run_id: int, timeout_s: float = 120) -> Run:
+    run = user.wait_for_run(run_id, timeout_s=timeout_s, poll_s=5)
+    assert run.status.is_finished(), f"run {run_id} still {run.status.value}"
+    return run
+
+
+def _wait_until(
+    user: ServerClient, run_id: int, done: Callable[[Run], bool], timeout_s: float = 60
+) -> Run:
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        run = user.get_run(run_id)
+        if done(run):
+            return run
+        assert time.monotonic() < deadline_s, f"run {run_id}: still not there: {run}"
+        time.sleep(0.05)
+
+
+def _streamed(count: int) -> Callable[[Run], bool]:
+    return lambda run: len(run.attempts) >= count
+
+
+def _assert_recommendation_fits_target(run: Run) -> None:
+    rec = run.recommendation
+    assert rec is not None, run
+    target = run.spec.training.target_global_batch
+    assert rec.global_batch == target
+    assert rec.micro_batch * rec.accumulation_steps * rec.world_size == target
+    assert rec.capacity_bytes == run.device.memory_bytes
+    assert 0 < rec.peak_bytes <= rec.capacity_bytes
+    assert run.exports is not None and run.exports.deepspeed["train_batch_size"] == target
+    # The recommended configuration was measured, and fitted.
+    measured = [t.trial for t in run.trials if t.claim_number == run.claim_count]
+    chosen = [
+        t
+        for t in measured
+        if (t.micro_batch, t.accumulation_steps, t.checkpointing)
+        == (rec.micro_batch, rec.accumulation_steps, rec.checkpointing)
+    ]
+    assert [t.state for t in chosen] == [TrialState.COMPLETE]
+
+
+def test_two_workers_finish_every_run_each_on_a_matching_device(fleet: Fleet) -> None:
+    fleet.serve()
+    small = fleet.worker("small", "4MiB")
+    large = fleet.worker("large", "6MiB")
+    by_memory = {4 * MIB: small.name, 6 * MIB: large.name}
+    submissions: list[tuple[Spec, int]] = [
+        (wide_spec(features=16, target_global_batch=32), 4 * MIB),
+        (wide_spec(features=16, target_global_batch=32), 6 * MIB),
+        (wide_spec(features=24, target_global_batch=48), 4 * MIB),
+        (wide_spec(features=24, target_global_batch=48), 6 * MIB),
+        (wide_spec(features=16, target_global_batch=None), 6 * MIB),  # probe only
+    ]
+    with fleet.user() as user:
+        run_ids = [
+            user.submit_run(spec, EmulatedTarget(memory_bytes=memory)).id
+            for spec, memory in submissions
+        ]
+        runs = [_wait(user, run_id) for run_id in run_ids]
+
+    for run, (spec, memory) in zip(runs, submissions, strict=True):
+        assert run.status is RunStatus.SUCCEEDED, run.error
+        assert run.worker_id == by_memory[memory]
+        assert run.worker_device is not None
+        assert run.worker_device.capacity_bytes == memory
+        assert run.claim_count == 1 and run.failures == []
+        assert len(run.attempts) >= 3
+        [mode] = run.modes
+        assert 0 < mode.max_micro_batch < spec.training.max_micro_batch
+        if spec.training.target_global_batch is None:
+            assert run.recommendation is None and run.trials == []
+        else:
+            _assert_recommendation_fits_target(run)
+            assert mode.recommended_micro_batch >= 1
+    # More memory fits a larger micro-batch of the same model.
+    assert runs[1].modes[0].max_micro_batch > runs[0].modes[0].max_micro_batch
+    assert stop_worker(small) == 0
+    assert stop_worker(large) == 0
+
+
+def test_a_killed_workers_run_is_released_and_finished_by_the_other(fleet: Fleet) -> None:
+    fleet.serve(AUTOTUNE_LEASE_S="3")
+    first = fleet.worker("first", "4MiB", "--seconds-per-trial", "0.5")
+    second = fleet.worker("second", "4MiB", "--seconds-per-trial", "0.5")
+    workers = {first.name: first, second.name: second}
+    with fleet.user() as user:
+        run_id = user.submit_run(wide_spec(features=16), EmulatedTarget(memory_bytes=4 * MIB)).id
+        running = _wait_until(user, run_id, _streamed(2))
+        assert running.status is RunStatus.RUNNING
+        assert running.worker_id is not None
+        victim = workers.pop(running.worker_id)
+        [survivor] = workers.values()
+        victim_lease = victim.lease_of(run_id)
+        victim.process.send_signal(signal.SIGKILL)
+        victim.process.wait()
+        time.sleep(0.5)  # a request the victim sent before it died is answered by now
+        before_kill = user.get_run(run_id)  # what the victim had stored
+        assert before_kill.claim_count == 1
+        run = _wait(user, run_id)
+
+    assert run.status is RunStatus.SUCCEEDED, run.error
+    assert run.worker_id == survivor.name and run.claim_count == 2
+    [failure] = run.failures
+    assert (failure.claim_number, failure.error_type) == (1, "LeaseExpired")
+    assert failure.worker_id == victim.name
+    # Nothing the victim stored was lost; nothing was stored twice.
+    victim_attempts = [a for a in before_kill.attempts if a.claim_number == 1]
+    assert [a for a in run.attempts if a.claim_number == 1] == victim_attempts
+    attempt_keys = Counter((a.claim_number, a.sequence) for a in run.attempts)
+    trial_keys = Counter((t.claim_number, t.trial.number) for t in run.trials)
+    assert max(attempt_keys.values()) == 1 and max(trial_keys.values()) == 1
+    final_attempts = [a.attempt for a in run.attempts if a.claim_number == 2]
+    assert final_attempts == [a for mode in run.modes for a in mode.attempts]
+    assert len({t.trial.number for t in run.trials if t.claim_number == 2}) >= 1
+    _assert_recommendation_fits_target(run)
+
+    # A late post under the killed lease is refused and changes nothing.
+    assert fleet.server is not None
+    with ServerClient(fleet.server.url, token=WORKER_TOKEN) as late:
+        attempt = ProbeAttempt(
+            micro_batch=7, fits=True, peak_bytes=1, phase_peak_bytes={Phase.FORWARD: 1}
+        )
+        with pytest.raises(LeaseLost) as refused:
+            late.post_attempt(
+                run_id, victim_lease, sequence=99, checkpointing=False, attempt=attempt
+            )
+        assert refused.value.code == "stale_lease"
+        trial = Trial(
+            number=99,
+            micro_batch=7,
+            accumulation_steps=1,
+            checkpointing=False,
+            state=TrialState.COMPLETE,
+            samples_per_s=1.0,
+        )
+        with pytest.raises(LeaseLost):
+            late.post_trial(run_id, victim_lease, trial)
+        with pytest.raises(LeaseLost):
+            late.heartbeat(run_id, victim_lease)
+    with fleet.user() as user:
+        assert user.get_run(run_id) == run
+    # The victim's trial children died with it (checked for every worker by the fixture too).
+    assert wait_for_no_marked(victim.mark) == []
+    assert stop_worker(survivor) == 0
+
+
+def test_crashing_and_hanging_trials_fail_their_runs_and_the_worker_goes_on(
+    fleet: Fleet,
+) -> None:
+    fleet.serve()
+    worker = fleet.worker("crashy", "4MiB", "--trial-timeout", "5")
+    target = EmulatedTarget(memory_bytes=4 * MIB)
+    with fleet.user() as user:
+        aborting = user.submit_run(wide_spec("abort_above_4", features=16), target).id
+        hanging = user.submit_run(wide_spec("hang_above_4", features=16), target).id
+        measuring = user.submit_run(wide_spec("abort_in_measurement", features=16), target).id
+        healthy = user.submit_run(wide_spec(features=16), target).id
+        runs = {run_id: _wait(user, run_id) for run_id in (aborting, hanging, measuring, healthy)}
+
+    for run_id, reason in [
+        (aborting, "killed by SIGABRT"),
+        (hanging, "timed out after 5 s"),
+        (measuring, "killed by SIGABRT"),
+    ]:
+        run = runs[run_id]
+        assert run.status is RunStatus.FAILED
+        # A crash reproduces on any worker: failed at once, not retried.
+        assert run.claim_count == 1
+        [failure] = run.failures
+        assert failure.error_type == "TrialCrashed"
+        assert reason in failure.message and run.error is not None and reason in run.error
+    assert "micro-batch" in runs[aborting].failures[0].message
+    # The probe of the crashing run got as far as the crash, and streamed it.
+    assert {a.attempt.micro_batch for a in runs[aborting].attempts} >= {2, 3}
+    # A crash inside a throughput measurement is a FAILED trial on the run.
+    failed = [t.trial for t in runs[measuring].trials if t.trial.state is TrialState.FAILED]
+    [failed_trial] = failed
+    assert failed_trial.error is not None and "killed by SIGABRT" in failed_trial.error
+    assert failed_trial.micro_batch * failed_trial.accumulation_steps == 32
+    assert runs[healthy].status is RunStatus.SUCCEEDED
+    _assert_recommendation_fits_target(runs[healthy])
+    assert worker.process.poll() is None
+    assert stop_worker(worker) == 0
+
+
+def test_a_cancelled_run_stops_at_once_and_the_worker_goes_on(fleet: Fleet) -> None:
+    fleet.serve(AUTOTUNE_LEASE_S="3")
+    worker = fleet.worker("patient", "4MiB", "--trial-timeout", "600")
+    target = EmulatedTarget(memory_bytes=4 * MIB)
+    with fleet.user() as user:
+        hanging = user.submit_run(wide_spec("hang_above_4", features=16), target).id
+        _wait_until(user, hanging, _streamed(2))
+        time.sleep(0.5)  # into the hanging trial
+        assert user.cancel_run(hanging).status is RunStatus.CANCELLED
+        worker.wait_for_log(rf"run {hanging}: cancelled", timeout_s=10)
+        healthy = user.submit_run(wide_spec(features=16), target).id
+        assert _wait(user, healthy).status is RunStatus.SUCCEEDED
+        assert user.get_run(hanging).status is RunStatus.CANCELLED
+    assert stop_worker(worker) == 0
+
+
+def test_sigterm_stops_an_idle_worker_with_exit_code_0(fleet: Fleet) -> None:
+    fleet.serve()
+    worker = fleet.worker("idle", "4MiB", start_method="spawn")
+    worker.wait_for_log("waiting for runs")
+    started_s = time.monotonic()
+    assert stop_worker(worker) == 0
+    assert time.monotonic() - started_s < 5
+    assert "stopped after 0 run(s)" in worker.log()
+
+
+def test_sigterm_releases_a_run_in_progress_and_exits_0(fleet: Fleet) -> None:
+    fleet.serve()
+    worker = fleet.worker(
+        "leaving", "4MiB", "--trial-timeout", "600", "--shutdown-grace", "1", start_method="spawn"
+    )
+    with fleet.user() as user:
+        run_id = user.submit_run(
+            wide_spec("hang_above_4", features=16), EmulatedTarget(memory_bytes=4 * MIB)
+        ).id
+        _wait_until(user, run_id, _streamed(2), timeout_s=120)
+        assert stop_worker(worker, timeout_s=20) == 0
+        run = user.get_run(run_id)
+    assert run.status is RunStatus.QUEUED  # handed back for another worker
+    [failure] = run.failures
+    assert failure.error_type == "WorkerShutdown"
+    assert failure.message == "worker shutting down"
+    assert "released" in worker.log()
+
+
+def _start_server_on(port: int, tmp_path: Path) -> LiveServer:
+    """A server on a given port (conftest's helper picks its own)."""
+    log_path = tmp_path / "late-server.log"
+    env = {
+        **os.environ,
+        "AUTOTUNE_DATABASE_URL": f"sqlite:///{tmp_path / 'late.db'}",
+        "AUTOTUNE_CLIENT_TOKENS": CLIENT_TOKEN,
+        "AUTOTUNE_WORKER_TOKENS": WORKER_TOKEN,
+    }
+    command = [sys.executable, "-m", "uvicorn", "--factory", "api.main:create_app_from_env"]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [*command, "--port", str(port), "--log-level", "warning"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    wait_for_health(url, process, log_path)
+    return LiveServer(url, process, log_path)
+
+
+def test_the_worker_waits_for_a_server_that_is_down(fleet: Fleet, tmp_path: Path) -> None:
+    port = free_port()
+    worker = start_worker(f"http://127.0.0.1:{port}", tmp_path, "waiting", memory="4MiB")
+    fleet.workers.append(worker)
+    worker.wait_for_log("server unreachable")
+    fleet.server = _start_server_on(port, tmp_path)
+    with fleet.user() as user:
+        run_id = user.submit_run(
+            wide_spec(features=16, target_global_batch=None), EmulatedTarget(memory_bytes=4 * MIB)
+        ).id
+        assert _wait(user, run_id).status is RunStatus.SUCCEEDED
+    log = worker.log()
+    assert log.count("server unreachable") == 1  # once per change of state, not per retry
+    assert "server reachable again" in log
+    assert stop_worker(worker) == 0
+
+
+def test_a_wrong_token_stops_the_worker_with_an_error(fleet: Fleet) -> None:
+    fleet.serve()
+    worker = fleet.worker("intruder", "4MiB", token="not-a-worker-token")
+    assert worker.process.wait(timeout=60) == 1
+    assert "autotune: error: 403 forbidden" in worker.log()
