@@ -39,7 +39,13 @@ from enum import StrEnum
 from types import FrameType
 from typing import TypeVar
 
-from autotune.client import LeaseLost, ServerClient, ServerError, ServerUnavailable
+from autotune.client import (
+    LeaseLost,
+    RequestRejected,
+    ServerClient,
+    ServerError,
+    ServerUnavailable,
+)
 from autotune.errors import ModelBuildError, NoFeasibleBatch, SpecError
 from autotune.probe import probe_session
 from autotune.protocol import Claim
@@ -109,9 +115,13 @@ class _LeaseKeeper:
         while not self._stop.wait(self.interval_s):
             try:
                 self.client.heartbeat(self.claim.run_id, self.claim.lease_id)
-            except LeaseLost as error:
+            except RequestRejected as error:  # 409 stale/cancelled, or 404: the run is gone
                 logger.warning("run %d: heartbeat refused: %s", self.claim.run_id, error)
-                self.lost = error
+                self.lost = (
+                    error
+                    if isinstance(error, LeaseLost)
+                    else LeaseLost(error.status_code, error.code, error.detail)
+                )
                 return
             except ServerError as error:  # keep trying: the lease may still be ours
                 logger.warning("run %d: heartbeat failed: %s", self.claim.run_id, error)
