@@ -655,3 +655,37 @@ def test_allocator_blocks_stay_exact_and_cheap(cap: int) -> None:
     print(f"2 MiB blocks, cap {cap}: median {statistics.median(calls)}, max {max(calls)} calls")
     assert statistics.median(calls) <= 4
     assert max(calls) <= _budget_calls(cap) + 2
+
+
+def _rounded_mlp_trace(micro_batch: int) -> tuple[int, ...]:
+    """An MLP-like step whose per-sample tensors are small and not multiples of the allocator's
+    512-byte blocks (a 784-float input row is 3136 bytes), so live bytes are only affine in b up
+    to rounding: the b=2,3 slope is a little off, and far out the prediction misses by a few."""
+
+    def block(size_bytes: int) -> int:
+        return -(-size_bytes // 512) * 512
+
+    resident = 30_000_000
+    ops = [
+        resident + block(3136 * micro_batch),
+        resident + block(3136 * micro_batch) + block(40 * micro_batch) + block(4 * micro_batch),
+        resident + block(3136 * micro_batch) + 2 * block(4096 * micro_batch) + 700_000,
+        resident + block(4096 * micro_batch) + block(44 * micro_batch) + 1_500_000,
+    ]
+    return tuple(ops)
+
+
+@pytest.mark.parametrize("truth", [300, 691, 1000])
+def test_a_far_near_miss_from_allocator_rounding_is_found_by_galloping_down(truth: int) -> None:
+    capacity_bytes = max(_rounded_mlp_trace(truth))
+    calls: list[int] = []
+
+    def fits(micro_batch: int) -> Observation:
+        calls.append(micro_batch)
+        series = _rounded_mlp_trace(micro_batch)
+        ok = max(series) <= capacity_bytes
+        return Observation(ok, max(series), series if ok else None)
+
+    result = find_max_micro_batch(fits, cap=1024, capacity_bytes=capacity_bytes)
+    assert result.max_micro_batch == truth
+    assert len(calls) <= 8, calls
