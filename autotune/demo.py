@@ -183,7 +183,13 @@ def _print_run(console: Console, run: Run, url: str) -> None:
 
     result = _as_result(run)
     if run.status is RunStatus.SUCCEEDED and result is not None:
-        print_tune_result(console, result)
+        if result.recommendation is None and result.infeasible is None:
+            from autotune.cli import _print_probe_table
+
+            # A spec without a target global batch is probed, not tuned.
+            _print_probe_table(console, result.probe, headroom=run.spec.training.headroom)
+        else:
+            print_tune_result(console, result)
     else:
         console.print(f"[red]run {run.id} {run.status.value}[/red]: {run.error or ''}")
     console.print(f"[bold]Run URL:[/bold] {url}{run.url}")

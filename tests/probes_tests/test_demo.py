@@ -21,9 +21,13 @@ from tests.probes_tests.live import MARK_VARIABLE, REPO, kill_marked, new_mark, 
 pytestmark = pytest.mark.slow
 
 
-def _demo(tmp_path: Path, mark: str, *args: str) -> subprocess.Popen[str]:
+def _demo(
+    tmp_path: Path, mark: str, *args: str, target_global_batch: int | None = 32
+) -> subprocess.Popen[str]:
     spec_path = tmp_path / "spec.yaml"
-    spec = wide_spec(features=16).model_dump(mode="json", exclude_defaults=True)
+    spec = wide_spec(features=16, target_global_batch=target_global_batch).model_dump(
+        mode="json", exclude_defaults=True
+    )
     spec_path.write_text(yaml.safe_dump(spec))
     return subprocess.Popen(
         [
@@ -84,7 +88,7 @@ def test_demo_with_stop_prints_the_result_and_leaves_no_process(tmp_path: Path) 
 
 def test_demo_keeps_the_server_until_ctrl_c(tmp_path: Path) -> None:
     mark = new_mark()
-    demo = _demo(tmp_path, mark)
+    demo = _demo(tmp_path, mark, target_global_batch=None)  # a probe: quicker than a tuning
     try:
         assert demo.stdout is not None
         lines = []
@@ -97,6 +101,7 @@ def test_demo_keeps_the_server_until_ctrl_c(tmp_path: Path) -> None:
         text = "".join(lines)
         url = re.search(r"Run URL: (\S+)", text)
         assert url is not None, text
+        assert "max micro-batch" in text  # a spec without a target is probed, not tuned
         assert httpx2.get(url[1], timeout=5).status_code in (200, 401)  # still serving
         demo.send_signal(signal.SIGINT)
         assert demo.wait(timeout=60) == 0
