@@ -1,5 +1,8 @@
 """Trial isolation: every trial of a run in a fresh child process, with a time limit.
 
+Importing this module does not import torch (the CLI registers `autotune worker` from it);
+the children do, and so does the worker once it tunes.
+
 `ChildProcessRunner` is the worker's `autotune.session.TrialRunner`. Each of its calls starts a
 new `spawn` process that builds a `ProbeSession` (model, optimizer, device) from the spec,
 warms it up so that the trial runs in steady state (optimizer state allocated, as in one
@@ -35,13 +38,15 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from autotune.device import TrialOutcome
 from autotune.errors import AutotuneError
 from autotune.schemas import DeviceInfo, Spec
 from autotune.throughput import Measurement
 from probes.errors import TrialCrashed, TrialError
+
+if TYPE_CHECKING:
+    from autotune.device import TrialOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -457,6 +462,8 @@ class ChildProcessRunner:
         return self.describe().tokens_per_sample
 
     def warm_up(self, *, checkpointing: bool) -> TrialOutcome:
+        from autotune.device import TrialOutcome
+
         outcome = self._run("warm_up", checkpointing=checkpointing)
         assert isinstance(outcome, TrialOutcome)
         if outcome.fits:
@@ -466,6 +473,8 @@ class ChildProcessRunner:
     def trial(
         self, micro_batch: int, accumulation_steps: int = 1, *, checkpointing: bool
     ) -> TrialOutcome:
+        from autotune.device import TrialOutcome
+
         outcome = self._run(
             "trial",
             micro_batch=micro_batch,

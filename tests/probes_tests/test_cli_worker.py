@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -57,3 +59,17 @@ def test_the_signal_handlers_are_restored_after_the_command() -> None:
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     assert main(["worker", "--token", "t", "--device", "cpu"]) == 2
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_registering_the_command_does_not_import_torch() -> None:
+    """Every `autotune` command builds the whole parser; only the worker's children (and the
+    worker once it tunes) need torch."""
+    code = (
+        "import sys\n"
+        "from autotune.cli import build_parser\n"
+        "parser = build_parser()\n"
+        "parser.parse_args(['worker', '--device', 'cpu', '--memory', '1GiB'])\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
