@@ -90,7 +90,7 @@ def test_step_json_agrees_with_probe(spec_path: Path) -> None:
     [
         (["probe", "{spec}", "--device", "cpu"], "--memory: required"),
         (["probe", "{spec}", "--device", "cpu", "--memory", "lots"], "not a memory size"),
-        (["probe", "{spec}", "--device", "cuda"], "cuda"),
+        (["probe", "{spec}", "--device", "cuda"], "CUDA is not available"),
         (["probe", "{missing}", "--device", "cpu", "--memory", "1GiB"], "cannot read spec file"),
         (["probe", "{bad}", "--device", "cpu", "--memory", "1GiB"], "training.precision"),
         (["step", "{spec}", "--micro-batch", "0", "--device", "cpu", "--memory", "1GiB"], ">= 1"),
