@@ -38,6 +38,8 @@ test: env lint typecheck
 
 bench: env
 	$(PY) bench/probe_trials.py
+	$(PY) bench/tuner_regret.py
+	$(PY) bench/api_load.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache
