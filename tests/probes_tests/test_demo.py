@@ -104,7 +104,7 @@ def test_demo_keeps_the_server_until_ctrl_c(tmp_path: Path) -> None:
         assert "max micro-batch" in text  # a spec without a target is probed, not tuned
         assert httpx2.get(url[1], timeout=5).status_code in (200, 401)  # still serving
         demo.send_signal(signal.SIGINT)
-        assert demo.wait(timeout=60) == 0
+        assert demo.wait(timeout=180) == 0
         assert wait_for_no_marked(mark, timeout_s=5) == []
     finally:
         if demo.poll() is None:
