@@ -63,7 +63,7 @@ PRESETS: dict[str, Preset] = {
     "gpt2-small": DecoderPreset(
         "gpt2", n_layer=12, n_head=12, d_model=768, vocab_size=50257, max_seq_len=1024
     ),
-    # Llama style; llama-small is about the size of SmolLM-135M.
+    # Llama style; llama-small (99M parameters) has SmolLM-135M's width and heads, 12 layers.
     "llama-tiny": DecoderPreset(
         "llama",
         n_layer=4,
