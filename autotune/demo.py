@@ -211,7 +211,12 @@ def run_demo(argv: Sequence[str] | None = None) -> int:
     stop = args.stop or os.environ.get("DEMO_STOP", "") not in ("", "0")
     console = Console()
     # SIGTERM ends the demo as Ctrl-C does: through the `finally` that stops the children.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    # SIGINT is set explicitly too: a process started with SIGINT ignored (as a child of one
+    # that ignores it) would otherwise never see Ctrl-C.
+    previous_handlers = {
+        signum: signal.signal(signum, _raise_interrupt)
+        for signum in (signal.SIGTERM, signal.SIGINT)
+    }
     data_dir = Path(args.data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     client_token, worker_token = secrets.token_urlsafe(18), secrets.token_urlsafe(18)
@@ -279,6 +284,8 @@ def run_demo(argv: Sequence[str] | None = None) -> int:
         console.print("Stopping " + " and ".join(c.name for c in reversed(children)) + " ...")
         for child in reversed(children):
             _stop(child, console)
+        for signum, handler in previous_handlers.items():
+            signal.signal(signum, handler)
 
 
 def _memory(text: str) -> str:
