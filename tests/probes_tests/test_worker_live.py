@@ -376,9 +376,12 @@ def test_the_worker_waits_for_a_server_that_is_down(fleet: Fleet, tmp_path: Path
             wide_spec(features=16, target_global_batch=None), EmulatedTarget(memory_bytes=4 * MIB)
         ).id
         assert _wait(user, run_id).status is RunStatus.SUCCEEDED
+    # Logged at the first answer; waited for, as the log is written by another process.
+    worker.wait_for_log("server reachable again", timeout_s=30)
     log = worker.log()
-    assert log.count("server unreachable") == 1  # once per change of state, not per retry
-    assert "server reachable again" in log
+    assert log.count("server unreachable") == 1  # once per change, not per retry
+    # At the first answer (the claim), not after the run that answer brought.
+    assert log.index("server reachable again") < log.index(f"run {run_id}: claimed")
     assert stop_worker(worker) == 0
 
 
