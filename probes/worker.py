@@ -205,6 +205,12 @@ def _error_type(error: BaseException) -> str:
     return error.error_type if isinstance(error, TrialError) else type(error).__name__
 
 
+def _error_message(error: BaseException) -> str:
+    """The message without the type, which is reported beside it (a TrialError's own text is
+    "ValueError: boom"; the failure would read "ValueError: ValueError: boom")."""
+    return error.child_message if isinstance(error, TrialError) else str(error)
+
+
 def _traceback_tail(error: BaseException) -> str:
     if isinstance(error, TrialError) and error.child_traceback:
         text = error.child_traceback
@@ -365,8 +371,10 @@ class Worker:
         )
         progress = _Progress(self.client, keeper)
         # One Optuna study per claim: a study left by an earlier claim of this run (a killed
-        # worker sharing this storage) is not continued, nor clobbered.
-        study_name = f"{claim.study_name}-claim-{claim.claim_number}"
+        # worker sharing this storage) is not continued, nor clobbered. The lease id (random,
+        # per claim) keeps names apart across servers: run numbers restart with a new server's
+        # database while this worker's store keeps the studies of the old one.
+        study_name = f"{claim.study_name}-claim-{claim.claim_number}-{claim.lease_id[:8]}"
         try:
             if self._stopping:
                 raise WorkerShutdown(SHUTDOWN_REASON)
@@ -393,7 +401,7 @@ class Worker:
                 "run %d failed: %s: %s",
                 claim.run_id,
                 _error_type(error),
-                error,
+                _error_message(error),
                 exc_info=error if retryable else None,
             )
             self._post_failed_trial(claim, runner, progress, study_name, error)
@@ -479,7 +487,7 @@ class Worker:
                     claim.run_id,
                     claim.lease_id,
                     error_type=_error_type(error),
-                    message=str(error),
+                    message=_error_message(error),
                     traceback_tail=_traceback_tail(error),
                     retryable=retryable,
                 ),

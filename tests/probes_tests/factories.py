@@ -94,6 +94,10 @@ def _start_sleep_then_hang() -> Hook:
     return hook
 
 
+def _raise_boom(batch_size: int, calls: int) -> None:
+    raise ValueError("boom")
+
+
 def _abort_on_call(call: int) -> Hook:
     def hook(batch_size: int, calls: int) -> None:
         if calls >= call:
@@ -115,6 +119,11 @@ def hang_above_4(training: TrainingSpec) -> Workload:
 def sleep_then_hang(training: TrainingSpec) -> Workload:
     """Starts `sleep 300` in its first forward, then never returns."""
     return _workload(training, _start_sleep_then_hang())
+
+
+def raise_boom(training: TrainingSpec) -> Workload:
+    """A bug in the user's model: every forward raises ValueError("boom")."""
+    return _workload(training, _raise_boom)
 
 
 def abort_in_measurement(training: TrainingSpec) -> Workload:
