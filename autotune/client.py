@@ -11,6 +11,7 @@ becomes a typed exception carrying the server's code and message:
     - Conflict             409
       . LeaseLost          409 from a worker call: the lease is stale or the run was cancelled;
                            stop working on the run (`.cancelled` tells which)
+        LeaseExpired       409 `lease_expired`: the lease lapsed but a heartbeat may renew it
     - InvalidRequest       413 / 422 (and any other 4xx)
 """
 
@@ -92,6 +93,11 @@ class LeaseLost(Conflict):
         return self.code == "run_cancelled"
 
 
+class LeaseExpired(LeaseLost):
+    """409 `lease_expired` on a worker post: the lease lapsed (no heartbeat in time), nothing
+    was stored; a heartbeat renews it unless another worker claimed the run since."""
+
+
 class InvalidRequest(RequestRejected):
     """413 or 422: the body was refused; `detail` names the field."""
 
@@ -119,7 +125,10 @@ def _rejection(response: httpx2.Response, *, worker_call: bool) -> RequestReject
     elif status == 404:
         kind = NotFound
     elif status == 409:
-        kind = LeaseLost if worker_call else Conflict
+        if not worker_call:
+            kind = Conflict
+        else:
+            kind = LeaseExpired if code == "lease_expired" else LeaseLost
     else:
         kind = InvalidRequest
     return kind(status, code, detail)

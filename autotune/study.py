@@ -7,7 +7,7 @@ Optuna categorical parameter must keep one set of choices within a study). The a
 steps follow from the micro-batch and are stored as a user attribute.
 
 Out-of-memory is a value here, not an exception: `measure` returns None. Such a trial is a
-COMPLETE Optuna trial with constraint `oom` = 1.0 (infeasible; feasible trials get 0.0) and
+COMPLETE Optuna trial with the constraint 1.0 (infeasible; feasible trials get 0.0) and
 objective value 0.0 samples/s. Why 0.0: a configuration that cannot run delivers nothing, and
 the value is finite, so every sampler and the dashboard plots accept it; TPE ranks infeasible
 trials by their constraint anyway, below every feasible one.
@@ -17,6 +17,9 @@ else a seeded TPESampler. A candidate is never measured twice: when TPE proposes
 measured, the trial reuses the stored result (user attribute `reused_from_trial`), costs no
 budget and is not returned; after a few such repeats in a row an unmeasured candidate, picked
 with the seed, is enqueued so the search keeps moving.
+
+A study that stops on an exception leaves no trial WAITING: the candidates it had enqueued and
+never ran are marked FAIL, so that the study's record ends where the search did.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import logging
 import random
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import optuna
 
@@ -36,7 +39,10 @@ from autotune.throughput import Measurement
 logger = logging.getLogger(__name__)
 
 CHECKPOINTING_PARAM = "checkpointing"
-OOM_CONSTRAINT = "oom"
+# The list-format system attribute of constraints: the one optuna-dashboard shows (it reads
+# only this key) and Optuna 5 still reads (`Trial.set_constraint` writes "constraints:NAME",
+# which the dashboard does not show).
+CONSTRAINTS_SYSTEM_ATTR = "constraints"
 OOM_VALUE_SAMPLES_PER_S = 0.0
 # Consecutive proposals of already-measured candidates before one is forced.
 MAX_REPEATS_IN_A_ROW = 3
@@ -129,43 +135,39 @@ class _Search:
             self.repeats_in_a_row = 0
 
 
+def _set_infeasibility(trial: optuna.Trial, value: float) -> None:
+    """The one constraint (> 0: out of memory), where both Optuna and the dashboard read it."""
+    trial.storage.set_trial_system_attr(trial._trial_id, CONSTRAINTS_SYSTEM_ATTR, [value])
+
+
 def _record(trial: optuna.Trial, measurement: Measurement | None) -> float:
     """Store the measurement on the Optuna trial; return the objective value."""
     if measurement is None:
-        trial.set_constraint(OOM_CONSTRAINT, 1.0)
+        _set_infeasibility(trial, 1.0)
         trial.set_user_attr("oom", True)
         return OOM_VALUE_SAMPLES_PER_S
-    trial.set_constraint(OOM_CONSTRAINT, 0.0)
-    trial.set_user_attr("tokens_per_s", measurement.tokens_per_s)
-    trial.set_user_attr("step_time_s", measurement.step_time_s)
-    trial.set_user_attr("step_time_spread", measurement.step_time_spread)
-    trial.set_user_attr("timed_steps", measurement.timed_steps)
-    trial.set_user_attr("peak_bytes", measurement.peak_bytes)
-    return measurement.samples_per_s
+    _set_infeasibility(trial, 0.0)
+    fields = asdict(measurement)
+    objective = fields.pop("samples_per_s")
+    for key, value in fields.items():
+        trial.set_user_attr(key, value)
+    assert isinstance(objective, float)
+    return objective
 
 
 def _trial_record(number: int, candidate: Candidate, measurement: Measurement | None) -> Trial:
-    if measurement is None:
-        return Trial(
-            number=number,
-            micro_batch=candidate.micro_batch,
-            accumulation_steps=candidate.accumulation_steps,
-            checkpointing=candidate.checkpointing,
-            state=TrialState.OOM,
-        )
-    return Trial(
-        number=number,
-        micro_batch=candidate.micro_batch,
-        accumulation_steps=candidate.accumulation_steps,
-        checkpointing=candidate.checkpointing,
-        state=TrialState.COMPLETE,
-        samples_per_s=measurement.samples_per_s,
-        tokens_per_s=measurement.tokens_per_s,
-        step_time_s=measurement.step_time_s,
-        step_time_spread=measurement.step_time_spread,
-        timed_steps=measurement.timed_steps,
-        peak_bytes=measurement.peak_bytes,
+    state = TrialState.OOM if measurement is None else TrialState.COMPLETE
+    measured = {} if measurement is None else asdict(measurement)
+    return Trial.model_validate(
+        {**asdict(candidate), **measured, "number": number, "state": state}
     )
+
+
+def _fail_waiting(study: optuna.Study) -> None:
+    """Marks FAIL the enqueued trials that never ran (a study that stopped on an exception)."""
+    waiting = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+    for frozen in waiting:
+        study._storage.set_trial_state_values(frozen._trial_id, optuna.trial.TrialState.FAIL)
 
 
 def run_study(
@@ -240,7 +242,13 @@ def run_study(
             # Each round either measures a new candidate or repeats one; every
             # MAX_REPEATS_IN_A_ROW repeats force a new one, which bounds the rounds.
             max_rounds = (MAX_REPEATS_IN_A_ROW + 1) * min(n_trials, len(candidates))
-            study.optimize(search.objective, n_trials=max_rounds, callbacks=[search.after_trial])
+            try:
+                study.optimize(
+                    search.objective, n_trials=max_rounds, callbacks=[search.after_trial]
+                )
+            except BaseException:
+                _fail_waiting(study)
+                raise
         finally:
             storage.engine.dispose()
     return search.trials

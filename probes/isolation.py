@@ -17,10 +17,14 @@ What comes back:
   `TrialError` with the child's type name, message and traceback;
 * no answer (death by a signal, an exit without answering, the time limit): `TrialCrashed`.
 
-A child never outlives the worker: it asks the kernel for SIGKILL when its parent dies (Linux
-PR_SET_PDEATHSIG), watches its parent from a thread as well, ignores SIGINT (Ctrl-C in a
-terminal reaches the whole process group; the worker decides what happens to a trial), and
-runs in its own process group so that killing it kills whatever it started.
+No process of a trial outlives the worker, however the worker dies. The child runs in its own
+process group, so that killing the group kills whatever it started (the worker does so on a
+time limit or an interrupt). It asks the kernel for SIGKILL when its parent dies (Linux
+PR_SET_PDEATHSIG), watches its parent from a thread as well, and ignores SIGINT (Ctrl-C in a
+terminal reaches the whole process group; the worker decides what happens to a trial). The
+kernel's signal takes the child only, not what the child started (a `sleep` in a model's
+forward would be re-parented to init): so the child first forks a reaper into its group, which
+SIGKILLs the whole group once the child or the worker is gone.
 """
 
 from __future__ import annotations
@@ -130,6 +134,21 @@ def _watch_parent(parent_pid: int, worker_pid: int) -> None:
         time.sleep(_PARENT_WATCH_S)
 
 
+def _start_group_reaper(worker_pid: int) -> None:
+    """Forks the group's reaper (see the module docstring); returns in the child at once."""
+    child_pid = os.getpid()
+    if os.fork() != 0:
+        return
+    try:
+        # Hold no pipe end: the worker must see EOF when the child dies.
+        os.closerange(3, 1 << 16)
+        while os.getppid() == child_pid and _is_alive(worker_pid):
+            time.sleep(_PARENT_WATCH_S)
+        os.killpg(0, signal.SIGKILL)  # the reaper is in the group: it ends here too
+    finally:
+        os._exit(0)
+
+
 def _become_expendable(worker_pid: int, spawned: bool) -> None:
     """Tie this child's life to the worker's; see the module docstring. A spawned child's
     parent is the worker; a forkserver's child's parent is the forkserver, which exits when
@@ -140,6 +159,8 @@ def _become_expendable(worker_pid: int, spawned: bool) -> None:
         os.setpgid(0, 0)
     except OSError:  # already a group leader, or not permitted: the pid kill still works
         pass
+    if os.getpgid(0) == os.getpid():  # never reap a group that is not the trial's own
+        _start_group_reaper(worker_pid)
     if sys.platform == "linux":
         try:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -9,9 +9,12 @@ One run at a time. Around each run is the worker's one catch-all boundary: whate
 in a run (a crashed or hung trial, a bug in the user's model, an unexpected error) is reported
 to the server with its type, message and traceback tail, and the worker takes the next run.
 
-* Lease: a heartbeat thread renews it every `heartbeat_interval_s` (a third of the lease).
-  When the server answers that the lease is stale or the run was cancelled, the run stops at
-  once (its current trial is killed) and nothing more is sent for it.
+* Lease: a heartbeat thread renews it every `heartbeat_interval_s` (a third of the lease), and
+  goes on through a server outage (a transport error is retried, never fatal). When the server
+  answers that the lease is stale or the run was cancelled, the run stops at once (its current
+  trial is killed) and nothing more is sent for it. A lease that lapsed while the server was
+  away is renewed by the next heartbeat unless another worker claimed the run meanwhile; a post
+  refused as `lease_expired` sends a heartbeat at once and, if it renewed, is sent again once.
 * Progress: probe attempts and trials are posted as they finish. A post that fails because the
   server is unreachable is skipped: the final result carries everything.
 * Failures: errors that come from the spec (a model that cannot be built, a trial that crashes,
@@ -23,7 +26,8 @@ to the server with its type, message and traceback tail, and the worker takes th
   finish, else its trial is killed and the run is released (a retryable failure, "worker
   shutting down"). A second signal stops at once.
 * Server down: the claim loop waits with capped exponential backoff and logs each change of
-  state once; the final result and failure reports are retried for as long as the lease lasts.
+  state once; the final result and failure reports are retried until the server answers (the
+  lease stays renewable while nobody else claims the run) or the worker is told to stop.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from types import FrameType
 from typing import TypeVar
 
 from autotune.client import (
+    LeaseExpired,
     LeaseLost,
     RequestRejected,
     ServerClient,
@@ -100,10 +105,6 @@ class _LeaseKeeper:
             target=self._beat, name=f"heartbeat-run-{claim.run_id}", daemon=True
         )
 
-    @property
-    def lease_s(self) -> float:
-        return self.interval_s * 3
-
     def start(self) -> None:
         self._thread.start()
 
@@ -114,17 +115,46 @@ class _LeaseKeeper:
     def _beat(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                self.client.heartbeat(self.claim.run_id, self.claim.lease_id)
-            except RequestRejected as error:  # 409 stale/cancelled, or 404: the run is gone
-                logger.warning("run %d: heartbeat refused: %s", self.claim.run_id, error)
-                self.lost = (
-                    error
-                    if isinstance(error, LeaseLost)
-                    else LeaseLost(error.status_code, error.code, error.detail)
-                )
+                self.renew()
+            except LeaseLost:
                 return
             except ServerError as error:  # keep trying: the lease may still be ours
                 logger.warning("run %d: heartbeat failed: %s", self.claim.run_id, error)
+
+    def renew(self) -> None:
+        """One heartbeat now. A lease that lapsed while the server was away comes back, unless
+        another worker claimed the run since.
+
+        Raises:
+            LeaseLost: refused (remembered for `check`).
+            ServerError: no answer.
+        """
+        try:
+            self.client.heartbeat(self.claim.run_id, self.claim.lease_id)
+        except RequestRejected as error:  # 409 stale/cancelled, or 404: the run is gone
+            logger.warning("run %d: heartbeat refused: %s", self.claim.run_id, error)
+            lost = (
+                error
+                if isinstance(error, LeaseLost) and not isinstance(error, LeaseExpired)
+                else LeaseLost(error.status_code, error.code, error.detail)
+            )
+            self.lost = lost
+            raise lost from None
+
+    def call(self, post: Callable[[], T]) -> T:
+        """`post()` under this lease: refused as lapsed, it is sent again once after a
+        heartbeat renewed the lease.
+
+        Raises:
+            LeaseLost: the lease could not be renewed, or the post was refused again.
+        """
+        try:
+            return post()
+        except LeaseExpired as expired:
+            logger.warning("run %d: %s; renewing the lease", self.claim.run_id, expired)
+        self.renew()
+        logger.warning("run %d: lease renewed; sending again", self.claim.run_id)
+        return post()
 
     def check(self) -> None:
         """Raises LeaseLost once the server refused a heartbeat."""
@@ -136,9 +166,10 @@ class _LeaseKeeper:
 class _Progress:
     """Streams a run's attempts and trials to the server as they finish."""
 
-    def __init__(self, client: ServerClient, claim: Claim) -> None:
+    def __init__(self, client: ServerClient, keeper: _LeaseKeeper) -> None:
         self.client = client
-        self.claim = claim
+        self.keeper = keeper
+        self.claim = keeper.claim
         self.sequence = 0
         self.trial_numbers: list[int] = []
 
@@ -161,7 +192,7 @@ class _Progress:
 
     def _post(self, call: Callable[[], object]) -> None:
         try:
-            call()
+            self.keeper.call(call)
         except ServerUnavailable as error:
             logger.warning(
                 "run %d: progress not streamed (%s); the result will carry it",
@@ -172,6 +203,12 @@ class _Progress:
 
 def _error_type(error: BaseException) -> str:
     return error.error_type if isinstance(error, TrialError) else type(error).__name__
+
+
+def _error_message(error: BaseException) -> str:
+    """The message without the type, which is reported beside it (a TrialError's own text is
+    "ValueError: boom"; the failure would read "ValueError: ValueError: boom")."""
+    return error.child_message if isinstance(error, TrialError) else str(error)
 
 
 def _traceback_tail(error: BaseException) -> str:
@@ -209,6 +246,8 @@ class Worker:
         self.config = config
         self._stopping = False
         self._stop_deadline_s: float | None = None
+        # Set when a claim could not reach the server; the next claim that does logs so.
+        self._unreachable = False
 
     # -- stopping -------------------------------------------------------------------------
 
@@ -267,7 +306,6 @@ class Worker:
         """
         outcomes: list[RunOutcome] = []
         backoff_s = self.config.poll_interval_s
-        unreachable = False
         logger.info(
             "worker %s: waiting for runs for %s",
             self.config.worker_id,
@@ -277,15 +315,12 @@ class Worker:
             try:
                 outcome = self.run_once()
             except ServerUnavailable as error:
-                if not unreachable:
+                if not self._unreachable:
                     logger.warning("server unreachable (%s); waiting for it", error)
-                    unreachable = True
+                    self._unreachable = True
                 self._sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, self.config.max_backoff_s)
                 continue
-            if unreachable:
-                logger.warning("server reachable again")
-                unreachable = False
             backoff_s = self.config.poll_interval_s
             if outcome is None:
                 self._sleep(self.config.poll_interval_s)
@@ -304,6 +339,10 @@ class Worker:
             RequestRejected: the server refused the claim.
         """
         claim = self.client.claim(self.config.worker_id, [d.info for d in self.devices])
+        # Said at the first answer, not after the run it may bring (which can take minutes).
+        if self._unreachable:
+            logger.warning("server reachable again")
+            self._unreachable = False
         if claim is None:
             return None
         return self._run_claim(claim)
@@ -330,10 +369,12 @@ class Worker:
             interrupt=lambda: self._interrupt(keeper),
             start_method=self.config.start_method,
         )
-        progress = _Progress(self.client, claim)
+        progress = _Progress(self.client, keeper)
         # One Optuna study per claim: a study left by an earlier claim of this run (a killed
-        # worker sharing this storage) is not continued, nor clobbered.
-        study_name = f"{claim.study_name}-claim-{claim.claim_number}"
+        # worker sharing this storage) is not continued, nor clobbered. The lease id (random,
+        # per claim) keeps names apart across servers: run numbers restart with a new server's
+        # database while this worker's store keeps the studies of the old one.
+        study_name = f"{claim.study_name}-claim-{claim.claim_number}-{claim.lease_id[:8]}"
         try:
             if self._stopping:
                 raise WorkerShutdown(SHUTDOWN_REASON)
@@ -360,7 +401,7 @@ class Worker:
                 "run %d failed: %s: %s",
                 claim.run_id,
                 _error_type(error),
-                error,
+                _error_message(error),
                 exc_info=error if retryable else None,
             )
             self._post_failed_trial(claim, runner, progress, study_name, error)
@@ -446,7 +487,7 @@ class Worker:
                     claim.run_id,
                     claim.lease_id,
                     error_type=_error_type(error),
-                    message=str(error),
+                    message=_error_message(error),
                     traceback_tail=_traceback_tail(error),
                     retryable=retryable,
                 ),
@@ -463,18 +504,17 @@ class Worker:
         return outcome
 
     def _patiently(self, keeper: _LeaseKeeper, call: Callable[[], T]) -> T:
-        """`call()`, retried while the server is unreachable and the lease may still hold
-        (an answer after the lease expired would be refused anyway)."""
-        deadline_s = time.monotonic() + keeper.lease_s
+        """`call()` under the lease, retried while the server is unreachable: however long
+        the outage, the lease stays renewable until another worker claims the run, so the
+        work is kept. Ends when the lease is lost, or the worker must stop now."""
         delay_s = 1.0
         while True:
             try:
-                return call()
+                return keeper.call(call)
             except ServerUnavailable as error:
+                keeper.check()
                 stop_deadline_s = self._stop_deadline_s
-                if time.monotonic() + delay_s > deadline_s or (
-                    stop_deadline_s is not None and time.monotonic() > stop_deadline_s
-                ):
+                if stop_deadline_s is not None and time.monotonic() > stop_deadline_s:
                     raise
                 logger.warning("server unreachable (%s); retrying in %.0f s", error, delay_s)
                 time.sleep(delay_s)

@@ -14,7 +14,12 @@ import pytest
 
 from autotune.candidates import Candidate, enumerate_candidates
 from autotune.schemas import Trial, TrialState
-from autotune.study import CHECKPOINTING_PARAM, OOM_CONSTRAINT, micro_batch_param, run_study
+from autotune.study import (
+    CHECKPOINTING_PARAM,
+    CONSTRAINTS_SYSTEM_ATTR,
+    micro_batch_param,
+    run_study,
+)
 from autotune.throughput import Measurement
 
 # 8 candidates without checkpointing (divisors of 48 up to 16), 10 with (up to 48).
@@ -109,7 +114,9 @@ def test_out_of_memory_is_recorded_as_an_infeasible_trial(sqlite_url: str) -> No
             (12, False),
             (16, False),
         }
-        assert frozen.constraints == {OOM_CONSTRAINT: 1.0 if is_oom else 0.0}
+        # Where optuna-dashboard reads constraints (a list under "constraints"), and Optuna too.
+        assert frozen.system_attrs[CONSTRAINTS_SYSTEM_ATTR] == [1.0 if is_oom else 0.0]
+        assert list(frozen.constraints.values()) == [1.0 if is_oom else 0.0]
         if is_oom:
             assert frozen.value == 0.0
         else:
@@ -119,7 +126,7 @@ def test_out_of_memory_is_recorded_as_an_infeasible_trial(sqlite_url: str) -> No
                 frozen.params[CHECKPOINTING_PARAM],
             )
             assert frozen.value == pytest.approx(gpu.samples_per_s(candidate))
-    assert study.best_trial.constraints == {OOM_CONSTRAINT: 0.0}
+    assert list(study.best_trial.constraints.values()) == [0.0]
 
 
 def test_budget_below_grid_measures_distinct_candidates_within_budget(sqlite_url: str) -> None:
@@ -209,6 +216,19 @@ def test_measure_errors_propagate_and_mark_the_trial_failed(sqlite_url: str) -> 
         run_study(CANDIDATES, broken, storage_url=sqlite_url, study_name="broken", n_trials=3)
     study = optuna.load_study(study_name="broken", storage=sqlite_url)
     assert [t.state for t in study.trials] == [optuna.trial.TrialState.FAIL]
+
+
+def test_a_failed_study_leaves_no_waiting_trial(sqlite_url: str) -> None:
+    def broken(_: Candidate) -> Measurement | None:
+        raise RuntimeError("driver fell over")
+
+    first = CANDIDATES[:3]  # enqueued: the first runs and fails, two never run
+    with pytest.raises(RuntimeError, match="driver fell over"):
+        run_study(
+            CANDIDATES, broken, storage_url=sqlite_url, study_name="b", n_trials=3, first=first
+        )
+    study = optuna.load_study(study_name="b", storage=sqlite_url)
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.FAIL] * 3
 
 
 def test_refuses_an_existing_study_name_and_bad_arguments(sqlite_url: str) -> None:

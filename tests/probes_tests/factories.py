@@ -8,6 +8,7 @@ the tests start workers).
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -83,6 +84,20 @@ def _hang_above(limit: int) -> Hook:
     return hook
 
 
+def _start_sleep_then_hang() -> Hook:
+    def hook(batch_size: int, calls: int) -> None:
+        # A process of the trial's own (as a data loader's worker would be), then a hang.
+        subprocess.Popen(["sleep", "300"])
+        while True:
+            time.sleep(60)
+
+    return hook
+
+
+def _raise_boom(batch_size: int, calls: int) -> None:
+    raise ValueError("boom")
+
+
 def _abort_on_call(call: int) -> Hook:
     def hook(batch_size: int, calls: int) -> None:
         if calls >= call:
@@ -99,6 +114,16 @@ def abort_above_4(training: TrainingSpec) -> Workload:
 def hang_above_4(training: TrainingSpec) -> Workload:
     """Never returns from a forward of more than 4 samples."""
     return _workload(training, _hang_above(4))
+
+
+def sleep_then_hang(training: TrainingSpec) -> Workload:
+    """Starts `sleep 300` in its first forward, then never returns."""
+    return _workload(training, _start_sleep_then_hang())
+
+
+def raise_boom(training: TrainingSpec) -> Workload:
+    """A bug in the user's model: every forward raises ValueError("boom")."""
+    return _workload(training, _raise_boom)
 
 
 def abort_in_measurement(training: TrainingSpec) -> Workload:

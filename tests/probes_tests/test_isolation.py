@@ -214,15 +214,35 @@ from probes.isolation import ChildProcessRunner
 from tests.probes_tests.factories import wide_spec
 
 runner = ChildProcessRunner(
-    wide_spec("hang_above_4", features=16), "cpu", 4 * 2**20, timeout_s=600,
+    wide_spec("sleep_then_hang", features=16), "cpu", 4 * 2**20, timeout_s=600,
     start_method=sys.argv[1],
 )
 runner.trial(8, checkpointing=False)
 """
 
 
+def _marked_sleeps(mark: str) -> list[int]:
+    sleeps = []
+    for pid in marked_pids(mark):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sleep\0"):
+                sleeps.append(pid)
+        except OSError:
+            continue
+    return sleeps
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True  # gone
+
+
 @pytest.mark.parametrize("start_method", METHODS)
-def test_children_die_with_a_killed_worker(start_method: StartMethod) -> None:
+def test_children_and_their_own_processes_die_with_a_killed_worker(
+    start_method: StartMethod,
+) -> None:
     mark = new_mark()
     parent = subprocess.Popen(
         [sys.executable, "-c", _ORPHAN_SCRIPT, start_method],
@@ -230,16 +250,19 @@ def test_children_die_with_a_killed_worker(start_method: StartMethod) -> None:
         env={**os.environ, MARK_VARIABLE: mark},
     )
     try:
-        # The parent, the child (and the forkserver or resource tracker): wait for the child,
-        # give it time to reach the hang, then kill the parent without warning.
-        deadline_s = time.monotonic() + 60
-        while len(marked_pids(mark)) < 3 and time.monotonic() < deadline_s:
+        # The trial's forward starts a `sleep` of its own, then hangs: wait for the sleep,
+        # then kill the parent without warning. Nothing of the trial may live on, the
+        # grandchild included (it is not the child's to kill: the child dies first).
+        deadline_s = time.monotonic() + 120
+        while not _marked_sleeps(mark):
+            assert time.monotonic() < deadline_s, "the trial never started its sleep"
+            assert parent.poll() is None, f"the parent exited with {parent.returncode}"
             time.sleep(0.1)
-        assert len(marked_pids(mark)) >= 3
-        time.sleep(3)
+        [grandchild] = _marked_sleeps(mark)
         parent.send_signal(signal.SIGKILL)
         parent.wait()
         assert wait_for_no_marked(mark) == []
+        assert not Path(f"/proc/{grandchild}").exists() or _is_zombie(grandchild)
     finally:
         for pid in marked_pids(mark):
             os.kill(pid, signal.SIGKILL)

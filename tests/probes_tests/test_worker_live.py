@@ -247,18 +247,24 @@ def test_crashing_and_hanging_trials_fail_their_runs_and_the_worker_goes_on(
     fleet: Fleet,
 ) -> None:
     fleet.serve()
-    worker = fleet.worker("crashy", "4MiB", "--trial-timeout", "5")
+    # The limit covers a child's start-up too (and the forkserver's own, torch imported, for
+    # the first child): 5 s was seen to time out a healthy `describe` on a loaded machine.
+    worker = fleet.worker("crashy", "4MiB", "--trial-timeout", "20")
     target = EmulatedTarget(memory_bytes=4 * MIB)
     with fleet.user() as user:
         aborting = user.submit_run(wide_spec("abort_above_4", features=16), target).id
         hanging = user.submit_run(wide_spec("hang_above_4", features=16), target).id
         measuring = user.submit_run(wide_spec("abort_in_measurement", features=16), target).id
+        raising = user.submit_run(wide_spec("raise_boom", features=16), target).id
         healthy = user.submit_run(wide_spec(features=16), target).id
-        runs = {run_id: _wait(user, run_id) for run_id in (aborting, hanging, measuring, healthy)}
+        runs = {
+            run_id: _wait(user, run_id)
+            for run_id in (aborting, hanging, measuring, raising, healthy)
+        }
 
     for run_id, reason in [
         (aborting, "killed by SIGABRT"),
-        (hanging, "timed out after 5 s"),
+        (hanging, "timed out after 20 s"),
         (measuring, "killed by SIGABRT"),
     ]:
         run = runs[run_id]
@@ -276,6 +282,11 @@ def test_crashing_and_hanging_trials_fail_their_runs_and_the_worker_goes_on(
     [failed_trial] = failed
     assert failed_trial.error is not None and "killed by SIGABRT" in failed_trial.error
     assert failed_trial.micro_batch * failed_trial.accumulation_steps == 32
+    # A user exception: its type once, beside the message, never "ValueError: ValueError".
+    [boom] = runs[raising].failures
+    assert (boom.error_type, boom.message) == ("ValueError", "boom")
+    assert runs[raising].error is not None and "ValueError: boom" in runs[raising].error
+    assert "ValueError: ValueError" not in runs[raising].error
     assert runs[healthy].status is RunStatus.SUCCEEDED
     _assert_recommendation_fits_target(runs[healthy])
     assert worker.process.poll() is None
@@ -343,17 +354,19 @@ def test_sigterm_lets_a_run_that_can_finish_in_the_grace_period_finish(fleet: Fl
     assert "stopped after 1 run(s)" in worker.log()
 
 
-def _start_server_on(port: int, tmp_path: Path) -> LiveServer:
-    """A server on a given port (conftest's helper picks its own)."""
+def _start_server_on(port: int, tmp_path: Path, **extra_env: str) -> LiveServer:
+    """A server on a given port (conftest's helper picks its own), on `late.db` in `tmp_path`
+    (so a server started again on the same port finds its database as it left it)."""
     log_path = tmp_path / "late-server.log"
     env = {
         **os.environ,
         "AUTOTUNE_DATABASE_URL": f"sqlite:///{tmp_path / 'late.db'}",
         "AUTOTUNE_CLIENT_TOKENS": CLIENT_TOKEN,
         "AUTOTUNE_WORKER_TOKENS": WORKER_TOKEN,
+        **extra_env,
     }
     command = [sys.executable, "-m", "uvicorn", "--factory", "api.main:create_app_from_env"]
-    with log_path.open("wb") as log:
+    with log_path.open("ab") as log:
         process = subprocess.Popen(
             [*command, "--port", str(port), "--log-level", "warning"],
             env=env,
@@ -376,10 +389,66 @@ def test_the_worker_waits_for_a_server_that_is_down(fleet: Fleet, tmp_path: Path
             wide_spec(features=16, target_global_batch=None), EmulatedTarget(memory_bytes=4 * MIB)
         ).id
         assert _wait(user, run_id).status is RunStatus.SUCCEEDED
+    # Logged at the first answer; waited for, as the log is written by another process.
+    worker.wait_for_log("server reachable again", timeout_s=30)
     log = worker.log()
-    assert log.count("server unreachable") == 1  # once per change of state, not per retry
-    assert "server reachable again" in log
+    assert log.count("server unreachable") == 1  # once per change, not per retry
+    # At the first answer (the claim), not after the run that answer brought.
+    assert log.index("server reachable again") < log.index(f"run {run_id}: claimed")
     assert stop_worker(worker) == 0
+
+
+@pytest.mark.skip(
+    reason="TODO(lead): enable after merging the server side of the lease protocol (a "
+    "heartbeat renews a lapsed lease nobody else claimed; other posts get 409 lease_expired)"
+)
+def test_a_server_outage_longer_than_the_lease_keeps_the_claims_work(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    port = free_port()
+    lease = {"AUTOTUNE_LEASE_S": "2", "AUTOTUNE_WAIT_POLL_S": "0.05"}
+    fleet.server = _start_server_on(port, tmp_path, **lease)
+    worker = fleet.worker("steady", "4MiB", "--seconds-per-trial", "0.5")
+    with fleet.user() as user:
+        run_id = user.submit_run(wide_spec(features=16), EmulatedTarget(memory_bytes=4 * MIB)).id
+        _wait_until(user, run_id, _streamed(2))
+    stop_server(fleet.server)
+    worker.wait_for_log(rf"run {run_id}: heartbeat failed")
+    # The outage itself: three leases long, so the lease lapses while the worker works on.
+    time.sleep(6)
+    fleet.server = _start_server_on(port, tmp_path, **lease)  # the same database
+    with fleet.user() as user:
+        run = _wait(user, run_id)
+    assert run.status is RunStatus.SUCCEEDED, run.error
+    assert run.worker_id == worker.name
+    assert run.claim_count == 1  # renewed, not reclaimed: no claim spent
+    assert "stopped renewing" not in str(run.failures)
+    assert stop_worker(worker) == 0
+
+
+def test_a_study_store_kept_from_an_earlier_server_does_not_fail_claims(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    # The same worker (same name, so the same --db) serves a server, then a fresh server with
+    # a fresh database, whose run numbers start again at 1.
+    spec = wide_spec(features=16)
+    target = EmulatedTarget(memory_bytes=4 * MIB)
+    fleet.serve()
+    first = fleet.worker("keeper", "4MiB")
+    with fleet.user() as user:
+        earlier = _wait(user, user.submit_run(spec, target).id)
+    assert earlier.status is RunStatus.SUCCEEDED, earlier.error
+    assert stop_worker(first) == 0
+    assert fleet.server is not None
+    stop_server(fleet.server)
+    fleet.server = _start_server_on(free_port(), tmp_path)
+    fleet.worker("keeper", "4MiB")
+    with fleet.user() as user:
+        later = _wait(user, user.submit_run(spec, target).id)
+    assert later.id == earlier.id  # the same run number, on another server
+    assert later.status is RunStatus.SUCCEEDED, later.error
+    assert later.claim_count == 1 and later.failures == []
+    assert later.study_name != earlier.study_name
 
 
 def test_a_wrong_token_stops_the_worker_with_an_error(fleet: Fleet) -> None:
