@@ -27,9 +27,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DataError, OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
+from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException
+
+from api.db import UNREACHABLE_ERRORS
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +170,7 @@ async def _handle_http_error(_request: Request, error: Exception) -> JSONRespons
 def register_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _handle_api_error)
     app.add_exception_handler(DataError, _handle_data_error)
-    app.add_exception_handler(OperationalError, _handle_unreachable_database)
-    app.add_exception_handler(PoolTimeout, _handle_unreachable_database)
+    for unreachable in UNREACHABLE_ERRORS:
+        app.add_exception_handler(unreachable, _handle_unreachable_database)
     app.add_exception_handler(RequestValidationError, _handle_validation_error)
     app.add_exception_handler(HTTPException, _handle_http_error)

@@ -48,7 +48,7 @@ def walk_values(
 
 
 def _encodable(value: object, path: str) -> None:
-    # JSON's \\uXXXX escapes can carry a lone surrogate, which no UTF-8 column, response or
+    # JSON's \uXXXX escapes can carry a lone surrogate, which no UTF-8 column, response or
     # log line can hold.
     if isinstance(value, str):
         try:
