@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     AwareDatetime,
+    BaseModel,
     BeforeValidator,
     Field,
     ValidationInfo,
@@ -38,7 +39,6 @@ from autotune.schemas import (
     Spec,
     Trial,
     TuneResult,
-    walk_values,
 )
 
 API_PREFIX = "/api/v1"
@@ -163,7 +163,9 @@ def fingerprint(spec: Spec, target: EmulatedTarget | CudaTarget, autotune_versio
 
 
 def _storable(value: object, path: str) -> None:
-    """Refuse what a database cannot store: integers beyond 64 bits, NaN/inf, NUL characters."""
+    """Refuse what a database cannot store: integers beyond 64 bits, NaN/inf, NUL characters,
+    and lone surrogates (JSON's \\uXXXX escapes can carry them; no UTF-8 column, response or
+    log line can hold one, so a stored one would break every later read of its run)."""
     if isinstance(value, bool):
         return
     if isinstance(value, int):
@@ -172,12 +174,34 @@ def _storable(value: object, path: str) -> None:
     elif isinstance(value, float):
         if not math.isfinite(value):
             raise ValueError(f"{path}: must be a finite number")
-    elif isinstance(value, str) and "\x00" in value:
-        raise ValueError(f"{path}: NUL characters are not allowed")
+    elif isinstance(value, str):
+        if "\x00" in value:
+            raise ValueError(f"{path}: NUL characters are not allowed")
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise ValueError(f"{path}: not valid Unicode (a lone surrogate)") from None
+
+
+def _walk(value: object, path: str) -> None:
+    """`_storable` on every scalar under `value`: model fields, dict keys and items, lists."""
+    if isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            _walk(getattr(value, name), f"{path}.{name}")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _storable(key, f"{path} key")
+            _walk(item, f"{path}.{key}")
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            _walk(item, f"{path}[{index}]")
+    else:
+        _storable(value, path)
 
 
 class _Storable(Base):
-    """A request body whose every value fits the database.
+    """A request body whose every value fits the database: every request body is one, so this
+    is where text and numbers from outside are checked once.
 
     Checked per top-level field, after that field's own validation, so that a 422 names the
     field (its location) and the path inside it (the message).
@@ -186,7 +210,7 @@ class _Storable(Base):
     @field_validator("*", mode="after")
     @classmethod
     def _fits_the_database(cls, value: Any, info: ValidationInfo) -> Any:
-        walk_values(value, str(info.field_name), _storable, into_models=True)
+        _walk(value, str(info.field_name))
         return value
 
 

@@ -7,11 +7,10 @@ Every payload that crosses a process or network boundary is one of these models.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from autotune.presets import PRESETS
 
@@ -24,53 +23,10 @@ DEVICE_NAME_MAX = 200  # autotune_runs.target_name
 _MODEL_TYPE_MAX = MODEL_LABEL_MAX - len("hf:")
 
 
-def walk_values(
-    value: object, path: str, check: Callable[[object, str], None], *, into_models: bool = False
-) -> None:
-    """Call `check(leaf, path)` on every scalar under `value`, dict keys included.
-
-    Nested models are entered only with `into_models`: a field validator on `Base` need not,
-    since their own fields were checked when they were built.
-    """
-    if isinstance(value, BaseModel):
-        if into_models:
-            for name in type(value).model_fields:
-                walk_values(getattr(value, name), f"{path}.{name}", check, into_models=True)
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            check(key, f"{path} key")
-            walk_values(item, f"{path}.{key}", check, into_models=into_models)
-    elif isinstance(value, list | tuple):
-        for index, item in enumerate(value):
-            walk_values(item, f"{path}[{index}]", check, into_models=into_models)
-    else:
-        check(value, path)
-
-
-def _encodable(value: object, path: str) -> None:
-    # JSON's \uXXXX escapes can carry a lone surrogate, which no UTF-8 column, response or
-    # log line can hold.
-    if isinstance(value, str):
-        try:
-            value.encode()
-        except UnicodeEncodeError:
-            raise ValueError(f"{path}: not valid Unicode (a lone surrogate)") from None
-
-
 class Base(BaseModel):
-    """Frozen and strict about unknown fields, so a typo in a spec is an error, not a no-op.
-
-    Every field of every model refuses text that cannot be encoded: such a string would be
-    stored and then fail every response that includes it.
-    """
+    """Frozen and strict about unknown fields, so a typo in a spec is an error, not a no-op."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-    @field_validator("*", mode="after")
-    @classmethod
-    def _encodable_text(cls, value: Any, info: ValidationInfo) -> Any:
-        walk_values(value, str(info.field_name), _encodable)
-        return value
 
 
 # ---------------------------------------------------------------------------------------------

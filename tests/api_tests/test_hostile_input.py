@@ -120,6 +120,15 @@ def test_worker_events_refuse_lone_surrogates(
     assert (run.status.value, run.trials, run.failures) == ("running", [], [])
 
 
+def test_a_worker_reports_an_error_whose_text_is_not_storable(
+    user: ServerClient, worker: ServerClient
+) -> None:
+    # A path decoded with surrogateescape, or a NUL from a child's output, in an error message.
+    run_id, lease_id = _claimed(user, worker)
+    worker.report_failure(run_id, lease_id, error_type="OSError", message="/data/\udcff\x00")
+    assert user.get_run(run_id).failures[0].message == "/data/\\udcff\\x00"
+
+
 def test_query_parameters_with_undecodable_text_are_not_a_500(http: TestClient) -> None:
     for query in ("model=%ED%BF%BF", "device=%ED%A0%80x", "model=%FF"):
         response = http.get(f"/api/v1/runs?{query}", headers=USER)
