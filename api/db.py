@@ -2,7 +2,11 @@
 
 SQLite (the embedded default) runs in WAL mode with foreign keys on and a busy timeout; write
 transactions there start with BEGIN IMMEDIATE so that two writers queue on the busy timeout
-instead of failing when a read lock cannot be upgraded. PostgreSQL needs none of that.
+instead of failing when a read lock cannot be upgraded. PostgreSQL needs none of that, but it
+can be unreachable: every connection attempt gives up after a connect timeout, every statement
+after a statement timeout (set per connection), pooled connections are pinged before use, and
+TCP keepalives eventually free a connection whose server vanished mid-query. A request that hits
+any of these ends in 503 `database_unavailable` (`api.errors`), which clients retry.
 """
 
 from __future__ import annotations
@@ -15,32 +19,69 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import Engine, create_engine, event, make_url, text
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
 logger = logging.getLogger(__name__)
 
 VERSION_TABLE = "autotune_alembic_version"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+# A request thread waits this long for a pooled connection before the request is a 503.
+POOL_TIMEOUT_S = 10.0
+# What a refused, timed-out or hung database raises through SQLAlchemy.
+UNREACHABLE_ERRORS = (OperationalError, PoolTimeout)
 # Any constant works: it only has to be the same in every server process.
 _MIGRATION_LOCK_KEY = 0x4155544F54554E45
 _WRITE_OPTION = "autotune_write"
 
 
-def make_engine(url: str) -> Engine:
-    """An engine for `url`, configured for many concurrent request threads."""
+def make_engine(
+    url: str, *, connect_timeout_s: int = 3, statement_timeout_s: float = 30.0
+) -> Engine:
+    """An engine for `url`, configured for many concurrent request threads.
+
+    Args:
+        connect_timeout_s: PostgreSQL: give up connecting (TCP, TLS and start-up) after this;
+            libpq counts whole seconds and treats less than 2 as 2.
+        statement_timeout_s: PostgreSQL: the server cancels any statement running longer.
+    """
+    pool = {"pool_size": 20, "max_overflow": 20, "pool_timeout": POOL_TIMEOUT_S}
     if url.startswith("sqlite"):
         engine = create_engine(
             url,
             connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
-            pool_size=20,
-            max_overflow=20,
+            pool_pre_ping=True,
+            **pool,
         )
         event.listen(engine, "connect", _configure_sqlite)
         event.listen(engine, "begin", _begin_sqlite)
         return engine
-    return create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True)
+    return create_engine(
+        url,
+        connect_args=_postgres_connect_args(url, connect_timeout_s, statement_timeout_s),
+        pool_pre_ping=True,
+        **pool,
+    )
+
+
+def _postgres_connect_args(
+    url: str, connect_timeout_s: int, statement_timeout_s: float
+) -> dict[str, Any]:
+    # connect_args replace the URL's own `options`, so keep those (e.g. a search_path) and add.
+    given = make_url(url).query.get("options", ())
+    options = [given] if isinstance(given, str) else list(given)
+    options.append(f"-c statement_timeout={max(1, round(statement_timeout_s * 1000))}")
+    return {
+        "connect_timeout": max(2, connect_timeout_s),
+        "options": " ".join(options),
+        "keepalives": 1,
+        "keepalives_idle": 10,
+        "keepalives_interval": 5,
+        "keepalives_count": 3,
+    }
 
 
 def _configure_sqlite(dbapi_connection: Any, _record: Any) -> None:
@@ -65,8 +106,12 @@ def _begin_sqlite(connection: Connection) -> None:
 class Database:
     """An engine with two session factories: reads, and writes (serialised early on SQLite)."""
 
-    def __init__(self, url: str) -> None:
-        self.engine = make_engine(url)
+    def __init__(
+        self, url: str, *, connect_timeout_s: int = 3, statement_timeout_s: float = 30.0
+    ) -> None:
+        self.engine = make_engine(
+            url, connect_timeout_s=connect_timeout_s, statement_timeout_s=statement_timeout_s
+        )
         self.is_postgres = self.engine.dialect.name == "postgresql"
         self._read = sessionmaker(self.engine, expire_on_commit=False)
         self._write = sessionmaker(

@@ -1,8 +1,9 @@
 """Request dependencies: the app context (database, settings, clock) and bearer-token roles.
 
-Tokens come from `Settings`; comparisons are constant-time. A missing token is 401, a token that
-does not carry the needed role is 403. With no tokens configured nothing is authorised: the server
-never runs open by accident (`autotune serve` generates tokens instead).
+Tokens come from `Settings`; comparisons are constant-time. A missing token is 401, an unknown
+token is 401 `invalid_token` (RFC 6750), a known token without the needed role is 403. With no
+tokens configured nothing is authorised: the server never runs open by accident (`autotune
+serve` generates tokens instead).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from api.db import Database
-from api.errors import Forbidden, Unauthenticated
+from api.errors import Forbidden, InvalidToken, Unauthenticated
 from api.runcache import FinishedRunCache
 from api.settings import Settings
 
@@ -84,8 +85,11 @@ def authorize(role: Role) -> Callable[[Request], Awaitable[None]]:
             Role.CLIENT: settings.client_tokens,
             Role.WORKER: settings.worker_tokens,
         }[role]
-        if not _is_one_of(token, allowed):
-            raise Forbidden(f"this token may not act as {role.value}")
+        if _is_one_of(token, allowed):
+            return
+        if not _is_one_of(token, settings.client_tokens + settings.worker_tokens):
+            raise InvalidToken("unknown bearer token")
+        raise Forbidden(f"this token may not act as {role.value}")
 
     return check
 

@@ -2,25 +2,35 @@
 
 * ApiError                 (code, status)
   + Unauthenticated        401  no bearer token
-  + Forbidden              403  a token that does not allow this
+  + InvalidToken           401  a token the server does not know (RFC 6750 `invalid_token`)
+  + Forbidden              403  a known token without the role this needs
   + RunNotFound            404
   + RunNotCancellable      409  the run has already finished
   + StaleLease             409  the lease is not the run's current lease (expired, requeued,
   |                             finished elsewhere): the event changes nothing
   |  + RunCancelled        409  ... because the run was cancelled while the worker held it
   + ResultRejected         422  a result that does not belong to the run it is posted to
+  + DatabaseUnavailable    503  the database refused, timed out or hung (retry later)
 
-Every such response has the body `{"code": ..., "detail": ...}` (`autotune.protocol.ErrorBody`).
-Bodies over the size limit are refused with 413 by FastAPI's own `max_body_size` before parsing.
+Every such response has the body `{"code": ..., "detail": ...}` (`autotune.protocol.ErrorBody`),
+and so do Starlette's own 404/405/413 (unknown path, wrong method, body over `max_body_size`).
+A request that fails validation is a 422 `{"code": "invalid", "detail": [{loc, msg, type}]}`:
+FastAPI's shape without the offending input, which may not even be encodable as JSON (NaN) or
+UTF-8 (a lone surrogate), and need not be reflected back anyway.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError
+from starlette.exceptions import HTTPException
+
+from api.db import UNREACHABLE_ERRORS
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +49,11 @@ class ApiError(Exception):
 class Unauthenticated(ApiError):
     status_code = 401
     code = "unauthenticated"
+
+
+class InvalidToken(ApiError):
+    status_code = 401
+    code = "invalid_token"
 
 
 class Forbidden(ApiError):
@@ -73,12 +88,31 @@ class ResultRejected(ApiError):
     code = "result_rejected"
 
 
+class DatabaseUnavailable(ApiError):
+    status_code = 503
+    code = "database_unavailable"
+
+
+# RFC 6750 section 3: a 401 names the scheme, and says why when a token was given.
+_CHALLENGES = {
+    Unauthenticated.code: "Bearer",
+    InvalidToken.code: 'Bearer error="invalid_token"',
+}
+_HTTP_CODES = {
+    400: "bad_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "body_too_large",
+    415: "unsupported_media_type",
+}
+
+
 def error_response(error: ApiError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if error.status_code == 401 else None
+    challenge = _CHALLENGES.get(error.code)
     return JSONResponse(
         {"code": error.code, "detail": error.detail},
         status_code=error.status_code,
-        headers=headers,
+        headers={"WWW-Authenticate": challenge} if challenge else None,
     )
 
 
@@ -97,6 +131,46 @@ async def _handle_data_error(_request: Request, error: Exception) -> JSONRespons
     )
 
 
+async def _handle_unreachable_database(_request: Request, error: Exception) -> JSONResponse:
+    # Refused, timed out (connect or statement timeout), or the pool is exhausted by hung
+    # connections: the request may succeed later, so 503, which clients retry.
+    logger.warning("database unavailable: %s", str(error).splitlines()[0] if str(error) else error)
+    return error_response(DatabaseUnavailable("the database is unavailable; retry later"))
+
+
+def _printable(text: str) -> str:
+    # A message or a dict key inside a location may carry the lone surrogate it complains of.
+    return text.encode("utf-8", "backslashreplace").decode()
+
+
+def _problem(error: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": error["type"],
+        "loc": [part if isinstance(part, int) else _printable(str(part)) for part in error["loc"]],
+        "msg": _printable(str(error["msg"])),
+    }
+
+
+async def _handle_validation_error(_request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, RequestValidationError)
+    problems = [_problem(problem) for problem in error.errors()]
+    return JSONResponse({"code": "invalid", "detail": problems}, status_code=422)
+
+
+async def _handle_http_error(_request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, HTTPException)
+    code = _HTTP_CODES.get(error.status_code, f"http_{error.status_code}")
+    return JSONResponse(
+        {"code": code, "detail": str(error.detail)},
+        status_code=error.status_code,
+        headers=error.headers,
+    )
+
+
 def register_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _handle_api_error)
     app.add_exception_handler(DataError, _handle_data_error)
+    for unreachable in UNREACHABLE_ERRORS:
+        app.add_exception_handler(unreachable, _handle_unreachable_database)
+    app.add_exception_handler(RequestValidationError, _handle_validation_error)
+    app.add_exception_handler(HTTPException, _handle_http_error)

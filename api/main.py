@@ -36,7 +36,11 @@ def create_app(settings: Settings, *, clock: Callable[[], datetime] = _utc_now) 
         settings: everything configurable; nothing else is read from the environment.
         clock: the server's notion of now (aware UTC); tests pass a controllable one.
     """
-    database = Database(settings.resolved_database_url())
+    database = Database(
+        settings.resolved_database_url(),
+        connect_timeout_s=settings.database_connect_timeout_s,
+        statement_timeout_s=settings.database_statement_timeout_s,
+    )
     migrate(database)
     if not settings.client_tokens and not settings.worker_tokens and not settings.open_reads:
         logger.warning("no tokens configured: every protected endpoint will answer 401/403")

@@ -35,6 +35,15 @@ class Settings(BaseSettings):
         default=3, ge=1, description="Claims a run may use up (failures, expired leases)."
     )
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
+    database_connect_timeout_s: int = Field(
+        default=3, ge=2, description="PostgreSQL: give up connecting after this many seconds."
+    )
+    database_statement_timeout_s: float = Field(
+        default=30.0, gt=0, description="PostgreSQL: cancel any statement running longer."
+    )
+    health_timeout_s: float = Field(
+        default=3.0, gt=0, description="GET /health answers 503 if the database takes longer."
+    )
     max_wait_s: float = Field(default=300.0, ge=0, description="Cap on ?wait= long polls.")
     wait_poll_s: float = Field(default=0.1, gt=0, description="How often a long poll looks.")
 

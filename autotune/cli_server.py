@@ -7,6 +7,9 @@
 
 `autotune.cli` calls `add_server_commands`. The server's own imports (FastAPI, SQLAlchemy,
 uvicorn) happen inside `serve`, so the other commands work with only the client installed.
+`serve` connects to the database before listening: when it cannot (refused, or no answer within
+the connect timeout) it says so in one line and exits 1 (EXIT_FAILURE: the database may come
+back, so this is not a usage error, exit 2, that the user must fix in the command).
 Tokens: `--token` or AUTOTUNE_TOKEN; the server URL: `--server` or AUTOTUNE_SERVER.
 """
 
@@ -25,7 +28,7 @@ from rich.table import Table
 
 from autotune.bytesize import format_bytes, parse_bytes
 from autotune.client import ServerClient
-from autotune.errors import SpecError
+from autotune.errors import AutotuneError, SpecError
 from autotune.presets import PRESETS
 from autotune.protocol import CudaTarget, EmulatedTarget, Run, RunPage, RunStatus
 from autotune.schemas import ModelSpec, Spec
@@ -38,9 +41,14 @@ DEFAULT_SERVER = "http://127.0.0.1:8000"
 # serve
 
 
+class DatabaseUnreachable(AutotuneError):
+    """`serve` could not connect to (or migrate) its database."""
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from api.db import UNREACHABLE_ERRORS, Database
     from api.main import create_app
     from api.settings import Settings
 
@@ -55,6 +63,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if not settings.worker_tokens:
         generated["worker"] = secrets.token_urlsafe(24)
         settings = settings.model_copy(update={"worker_tokens": [generated["worker"]]})
+    url = settings.resolved_database_url()
+    try:
+        if args.workers == 1:
+            app = create_app(settings)
+        else:
+            # Each process migrates on start; check once here so one line says what is wrong.
+            database = Database(url, connect_timeout_s=settings.database_connect_timeout_s)
+            try:
+                database.ping()
+            finally:
+                database.dispose()
+    except UNREACHABLE_ERRORS as error:
+        from sqlalchemy import make_url
+
+        reason = str(error).strip().splitlines() or [type(error).__name__]
+        where = make_url(url).render_as_string(hide_password=True)
+        raise DatabaseUnreachable(f"cannot reach the database at {where}: {reason[0]}") from None
     for role, token in generated.items():
         sys.stderr.write(f"autotune serve: generated {role} token: {token}\n")
     if generated:
@@ -63,10 +88,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         )
     sys.stderr.flush()
     if args.workers == 1:
-        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
         return 0
     # Several processes build their own app from the environment (uvicorn's factory mode).
-    os.environ["AUTOTUNE_DATABASE_URL"] = settings.resolved_database_url()
+    os.environ["AUTOTUNE_DATABASE_URL"] = url
     os.environ["AUTOTUNE_CLIENT_TOKENS"] = json.dumps(settings.client_tokens)
     os.environ["AUTOTUNE_WORKER_TOKENS"] = json.dumps(settings.worker_tokens)
     uvicorn.run(

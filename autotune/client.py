@@ -134,6 +134,12 @@ def _rejection(response: httpx2.Response, *, worker_call: bool) -> RequestReject
     return kind(status, code, detail)
 
 
+def _storable_text(text: str) -> str:
+    """An error's text as the server accepts it: a path decoded with surrogateescape or a NUL
+    from a child's output would otherwise make the report itself invalid."""
+    return text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode()
+
+
 class ServerClient:
     """A client of one autotune server.
 
@@ -362,9 +368,9 @@ class ServerClient:
     ) -> Run:
         report = FailureReport(
             lease_id=lease_id,
-            error_type=error_type[:200],
-            message=message[:10_000],
-            traceback_tail=traceback_tail[-10_000:] if traceback_tail else None,
+            error_type=_storable_text(error_type)[:200],
+            message=_storable_text(message)[:10_000],
+            traceback_tail=_storable_text(traceback_tail)[-10_000:] if traceback_tail else None,
             retryable=retryable,
         )
         response = self._request(

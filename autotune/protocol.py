@@ -11,14 +11,23 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    BeforeValidator,
+    Field,
+    ValidationInfo,
+    field_validator,
+)
 
 from autotune.bytesize import parse_bytes
 from autotune.schemas import (
+    DEVICE_NAME_MAX,
     Base,
     DeviceInfo,
     DeviceKind,
@@ -67,6 +76,18 @@ MemoryBytes = Annotated[int, BeforeValidator(_memory_size), Field(ge=1, le=MAX_I
 _Text = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f]+$")]
 
 
+def _as_utc(value: datetime) -> datetime:
+    # Converting +14:00 on 0001-01-01 (or -14:00 on 9999-12-31) leaves the datetime range.
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:
+        raise ValueError("out of range once converted to UTC") from None
+
+
+UtcDatetime = Annotated[AwareDatetime, AfterValidator(_as_utc)]
+"""A timestamp with its offset (a naive one is ambiguous), as UTC; for query parameters."""
+
+
 def cuda_memory_bounds(total_memory_bytes: int) -> tuple[int, int]:
     """The range of target memories a GPU with this total memory matches (inclusive).
 
@@ -99,7 +120,7 @@ class CudaTarget(Base):
     """A real GPU model, e.g. name "NVIDIA A100-SXM4-80GB" with its total memory."""
 
     kind: Literal["cuda"] = "cuda"
-    name: _Text
+    name: Annotated[_Text, Field(max_length=DEVICE_NAME_MAX)]
     memory_bytes: MemoryBytes
 
     def identity(self) -> dict[str, Any]:
@@ -141,8 +162,10 @@ def fingerprint(spec: Spec, target: EmulatedTarget | CudaTarget, autotune_versio
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def _check_storable(value: object, path: str) -> None:
-    """Refuse what a database cannot store: integers beyond 64 bits, NaN/inf, NUL characters."""
+def _storable(value: object, path: str) -> None:
+    """Refuse what a database cannot store: integers beyond 64 bits, NaN/inf, NUL characters,
+    and lone surrogates (JSON's \\uXXXX escapes can carry them; no UTF-8 column, response or
+    log line can hold one, so a stored one would break every later read of its run)."""
     if isinstance(value, bool):
         return
     if isinstance(value, int):
@@ -154,22 +177,41 @@ def _check_storable(value: object, path: str) -> None:
     elif isinstance(value, str):
         if "\x00" in value:
             raise ValueError(f"{path}: NUL characters are not allowed")
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise ValueError(f"{path}: not valid Unicode (a lone surrogate)") from None
+
+
+def _walk(value: object, path: str) -> None:
+    """`_storable` on every scalar under `value`: model fields, dict keys and items, lists."""
+    if isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            _walk(getattr(value, name), f"{path}.{name}")
     elif isinstance(value, dict):
         for key, item in value.items():
-            _check_storable(key, f"{path}.{key}")
-            _check_storable(item, f"{path}.{key}")
+            _storable(key, f"{path} key")
+            _walk(item, f"{path}.{key}")
     elif isinstance(value, list | tuple):
         for index, item in enumerate(value):
-            _check_storable(item, f"{path}[{index}]")
+            _walk(item, f"{path}[{index}]")
+    else:
+        _storable(value, path)
 
 
 class _Storable(Base):
-    """A request body whose every value fits the database (checked after field validation)."""
+    """A request body whose every value fits the database: every request body is one, so this
+    is where text and numbers from outside are checked once.
 
-    @model_validator(mode="after")
-    def _storable(self) -> _Storable:
-        _check_storable(self.model_dump(mode="python"), "body")
-        return self
+    Checked per top-level field, after that field's own validation, so that a 422 names the
+    field (its location) and the path inside it (the message).
+    """
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _fits_the_database(cls, value: Any, info: ValidationInfo) -> Any:
+        _walk(value, str(info.field_name))
+        return value
 
 
 # ---------------------------------------------------------------------------------------------

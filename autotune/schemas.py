@@ -14,6 +14,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from autotune.presets import PRESETS
 
+# Column sizes in api/tables.py: a longer value would pass SQLite and fail PostgreSQL, so the
+# schemas refuse it first and both databases answer the same 422.
+MODEL_LABEL_MAX = 300  # autotune_runs.model
+STUDY_NAME_MAX = 100  # autotune_runs.study_name
+TORCH_VERSION_MAX = 32  # autotune_runs.torch_version
+DEVICE_NAME_MAX = 200  # autotune_runs.target_name
+_MODEL_TYPE_MAX = MODEL_LABEL_MAX - len("hf:")
+
 
 class Base(BaseModel):
     """Frozen and strict about unknown fields, so a typo in a spec is an error, not a no-op."""
@@ -50,9 +58,14 @@ class ModelSpec(Base):
         description='A transformers config as a dict, e.g. {"model_type": "llama", ...}; '
         "built with random weights, nothing downloaded.",
     )
-    hf_id: str | None = Field(default=None, description="A Hugging Face hub id (needs the hub).")
+    hf_id: str | None = Field(
+        default=None,
+        max_length=MODEL_LABEL_MAX,
+        description="A Hugging Face hub id (needs the hub).",
+    )
     factory: str | None = Field(
         default=None,
+        max_length=MODEL_LABEL_MAX,
         description='"package.module:function" returning an autotune.workload.Workload.',
     )
 
@@ -72,6 +85,8 @@ class ModelSpec(Base):
             )
         if self.hf_config is not None and not isinstance(self.hf_config.get("model_type"), str):
             raise ValueError('hf_config: needs a "model_type" string, e.g. "llama"')
+        if self.hf_config is not None and len(self.hf_config["model_type"]) > _MODEL_TYPE_MAX:
+            raise ValueError(f"hf_config.model_type: at most {_MODEL_TYPE_MAX} characters")
         if self.hf_id is not None and not _HF_ID_PATTERN.match(self.hf_id):
             raise ValueError(f"hf_id: not a hub id: {self.hf_id!r}")
         if self.factory is not None and not _FACTORY_PATTERN.match(self.factory):
@@ -161,14 +176,14 @@ class DeviceInfo(Base):
     """Identity and memory of the device a result was measured on."""
 
     kind: DeviceKind
-    name: str
+    name: str = Field(max_length=DEVICE_NAME_MAX)
     index: int | None = None
-    uuid: str | None = None
+    uuid: str | None = Field(default=None, max_length=200)
     total_memory_bytes: int = Field(ge=0)
     capacity_bytes: int = Field(ge=0, description="What a training step may use.")
-    driver_version: str | None = None
-    cuda_version: str | None = None
-    torch_version: str | None = None
+    driver_version: str | None = Field(default=None, max_length=100)
+    cuda_version: str | None = Field(default=None, max_length=100)
+    torch_version: str | None = Field(default=None, max_length=TORCH_VERSION_MAX)
 
 
 class Phase(StrEnum):
@@ -283,4 +298,4 @@ class TuneResult(Base):
     recommendation: Recommendation | None
     infeasible: Infeasible | None = None
     exports: Exports | None = None
-    study_name: str | None = None
+    study_name: str | None = Field(default=None, max_length=STUDY_NAME_MAX)

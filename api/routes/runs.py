@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Response
@@ -23,6 +22,7 @@ from autotune.protocol import (
     RunPage,
     RunStatus,
     Submitted,
+    UtcDatetime,
     fingerprint,
 )
 
@@ -152,8 +152,8 @@ def list_runs(
     status: RunStatus | None = None,
     model: _Label = None,
     device: _Label = None,
-    created_after: datetime | None = None,
-    created_before: datetime | None = None,
+    created_after: UtcDatetime | None = None,
+    created_before: UtcDatetime | None = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE_LIMIT)] = 50,
     offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
 ) -> RunPage:

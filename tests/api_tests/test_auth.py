@@ -1,4 +1,5 @@
-"""Tokens: 401 without one, 403 with one of the wrong role, reads opened only by a setting."""
+"""Tokens: 401 without one or with an unknown one (RFC 6750 `invalid_token`), 403 with one of
+the wrong role, reads opened only by a setting."""
 
 from __future__ import annotations
 
@@ -52,15 +53,23 @@ def test_missing_token_is_401(
 
 
 @pytest.mark.parametrize(("method", "path", "body", "role"), ENDPOINTS)
-def test_wrong_token_is_403(
+def test_unknown_token_is_401_invalid_token(
     http: TestClient, method: str, path: str, body: object, role: str
 ) -> None:
-    status, payload = _call(http, method, path, body, "not-a-token")
-    assert (status, payload["code"]) == (403, "forbidden")
+    headers = {"Authorization": "Bearer not-a-token"}
+    response = http.request(method, path, json=body, headers=headers)
+    assert (response.status_code, response.json()["code"]) == (401, "invalid_token")
+    assert response.headers["www-authenticate"] == 'Bearer error="invalid_token"'
+
+
+@pytest.mark.parametrize(("method", "path", "body", "role"), ENDPOINTS)
+def test_token_of_the_wrong_role_is_403(
+    http: TestClient, method: str, path: str, body: object, role: str
+) -> None:
     if role in TOKENS:
-        # The other role's token is not enough either.
         other = WORKER_TOKEN if role == "client" else CLIENT_TOKEN
-        assert _call(http, method, path, body, other)[0] == 403
+        status, payload = _call(http, method, path, body, other)
+        assert (status, payload["code"]) == (403, "forbidden")
 
 
 @pytest.mark.parametrize(("method", "path", "body", "role"), ENDPOINTS)
@@ -97,8 +106,8 @@ def test_without_configured_tokens_nothing_is_open(
     with TestClient(_app(settings_factory, client_tokens=[], worker_tokens=[])) as http:
         assert http.get("/api/v1/runs").status_code == 401
         headers = {"Authorization": "Bearer anything"}
-        assert http.get("/api/v1/runs", headers=headers).status_code == 403
-        assert http.post("/api/v1/runs", json=RUN_BODY, headers=headers).status_code == 403
+        assert http.get("/api/v1/runs", headers=headers).status_code == 401
+        assert http.post("/api/v1/runs", json=RUN_BODY, headers=headers).status_code == 401
 
 
 def test_several_tokens_per_role_from_the_environment(

@@ -76,7 +76,7 @@ def test_cli_errors_are_one_line(
     assert main(["runs", "show", "999", "--server", live_server.url, "--token", CLIENT_TOKEN]) == 1
     assert "404 run_not_found: no run with id 999" in capsys.readouterr().err
     assert main(["runs", "list", "--server", live_server.url, "--token", "wrong"]) == 1
-    assert "403 forbidden" in capsys.readouterr().err
+    assert "401 invalid_token" in capsys.readouterr().err
     assert main(["submit", "mlp", "--device", "gpu", "--server", live_server.url]) == 2
     assert "--device" in capsys.readouterr().err
 

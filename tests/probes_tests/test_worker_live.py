@@ -455,4 +455,4 @@ def test_a_wrong_token_stops_the_worker_with_an_error(fleet: Fleet) -> None:
     fleet.serve()
     worker = fleet.worker("intruder", "4MiB", token="not-a-worker-token")
     assert worker.process.wait(timeout=60) == 1
-    assert "autotune: error: 403 forbidden" in worker.log()
+    assert "autotune: error: 401 invalid_token" in worker.log()
