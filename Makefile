@@ -34,7 +34,7 @@ typecheck: env
 	$(PY) -m mypy
 
 test: env lint typecheck
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 bench: env
 	$(PY) bench/probe_trials.py

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import optuna
@@ -12,7 +13,7 @@ import pytest
 
 from autotune.candidates import Candidate
 from autotune.device import EmulatedDevice
-from autotune.schemas import Spec, TrialState
+from autotune.schemas import Spec, TrialState, TuneResult
 from autotune.session import ProbeSession
 from autotune.tuner import default_trial_budget, priority_candidates, tune
 
@@ -29,13 +30,38 @@ def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'tune.db'}"
 
 
+Tuned = tuple[Spec, TuneResult, str]
+STUDY_NAME = "my-study"
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int, int], Tuned]:
+    """Tunes each (target, world size) once per module, in a study named STUDY_NAME; returns
+    the spec, the result and the study's storage URL. A tuning is the costly part of a test."""
+    done: dict[tuple[int, int], Tuned] = {}
+
+    def get(target: int, world_size: int) -> Tuned:
+        if (target, world_size) not in done:
+            spec = tiny_spec(target_global_batch=target, world_size=world_size)
+            url = sqlite_url(tmp_path_factory.mktemp("tune"))
+            result = tune(
+                spec,
+                EmulatedDevice(CAPACITY_BYTES),
+                storage_url=url,
+                study_name=STUDY_NAME,
+                target_seconds=0.05,
+            )
+            done[target, world_size] = (spec, result, url)
+        return done[target, world_size]
+
+    return get
+
+
 @pytest.mark.parametrize(("target", "world_size"), [(32, 1), (24, 2)])
 def test_recommendation_hits_the_target_exactly_and_fits(
-    tmp_path: Path, target: int, world_size: int
+    tuned: Callable[[int, int], Tuned], target: int, world_size: int
 ) -> None:
-    spec = tiny_spec(target_global_batch=target, world_size=world_size)
-    device = EmulatedDevice(CAPACITY_BYTES)
-    result = tune(spec, device, storage_url=sqlite_url(tmp_path), target_seconds=0.05)
+    spec, result, _ = tuned(target, world_size)
 
     rec = result.recommendation
     assert rec is not None
@@ -58,27 +84,15 @@ def test_recommendation_hits_the_target_exactly_and_fits(
     assert result.exports.deepspeed["train_batch_size"] == target
 
 
-def test_the_study_is_stored_for_the_dashboard(tmp_path: Path) -> None:
-    spec = tiny_spec(target_global_batch=16)
-    result = tune(
-        spec,
-        EmulatedDevice(CAPACITY_BYTES),
-        storage_url=sqlite_url(tmp_path),
-        study_name="my-study",
-        target_seconds=0.05,
-    )
-    study = optuna.load_study(study_name="my-study", storage=sqlite_url(tmp_path))
-    assert result.study_name == "my-study"
+def test_the_study_is_stored_for_the_dashboard(tuned: Callable[[int, int], Tuned]) -> None:
+    _, result, url = tuned(32, 1)
+    study = optuna.load_study(study_name=STUDY_NAME, storage=url)
+    assert result.study_name == STUDY_NAME
     assert len({t.number for t in study.trials}) >= len(result.trials)
 
 
-def test_accumulation_limit_is_found_and_respected(tmp_path: Path) -> None:
-    result = tune(
-        tiny_spec(target_global_batch=32),
-        EmulatedDevice(CAPACITY_BYTES),
-        storage_url=sqlite_url(tmp_path),
-        target_seconds=0.05,
-    )
+def test_accumulation_limit_is_found_and_respected(tuned: Callable[[int, int], Tuned]) -> None:
+    _, result, _ = tuned(32, 1)
     for mode in result.probe.modes:
         assert mode.accumulating_micro_batch is not None
         # Gradients alive across micro-batches can only lower the limit.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -78,6 +79,11 @@ def _abort_above(limit: int) -> Hook:
 
 def _hang_above(limit: int) -> Hook:
     def hook(batch_size: int, calls: int) -> None:
+        if batch_size > limit:
+            # Tests wait for this line (the child's stderr is its worker's log) instead of
+            # sleeping until the hang has surely begun.
+            print(f"hang_above_{limit}: hanging at micro-batch {batch_size}", file=sys.stderr)
+            sys.stderr.flush()
         while batch_size > limit:  # a deadlock, as far as anyone outside can tell
             time.sleep(60)
 

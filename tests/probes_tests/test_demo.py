@@ -73,7 +73,7 @@ def test_demo_with_stop_prints_the_result_and_leaves_no_process(tmp_path: Path) 
     assert re.search(r"client token: \S+", out) and re.search(r"worker token: \S+", out)
     # Progress arrived while the run ran, not only at the end.
     assert "micro-batch" in err and "run 1: running" in err and "run 1: succeeded" in err
-    assert wait_for_no_marked(mark, timeout_s=5) == []
+    assert wait_for_no_marked(mark, timeout_s=60) == []  # polled: reaping takes seconds under load
     with pytest.raises(httpx2.TransportError):  # the server is gone too
         httpx2.get(url[1], timeout=2)
     assert (tmp_path / "data" / "autotune.db").exists()
@@ -83,7 +83,7 @@ def test_demo_with_stop_prints_the_result_and_leaves_no_process(tmp_path: Path) 
     out, err = again.communicate(timeout=120)
     assert again.returncode == 0, out + err
     assert "finished before" in out and "Recommendation" in out
-    assert wait_for_no_marked(mark, timeout_s=5) == []
+    assert wait_for_no_marked(mark, timeout_s=60) == []
 
 
 def test_demo_keeps_the_server_until_ctrl_c(tmp_path: Path) -> None:
@@ -105,7 +105,7 @@ def test_demo_keeps_the_server_until_ctrl_c(tmp_path: Path) -> None:
         assert httpx2.get(url[1], timeout=5).status_code in (200, 401)  # still serving
         demo.send_signal(signal.SIGINT)
         assert demo.wait(timeout=180) == 0
-        assert wait_for_no_marked(mark, timeout_s=5) == []
+        assert wait_for_no_marked(mark, timeout_s=60) == []
     finally:
         if demo.poll() is None:
             demo.kill()

@@ -81,7 +81,8 @@ class Fleet:
             if worker.process.poll() is None:
                 worker.process.kill()
                 worker.process.wait()
-            stray = wait_for_no_marked(worker.mark)
+            # Polled: a loaded machine may take long to reap a killed tree, never forever.
+            stray = wait_for_no_marked(worker.mark, timeout_s=60)
             if stray:
                 leftovers.append(f"{worker.name} left processes {stray}")
                 kill_marked(worker.mark)
@@ -100,14 +101,16 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
     assert leftovers == []
 
 
-def _wait(user: ServerClient, run_id: int, timeout_s: float = 120) -> Run:
+# Deadlines, not durations: a healthy run takes seconds, but a machine shared by several test
+# suites was seen to take minutes, and a deadline costs nothing while the test passes.
+def _wait(user: ServerClient, run_id: int, timeout_s: float = 300) -> Run:
     run = user.wait_for_run(run_id, timeout_s=timeout_s, poll_s=5)
     assert run.status.is_finished(), f"run {run_id} still {run.status.value}"
     return run
 
 
 def _wait_until(
-    user: ServerClient, run_id: int, done: Callable[[Run], bool], timeout_s: float = 60
+    user: ServerClient, run_id: int, done: Callable[[Run], bool], timeout_s: float = 180
 ) -> Run:
     deadline_s = time.monotonic() + timeout_s
     while True:
@@ -192,8 +195,7 @@ def test_a_killed_workers_run_is_released_and_finished_by_the_other(fleet: Fleet
         victim_lease = victim.lease_of(run_id)
         victim.process.send_signal(signal.SIGKILL)
         victim.process.wait()
-        time.sleep(0.5)  # a request the victim sent before it died is answered by now
-        before_kill = user.get_run(run_id)  # what the victim had stored
+        before_kill = user.get_run(run_id)  # what the victim had stored (but for one post)
         assert before_kill.claim_count == 1
         run = _wait(user, run_id)
 
@@ -202,9 +204,12 @@ def test_a_killed_workers_run_is_released_and_finished_by_the_other(fleet: Fleet
     [failure] = run.failures
     assert (failure.claim_number, failure.error_type) == (1, "LeaseExpired")
     assert failure.worker_id == victim.name
-    # Nothing the victim stored was lost; nothing was stored twice.
+    # Nothing the victim stored was lost; nothing was stored twice. The victim posts one thing
+    # at a time, so at most one post it sent before it died was answered after the snapshot.
     victim_attempts = [a for a in before_kill.attempts if a.claim_number == 1]
-    assert [a for a in run.attempts if a.claim_number == 1] == victim_attempts
+    stored_attempts = [a for a in run.attempts if a.claim_number == 1]
+    assert stored_attempts[: len(victim_attempts)] == victim_attempts
+    assert len(stored_attempts) <= len(victim_attempts) + 1
     attempt_keys = Counter((a.claim_number, a.sequence) for a in run.attempts)
     trial_keys = Counter((t.claim_number, t.trial.number) for t in run.trials)
     assert max(attempt_keys.values()) == 1 and max(trial_keys.values()) == 1
@@ -299,10 +304,12 @@ def test_a_cancelled_run_stops_at_once_and_the_worker_goes_on(fleet: Fleet) -> N
     target = EmulatedTarget(memory_bytes=4 * MIB)
     with fleet.user() as user:
         hanging = user.submit_run(wide_spec("hang_above_4", features=16), target).id
-        _wait_until(user, hanging, _streamed(2))
-        time.sleep(0.5)  # into the hanging trial
+        # The trial child says so on stderr, which is the worker's log.
+        worker.wait_for_log("hang_above_4: hanging", timeout_s=180)
         assert user.cancel_run(hanging).status is RunStatus.CANCELLED
-        worker.wait_for_log(rf"run {hanging}: cancelled", timeout_s=10)
+        # "At once": well within the lease (3 s) and the trial timeout (600 s), but a loaded
+        # machine may take seconds to kill and reap a child.
+        worker.wait_for_log(rf"run {hanging}: cancelled", timeout_s=60)
         probe_only = wide_spec(features=16, target_global_batch=None)
         next_run = user.submit_run(probe_only, target).id
         assert _wait(user, next_run).status is RunStatus.SUCCEEDED
@@ -316,7 +323,8 @@ def test_sigterm_stops_an_idle_worker_with_exit_code_0(fleet: Fleet) -> None:
     worker.wait_for_log("waiting for runs")
     started_s = time.monotonic()
     assert stop_worker(worker) == 0
-    assert time.monotonic() - started_s < 5
+    # Promptly, not after a poll or a long-poll (a loaded machine adds seconds of start-up).
+    assert time.monotonic() - started_s < 30
     assert "stopped after 0 run(s)" in worker.log()
 
 
