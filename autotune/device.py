@@ -26,7 +26,8 @@ from autotune.tracker import CUDA_BLOCK_BYTES, LiveBytesTracker
 logger = logging.getLogger(__name__)
 
 # Out-of-memory failures that arrive as a plain RuntimeError: the CPU allocator's (e.g. under
-# RLIMIT_AS, see feasibility.md Exp 7) and a failed raw cudaMalloc outside the caching allocator.
+# RLIMIT_AS, see docs/design.md#a-real-cpu-out-of-memory-is-a-signal-not-a-budget) and a
+# failed raw cudaMalloc outside the caching allocator.
 _OOM_MESSAGES = ("DefaultCPUAllocator: can't allocate memory", "CUDA error: out of memory")
 _CUDA_NAME = re.compile(r"^cuda(?::(\d+))?$")
 

@@ -2,7 +2,7 @@
 
 The memory probe and the tuner's throughput timing both run `TrainingStep.run`, so what is
 measured is what is timed. The optimizer and precision are set up the way a CUDA run sets them
-up, because the CPU defaults differ and change the peak (feasibility.md, Exp 1).
+up, because the CPU defaults differ and change the peak (docs/design.md#memory-model).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def accumulate_gradients(
     Each micro-batch's summed loss is divided by the item count of ALL micro-batches of the step,
     so the accumulated gradient equals the full-batch gradient whatever the lengths. Dividing
     each micro-batch by its own count and then by G (mean of means) is the gradient-accumulation
-    bug fixed across the ecosystem in October 2024 (theory.md section 1).
+    bug fixed across the ecosystem in October 2024 (docs/design.md#loss-normalisation).
     """
     # A step whose labels are all padding has a zero loss; dividing by 1 keeps it zero, not NaN.
     total_items = max(sum(num_items(batch) for batch in batches), 1)

@@ -52,8 +52,8 @@ def default_trial_budget(n_candidates: int) -> int:
 def priority_candidates(candidates: list[Candidate]) -> list[Candidate]:
     """What to measure first, from how GPUs behave: samples/s rises with the micro-batch until
     the kernels saturate, and checkpointing only pays when it allows a larger micro-batch
-    (theory.md 3.2, 6.2). So: the largest micro-batch without checkpointing, the largest with
-    it (only if larger), then the runner-up without."""
+    (docs/design.md#throughput). So: the largest micro-batch without checkpointing, the largest
+    with it (only if larger), then the runner-up without."""
     plain = sorted((c for c in candidates if not c.checkpointing), key=lambda c: -c.micro_batch)
     checkpointed = sorted((c for c in candidates if c.checkpointing), key=lambda c: -c.micro_batch)
     first: list[Candidate] = []

@@ -297,7 +297,7 @@ def _check_hub_reachable(hf_id: str) -> None:
 
 def _zero_dropout(hf_config: Any, label: str) -> None:
     """Dropout off, as in the presets: attention dropout forces CPU SDPA onto the math path
-    (2.4x the memory of a GPU's flash kernel, feasibility.md Exp 4)."""
+    (2.4x the memory of a GPU's flash kernel, docs/design.md#what-it-does-not-model)."""
     changed = []
     for key, value in hf_config.to_dict().items():
         is_dropout = "dropout" in key or key.endswith("pdrop")

@@ -3,8 +3,9 @@
 A fake training step is a list of ops, each leaving `fixed + b * per_sample` bytes live, built
 like a real step (resident weights and optimizer state, forward activations, logits, backward,
 optimizer temporaries) so that the peak sits in the optimizer step at small b and at the start of
-backward at large b, as in feasibility.md Exp 2. A fake device runs it against a capacity: the
-step fits iff its peak live bytes stay <= the capacity, and an OOM stops it at the first op above.
+backward at large b, as in docs/design.md#memory-model. A fake device runs it against a
+capacity: the step fits iff its peak live bytes stay <= the capacity, and an OOM stops it at the
+first op above.
 """
 
 from __future__ import annotations
