@@ -30,6 +30,11 @@ class Settings(BaseSettings):
         default_factory=list, description="Bearer tokens allowed to use the worker protocol."
     )
     open_reads: bool = Field(default=False, description="Let anyone GET runs without a token.")
+    allow_factory_specs: bool = Field(
+        default=False,
+        description="Accept specs whose model is a `factory` (code that workers started with "
+        "--allow-factory import and run); refused with 422 otherwise.",
+    )
     lease_s: float = Field(default=60.0, gt=0, description="How long a claim lasts unrenewed.")
     max_claims: int = Field(
         default=3, ge=1, description="Claims a run may use up (failures, expired leases)."

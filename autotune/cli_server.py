@@ -1,6 +1,7 @@
 """The server-side CLI commands: `autotune serve`, `autotune submit`, `autotune runs list|show`.
 
     autotune serve [--host 127.0.0.1] [--port 8000] [--db URL] [--workers N]
+                   [--allow-factory-specs]
     autotune submit SPEC --server URL [--device cpu:4GiB | "cuda:NAME:80GiB"] [--wait]
     autotune runs list [--status S] [--model M] [--device D] --server URL
     autotune runs show ID --server URL
@@ -55,6 +56,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     settings = Settings()
     if args.db:
         settings = settings.model_copy(update={"database_url": args.db})
+    if args.allow_factory_specs:
+        settings = settings.model_copy(update={"allow_factory_specs": True})
     generated: dict[str, str] = {}
     # Never run open by default: generate the tokens nobody configured, and show them once.
     if not settings.client_tokens:
@@ -94,6 +97,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     os.environ["AUTOTUNE_DATABASE_URL"] = url
     os.environ["AUTOTUNE_CLIENT_TOKENS"] = json.dumps(settings.client_tokens)
     os.environ["AUTOTUNE_WORKER_TOKENS"] = json.dumps(settings.worker_tokens)
+    os.environ["AUTOTUNE_ALLOW_FACTORY_SPECS"] = json.dumps(settings.allow_factory_specs)
     uvicorn.run(
         "api.main:create_app_from_env",
         factory=True,
@@ -292,6 +296,12 @@ def add_server_commands(subparsers: argparse._SubParsersAction) -> None:  # type
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--db", default=None, help="database URL (default: ./data/autotune.db)")
     serve.add_argument("--workers", type=_positive_int, default=1, help="server processes")
+    serve.add_argument(
+        "--allow-factory-specs",
+        action="store_true",
+        help="accept factory specs (default: refused with 422, or AUTOTUNE_ALLOW_FACTORY_SPECS"
+        "=true); only workers started with --allow-factory run them",
+    )
     serve.set_defaults(func=_cmd_serve)
 
     submit = subparsers.add_parser("submit", help="submit a spec to a server")

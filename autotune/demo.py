@@ -9,7 +9,9 @@ The worker uses the first CUDA GPU when there is one, otherwise an emulated GPU 
 (default 1 GiB) on the CPU. The server keeps running (with its URL and tokens printed) until
 Ctrl-C; `--stop` (or DEMO_STOP=1) stops it as soon as the result is printed. Either way the
 worker and the server are stopped (SIGTERM, then SIGKILL after a grace period), and no process
-is left behind. Logs go to DIR/server.log and DIR/worker.log.
+is left behind. Logs go to DIR/server.log and DIR/worker.log. A spec whose model is a factory
+is your own code: the demo starts its server with `--allow-factory-specs` and its worker with
+`--allow-factory` for that factory's module only.
 """
 
 from __future__ import annotations
@@ -222,6 +224,15 @@ def run_demo(argv: Sequence[str] | None = None) -> int:
     client_token, worker_token = secrets.token_urlsafe(18), secrets.token_urlsafe(18)
     url = f"http://127.0.0.1:{args.port or _free_port()}"
     worker_args, target, device_text = _device(args.memory)
+    from autotune.specfile import load_spec
+
+    spec = load_spec(args.spec)
+    # Your own spec on your own machine: a factory in it is your code, so this server accepts
+    # it and this worker runs it (and nothing else: only the factory's own module).
+    server_args, factory_args = [], []
+    if spec.model.factory is not None:
+        server_args = ["--allow-factory-specs"]
+        factory_args = ["--allow-factory", spec.model.factory.partition(":")[0]]
     children: list[_Child] = []
     try:
         server_env = {
@@ -232,7 +243,9 @@ def run_demo(argv: Sequence[str] | None = None) -> int:
         }
         server_env.pop("AUTOTUNE_DATABASE_URL", None)  # the demo's server is the embedded one
         port = url.rsplit(":", 1)[1]
-        server = _start("server", ["serve", "--port", port], server_env, data_dir / "server.log")
+        server = _start(
+            "server", ["serve", "--port", port, *server_args], server_env, data_dir / "server.log"
+        )
         children.append(server)
         with ServerClient(url, retries=0) as probe_client:
             _wait_for_server(probe_client, server)
@@ -256,15 +269,13 @@ def run_demo(argv: Sequence[str] | None = None) -> int:
                 str(args.seconds_per_trial),
                 "--start-method",
                 args.start_method,
+                *factory_args,
             ],
             worker_env,
             data_dir / "worker.log",
         )
         children.append(worker)
         console.print(f"[bold]Worker[/bold]: {device_text} (log {worker.log_path})")
-        from autotune.specfile import load_spec
-
-        spec = load_spec(args.spec)
         submitted = client.submit_run(spec, target)
         console.print(f"Submitted {args.spec} as run {submitted.id}: {url}{submitted.url}")
         if submitted.cached:

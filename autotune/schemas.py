@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from autotune.hubid import HUB_ID_MAX, hub_id_problem
-from autotune.presets import PRESETS
+from autotune.presets import PRESETS, CNNPreset, DecoderPreset
 
 # Column sizes in api/tables.py: a longer value would pass SQLite and fail PostgreSQL, so the
 # schemas refuse it first and both databases answer the same 422.
@@ -163,6 +163,19 @@ class Spec(Base):
             )
         if self.model.preset is None and token_model and self.training.seq_len is None:
             raise ValueError("training.seq_len: required for Hugging Face models")
+        preset = PRESETS.get(self.model.preset) if self.model.preset is not None else None
+        seq_len, input_shape = self.training.seq_len, self.training.input_shape
+        # Shapes the preset cannot take are refused here, not when a worker builds the model.
+        if isinstance(preset, DecoderPreset) and seq_len is not None:
+            if seq_len > preset.max_seq_len:
+                raise ValueError(
+                    f"training.seq_len: {seq_len} exceeds the max_seq_len {preset.max_seq_len} "
+                    f"of preset {self.model.preset!r}"
+                )
+        if isinstance(preset, CNNPreset) and input_shape is not None and len(input_shape) != 3:
+            raise ValueError(
+                f"training.input_shape: the cnn preset needs [C, H, W], got {list(input_shape)}"
+            )
         return self
 
 

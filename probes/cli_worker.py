@@ -4,6 +4,7 @@
                     [--once] [--db URL] [--data-dir DIR] [--trial-timeout S]
                     [--poll-interval S] [--seconds-per-trial S] [--shutdown-grace S]
                     [--worker-id ID] [--start-method spawn|forkserver]
+                    [--allow-factory PREFIX ...]
 
 The token (a worker token of the server) comes from `--token` or AUTOTUNE_TOKEN, the server URL
 from `--server` or AUTOTUNE_SERVER. `autotune.cli` finds `register` here. SIGTERM or Ctrl-C
@@ -73,6 +74,7 @@ def _serve(args: argparse.Namespace, early_signals: list[int]) -> int:
         seconds_per_trial=args.seconds_per_trial,
         shutdown_grace_s=args.shutdown_grace,
         start_method=args.start_method,
+        allowed_factories=tuple(args.allow_factory),
     )
     with (
         ServerClient(args.server, token=args.token) as client,
@@ -106,6 +108,15 @@ def _non_negative_seconds(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0: {text}")
     return value
+
+
+def _module_prefix(text: str) -> str:
+    from autotune.factoryaccess import parse_prefix
+
+    try:
+        return parse_prefix(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -172,5 +183,15 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         default="spawn",
         help="how each trial's fresh child process starts: spawn (a new interpreter, default) "
         "or forkserver (forked from a clean server that pre-imported torch; much faster)",
+    )
+    worker.add_argument(
+        "--allow-factory",
+        action="append",
+        default=[],
+        type=_module_prefix,
+        metavar="PREFIX",
+        help="run factory specs whose module is PREFIX or under it (e.g. mypkg allows "
+        "mypkg.models, never mypkgx); repeatable. Without it the worker refuses every factory "
+        "spec: a factory is code that whoever submitted the spec asks this machine to run",
     )
     worker.set_defaults(func=_cmd_worker)

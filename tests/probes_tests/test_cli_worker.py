@@ -46,6 +46,8 @@ def test_cuda_without_a_gpu_is_a_usage_error(capsys: pytest.CaptureFixture[str])
         ["--seconds-per-trial", "soon"],
         ["--start-method", "fork"],
         ["--memory", "lots"],
+        ["--allow-factory", "my-pkg"],
+        ["--allow-factory", "a..b"],
     ],
 )
 def test_bad_options_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
