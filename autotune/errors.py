@@ -4,7 +4,6 @@
   + SpecError            the spec (or a CLI argument) is invalid; names the field
   + ModelBuildError      the model could not be built (bad factory, hub unreachable, ...)
   + DeviceError          the requested device does not exist or cannot be read
-  + NoFeasibleBatch      not even micro-batch 1 fits on the device
 
 Out-of-memory is *not* an error here: `autotune.device` turns it into `fits=False`.
 """
@@ -26,7 +25,3 @@ class ModelBuildError(AutotuneError):
 
 class DeviceError(AutotuneError):
     """The requested device is unavailable or its memory cannot be read."""
-
-
-class NoFeasibleBatch(AutotuneError):
-    """Not even a micro-batch of 1 fits in the device's capacity."""

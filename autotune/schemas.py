@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from autotune.hubid import HUB_ID_MAX, hub_id_problem
 from autotune.presets import PRESETS
 
 # Column sizes in api/tables.py: a longer value would pass SQLite and fail PostgreSQL, so the
@@ -46,7 +47,6 @@ class OptimizerName(StrEnum):
 
 
 _FACTORY_PATTERN = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
-_HF_ID_PATTERN = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
 
 class ModelSpec(Base):
@@ -60,8 +60,9 @@ class ModelSpec(Base):
     )
     hf_id: str | None = Field(
         default=None,
-        max_length=MODEL_LABEL_MAX,
-        description="A Hugging Face hub id (needs the hub).",
+        max_length=HUB_ID_MAX,
+        description="A Hugging Face hub id, 'name' or 'namespace/name' (needs the hub or its "
+        "local cache; never a local directory).",
     )
     factory: str | None = Field(
         default=None,
@@ -87,8 +88,10 @@ class ModelSpec(Base):
             raise ValueError('hf_config: needs a "model_type" string, e.g. "llama"')
         if self.hf_config is not None and len(self.hf_config["model_type"]) > _MODEL_TYPE_MAX:
             raise ValueError(f"hf_config.model_type: at most {_MODEL_TYPE_MAX} characters")
-        if self.hf_id is not None and not _HF_ID_PATTERN.match(self.hf_id):
-            raise ValueError(f"hf_id: not a hub id: {self.hf_id!r}")
+        if self.hf_config is not None and "auto_map" in self.hf_config:
+            raise ValueError("hf_config.auto_map: names remote code, which autotune never runs")
+        if self.hf_id is not None and (problem := hub_id_problem(self.hf_id)) is not None:
+            raise ValueError(f"hf_id: not a Hugging Face hub id: {problem}")
         if self.factory is not None and not _FACTORY_PATTERN.match(self.factory):
             raise ValueError(f'factory: expected "package.module:function", got {self.factory!r}')
         return self

@@ -134,7 +134,11 @@ class ProbeSession:
         )
         if not outcome.fits:
             self.step.clear_grads()
-            if outcome.oom_phase is Phase.OPTIMIZER and self._snapshot is not None:
-                # Some parameters may already be updated; put all of them back as one.
-                self.step.restore(self._snapshot)
+            if outcome.oom_phase is Phase.OPTIMIZER:
+                if self._snapshot is not None:
+                    # Some parameters may already be updated; put all of them back as one.
+                    self.step.restore(self._snapshot)
+                else:
+                    # No step has completed: the optimizer's state may be half built.
+                    self.step.reset_optimizer()
         return outcome

@@ -176,6 +176,13 @@ class TrainingStep:
         if self.scaler is not None and snapshot.scaler_state is not None:
             self.scaler.load_state_dict(snapshot.scaler_state)
 
+    def reset_optimizer(self) -> None:
+        """Forget the optimizer's state, as before its first step. torch optimizers build their
+        state lazily inside the first `step()`, one tensor at a time: running out of memory there
+        leaves a parameter with part of it (AdamW's `exp_avg` without `exp_avg_sq`), and every
+        later step raises KeyError. With nothing to restore yet, the empty state is the undo."""
+        self.optimizer.state.clear()
+
     def clear_grads(self) -> None:
         """Drop all gradients (after an OOM, so that a failed step leaves nothing behind)."""
         self.optimizer.zero_grad(set_to_none=True)

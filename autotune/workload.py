@@ -5,7 +5,8 @@ built from a `Spec` by `build_workload`, from one of four sources:
 
 * ``preset``: a built-in model from `autotune.zoo`.
 * ``hf_config``: a transformers config dict, built with random weights (nothing downloaded).
-* ``hf_id``: a Hugging Face hub id; only its config is fetched, never its weights.
+* ``hf_id``: a Hugging Face hub id (`autotune.hubid`); only its config.json is fetched, never
+  its weights, and never read from a local directory.
 * ``factory``: your own code, given as ``"package.module:function"``.
 
 The factory contract
@@ -32,10 +33,12 @@ An import or attribute error, or a return value that is not a `Workload`, raises
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autotune.errors import AutotuneError, ModelBuildError, SpecError
+from autotune.hubid import hub_id_problem
 from autotune.presets import PRESETS, DecoderPreset
 from autotune.schemas import Spec, TrainingSpec
 from autotune.zoo import CheckpointedStack, build_model
@@ -186,30 +190,77 @@ def _import_transformers() -> Any:
         ) from exc
 
 
+def _config_errors() -> tuple[type[Exception], ...]:
+    """What transformers raises for a config it refuses; transformers 5's configs are strict
+    dataclasses, whose field errors do not derive from ValueError."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    return (ValueError, TypeError, KeyError, StrictDataclassError)
+
+
 def build_hf_config(config: dict[str, Any], training: TrainingSpec) -> Workload:
     """A workload for a transformers config dict, with random weights."""
     transformers = _import_transformers()
     try:
         hf_config = transformers.AutoConfig.for_model(**config)
-    except (ValueError, TypeError, KeyError) as exc:
+    except _config_errors() as exc:
         raise ModelBuildError(f"hf_config: transformers rejected the config: {exc}") from exc
     return _build_hf_model(hf_config, training, label=f"hf_config ({config['model_type']})")
 
 
 def build_hf_id(hf_id: str, training: TrainingSpec) -> Workload:
-    """A workload for a hub model's config. Only the config is fetched; a cached config is
-    used without the network. An unreachable hub fails within about HUB_TIMEOUT_S seconds
-    rather than going through huggingface_hub's retries (23 s or more)."""
+    """A workload for a hub model's config, with random weights.
+
+    Only the hub's `config.json` is fetched, through `huggingface_hub` (a cached copy is used
+    without the network), so `hf_id` is only ever a hub id, never a local directory. The file
+    is parsed here and the config built from its `model_type` with `AutoConfig.for_model`, as
+    for `hf_config`: nothing in the file can name code to run (no remote code, ever). An
+    unreachable hub fails within about HUB_TIMEOUT_S seconds rather than going through
+    huggingface_hub's retries (23 s or more). Errors name the file and what is wrong with it,
+    never its text.
+    """
     transformers = _import_transformers()
+    problem = hub_id_problem(hf_id)
+    if problem is not None:  # validated specs never get here; a direct call might
+        raise SpecError(f"hf_id: not a Hugging Face hub id: {problem}")
+    path = _fetch_hub_config(hf_id)
+    label = f"hf_id {hf_id!r}"
+    try:
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelBuildError(
+            f"{label}: its config.json ({path}) is not a readable JSON file ({type(exc).__name__})"
+        ) from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ModelBuildError(f'{label}: its config.json ({path}) has no "model_type" string')
+    if config.pop("auto_map", None) is not None:
+        logger.warning("%s: ignoring auto_map (autotune never runs a model's remote code)", label)
+    try:
+        hf_config = transformers.AutoConfig.for_model(**config)
+    except _config_errors() as exc:
+        raise ModelBuildError(
+            f"{label}: transformers rejected its config.json ({path}): {type(exc).__name__}"
+        ) from None
+    return _build_hf_model(hf_config, training, label=label, quote_errors=False)
+
+
+def _fetch_hub_config(hf_id: str) -> str:
+    """The local path of the hub model's config.json: from the cache, else downloaded."""
+    import huggingface_hub
+    from huggingface_hub.errors import EntryNotFoundError
+
     try:
         try:
-            hf_config = transformers.AutoConfig.from_pretrained(hf_id, local_files_only=True)
-        except OSError:  # not in the local cache
+            path: str = huggingface_hub.hf_hub_download(
+                hf_id, "config.json", local_files_only=True
+            )
+        except EntryNotFoundError:  # not in the local cache
             _check_hub_reachable(hf_id)
-            hf_config = transformers.AutoConfig.from_pretrained(hf_id)
-    except (OSError, ValueError) as exc:  # ValueError: e.g. a config that needs remote code
-        raise _hub_error(hf_id, str(exc).splitlines()[0]) from exc
-    return _build_hf_model(hf_config, training, label=f"hf_id {hf_id!r}")
+            path = huggingface_hub.hf_hub_download(hf_id, "config.json")
+    except (OSError, ValueError, EntryNotFoundError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise _hub_error(hf_id, reason) from exc
+    return path
 
 
 def _hub_error(hf_id: str, reason: str) -> ModelBuildError:
@@ -263,8 +314,13 @@ def _zero_dropout(hf_config: Any, label: str) -> None:
         )
 
 
-def _build_hf_model(hf_config: Any, training: TrainingSpec, label: str) -> Workload:
+def _build_hf_model(
+    hf_config: Any, training: TrainingSpec, label: str, *, quote_errors: bool = True
+) -> Workload:
+    """`quote_errors=False` for a config read from a file: its values stay out of messages."""
     transformers = _import_transformers()
+    if getattr(hf_config, "auto_map", None):
+        raise ModelBuildError(f"{label}: auto_map names remote code, which autotune never runs")
     _zero_dropout(hf_config, label)
     hf_config.use_cache = False
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else None
@@ -284,8 +340,9 @@ def _build_hf_model(hf_config: Any, training: TrainingSpec, label: str) -> Workl
         model = transformers.AutoModelForCausalLM.from_config(
             hf_config, attn_implementation="sdpa"
         )
-    except (ValueError, TypeError, KeyError, ImportError) as exc:
-        raise ModelBuildError(f"{label}: could not build a causal LM: {exc}") from exc
+    except _config_errors() + (ImportError,) as exc:
+        reason = str(exc) if quote_errors else type(exc).__name__
+        raise ModelBuildError(f"{label}: could not build a causal LM: {reason}") from None
     # fp32 master weights whatever the config's dtype says: precision is the spec's business.
     model = model.float()
     set_checkpointing = _hf_checkpointing(model) if model.supports_gradient_checkpointing else None

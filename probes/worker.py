@@ -51,7 +51,7 @@ from autotune.client import (
     ServerError,
     ServerUnavailable,
 )
-from autotune.errors import ModelBuildError, NoFeasibleBatch, SpecError
+from autotune.errors import ModelBuildError, SpecError
 from autotune.probe import probe_session
 from autotune.protocol import Claim
 from autotune.schemas import ProbeAttempt, Trial, TrialState, TuneResult
@@ -65,7 +65,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Errors that the spec causes: another claim, on any worker, would end the same way.
-_SPEC_ERRORS = (SpecError, ModelBuildError, NoFeasibleBatch, TrialCrashed, TrialError)
+_SPEC_ERRORS = (SpecError, ModelBuildError, TrialCrashed, TrialError)
 _TRACEBACK_CHARS = 4000
 _SLEEP_SLICE_S = 0.1
 SHUTDOWN_REASON = "worker shutting down"

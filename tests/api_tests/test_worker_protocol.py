@@ -284,16 +284,13 @@ def test_non_retryable_failure_fails_at_once(user: ServerClient, worker: ServerC
     run = worker.report_failure(
         run_id,
         claim.lease_id,
-        error_type="NoFeasibleBatch",
-        message="micro-batch 1 does not fit",
+        error_type="SpecError",
+        message="model.preset: unknown preset",
         retryable=False,
     )
     assert run.status == RunStatus.FAILED
     assert run.claim_count == 1
-    assert (
-        run.error
-        == "failed after 1 claim(s): claim 1: NoFeasibleBatch: micro-batch 1 does not fit"
-    )
+    assert run.error == "failed after 1 claim(s): claim 1: SpecError: model.preset: unknown preset"
 
 
 def test_cancel_while_running_tells_the_worker(user: ServerClient, worker: ServerClient) -> None:

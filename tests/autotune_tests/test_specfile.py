@@ -38,6 +38,10 @@ def test_yaml_and_json_give_the_same_spec(tmp_path: Path) -> None:
         ("model: {preset: mlp, factory: 'a.b:c'}", "give exactly one of preset, hf_config"),
         ("model: {}", "give exactly one of preset"),
         ("model: {factory: 'not a factory'}", 'factory: expected "package.module:function"'),
+        (
+            "model: {hf_config: {model_type: llama, auto_map: {AutoModel: evil.M}}}",
+            "hf_config.auto_map: names remote code, which autotune never runs",
+        ),
         ("model: {hf_config: {hidden_size: 8}}", 'hf_config: needs a "model_type"'),
         ("model: {preset: mlp}\ntraining: {precison: fp16}", "training.precison: Extra inputs"),
         (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import sys
@@ -170,6 +171,81 @@ def test_hf_id_fails_fast_without_the_hub() -> None:
     )
     assert message.endswith("); pass hf_config instead")
     assert elapsed_s < 30
+
+
+def _cache_hub_config(cache: Path, hf_id: str, text: str) -> None:
+    """Put `text` in huggingface_hub's cache layout as hf_id's config.json at revision main."""
+    repo = cache / f"models--{hf_id.replace('/', '--')}"
+    commit = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "config.json").write_text(text)
+
+
+@pytest.fixture
+def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty hub cache, offline: only what a test caches can be found."""
+    constants = pytest.importorskip("huggingface_hub.constants")
+    pytest.importorskip("transformers")
+    cache = tmp_path / "hub-cache"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+def test_hf_id_builds_from_the_hub_cache_and_never_runs_remote_code(hub_cache: Path) -> None:
+    config = {**TINY_LLAMA_CONFIG, "auto_map": {"AutoModelForCausalLM": "evil.EvilModel"}}
+    _cache_hub_config(hub_cache, "org/tiny-llama", json.dumps(config))
+    workload = build_workload(_spec(TrainingSpec(seq_len=8), hf_id="org/tiny-llama"))
+    assert type(workload.model).__name__ == "LlamaForCausalLM"
+    assert "evil" not in sys.modules
+
+
+def test_hf_id_is_never_read_from_a_local_directory(
+    hub_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A directory named like the id, next to where the worker runs, holds a valid config:
+    # transformers' from_pretrained would read it; a hub id must not.
+    (tmp_path / "work" / "models").mkdir(parents=True)
+    (tmp_path / "work" / "models" / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG))
+    monkeypatch.chdir(tmp_path / "work")
+    with pytest.raises(ModelBuildError, match=r"hf_id: could not fetch config for 'models'"):
+        build_workload(_spec(TrainingSpec(seq_len=8), hf_id="models"))
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("SECRET=hunter2 not json", r"is not a readable JSON file \(JSONDecodeError\)"),
+        ('{"secret": "hunter2"}', 'has no "model_type" string'),
+        ('{"model_type": "hunter2"}', r"transformers rejected its config\.json .*: ValueError"),
+        (
+            json.dumps({**TINY_LLAMA_CONFIG, "vocab_size": "hunter2"}),
+            r"(transformers rejected its config\.json|could not build a causal LM)",
+        ),
+    ],
+)
+def test_a_bad_hub_config_is_named_by_path_and_kind_never_quoted(
+    hub_cache: Path, text: str, problem: str
+) -> None:
+    _cache_hub_config(hub_cache, "org/broken", text)
+    with pytest.raises(ModelBuildError, match=problem) as raised:
+        build_workload(_spec(TrainingSpec(seq_len=8), hf_id="org/broken"))
+    assert str(raised.value).startswith("hf_id 'org/broken': ")
+    assert "config.json" in str(raised.value)
+    assert "hunter2" not in str(raised.value)
+
+
+def test_no_source_ever_sets_trust_remote_code() -> None:
+    root = Path(__file__).resolve().parents[2]
+    offenders = [
+        str(path.relative_to(root))
+        for package in ("autotune", "api", "probes")
+        for path in sorted((root / package).rglob("*.py"))
+        if "trust_remote_code" in path.read_text()
+    ]
+    assert offenders == []
 
 
 # ---------------------------------------------------------------------------------------------
