@@ -211,6 +211,31 @@ def test_expired_lease_requeues_and_stale_events_change_nothing(
     assert after.worker_id == "w2"
 
 
+def test_a_post_after_expiry_is_refused_even_before_anyone_reads_or_claims(
+    user: ServerClient, worker: ServerClient, clock: FakeClock
+) -> None:
+    # Nothing has requeued the run yet (no read, no claim), so the lease is still the run's
+    # current one: only its expiry time says it may no longer write.
+    spec = tiny_spec()
+    run_id = user.submit_run(spec, emulated()).id
+    claim = worker.claim("w1", [emulated_device()])
+    assert claim is not None
+    clock.advance(30)  # expiry is inclusive: a lease is dead at its expiry instant
+    for late_call in (
+        lambda: worker.post_attempt(
+            run_id, claim.lease_id, sequence=0, checkpointing=False, attempt=attempt(1, True)
+        ),
+        lambda: worker.post_trial(run_id, claim.lease_id, trial(5)),
+        lambda: worker.submit_result(run_id, claim.lease_id, tune_result(spec, emulated_device())),
+    ):
+        with pytest.raises(LeaseLost) as refused:
+            late_call()
+        assert refused.value.status_code == 409
+    run = user.get_run(run_id)
+    assert run.attempts == [] and run.trials == [] and run.recommendation is None
+    assert run.status != RunStatus.SUCCEEDED
+
+
 def test_lease_expiry_is_found_by_the_next_claim(
     user: ServerClient, worker: ServerClient, clock: FakeClock
 ) -> None:
