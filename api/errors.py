@@ -1,4 +1,5 @@
-"""Domain errors raised by `api.crud` and `api.auth`, and the handlers that turn them into HTTP.
+"""Domain errors raised by the run store (`api.runstore`, `api.leases`, `api.results`) and the
+auth dependencies, and the handlers that turn them into HTTP.
 
 * ApiError                 (code, status)
   + Unauthenticated        401  no bearer token
