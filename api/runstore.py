@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import ColumnElement, func, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.errors import RunNotCancellable, RunNotFound
@@ -80,6 +81,29 @@ def create_run(
     session.add(row)
     session.flush()
     return row
+
+
+def submit_run(
+    session: Session, *, request: RunCreate, version: str, now: datetime
+) -> tuple[int, RunStatus, bool]:
+    """(run id, status, created) for a submission: a reusable twin, else a new queued run.
+
+    Two identical submissions at once may both find no twin; the unique index on unfinished
+    fingerprints then refuses the second insert, which joins the first one's run instead.
+    """
+    run_fingerprint = fingerprint(request.spec, request.device, version)
+    found = find_reusable_run(session, run_fingerprint=run_fingerprint)
+    if found is not None:
+        return found[0], found[1], False
+    try:
+        with session.begin_nested():
+            row = create_run(session, request=request, version=version, now=now)
+    except IntegrityError:
+        found = find_reusable_run(session, run_fingerprint=run_fingerprint)
+        if found is None:  # the twin finished and failed in between; nothing to join
+            raise
+        return found[0], found[1], False
+    return row.id, RunStatus.QUEUED, True
 
 
 def run_status(session: Session, *, run_id: int) -> tuple[RunStatus, datetime | None]:

@@ -81,12 +81,12 @@ def _submit(
     if found is None:
         with context.db.write() as session:
             # Looked up again inside the write transaction: a twin may have just been queued.
-            found = runstore.find_reusable_run(session, run_fingerprint=run_fingerprint)
-            if found is None:
-                run_id = runstore.create_run(
-                    session, request=request, version=context.version, now=context.clock()
-                ).id
-                return run_id, RunStatus.QUEUED, False
+            run_id, status, created = runstore.submit_run(
+                session, request=request, version=context.version, now=context.clock()
+            )
+        if created:
+            return run_id, status, False
+        found = run_id, status
     run_id, status = found
     if status == RunStatus.SUCCEEDED:
         context.finished_runs.put_succeeded(run_fingerprint, run_id)
