@@ -211,6 +211,35 @@ def test_expired_lease_requeues_and_stale_events_change_nothing(
     assert after.worker_id == "w2"
 
 
+def test_posts_after_the_lease_expired_are_refused_before_anyone_claims(
+    user: ServerClient, worker: ServerClient, clock: FakeClock
+) -> None:
+    # Nobody reads or claims in between, so only the lease's own expiry can refuse these.
+    spec = tiny_spec()
+    run_id = user.submit_run(spec, emulated()).id
+    claim = worker.claim("w1", [emulated_device()])
+    assert claim is not None
+    lease = claim.lease_id
+    worker.post_attempt(run_id, lease, sequence=0, checkpointing=False, attempt=attempt(1, True))
+    clock.advance(30)  # the lease ends at exactly this instant
+    for late_post in (
+        lambda: worker.post_attempt(
+            run_id, lease, sequence=1, checkpointing=False, attempt=attempt(2, True)
+        ),
+        lambda: worker.post_trial(run_id, lease, trial(0)),
+        lambda: worker.submit_result(run_id, lease, tune_result(spec, emulated_device())),
+        lambda: worker.report_failure(run_id, lease, error_type="Late", message="late"),
+    ):
+        with pytest.raises(LeaseLost) as refused:
+            late_post()
+        assert refused.value.status_code == 409
+    run = user.get_run(run_id)
+    assert [a.sequence for a in run.attempts] == [0]
+    assert run.trials == [] and run.recommendation is None and run.modes == []
+    assert run.status != RunStatus.SUCCEEDED
+    assert "Late" not in {f.error_type for f in run.failures}
+
+
 def test_lease_expiry_is_found_by_the_next_claim(
     user: ServerClient, worker: ServerClient, clock: FakeClock
 ) -> None:
