@@ -6,6 +6,13 @@ Concurrency rules:
   two workers can never own the same run.
 * Every lease-bound operation first locks the run row and checks the lease (`held_run`); an
   event under a stale lease raises `StaleLease` before anything is written.
+
+A lease that lapsed (no heartbeat within `lease_s`, e.g. while the server was down) is not lost
+at once: the expiry sweep puts the run back in the queue but keeps the lease id, so its holder's
+next heartbeat renews it (`lease_lapsed_at` records the lapse) and no claim of `max_claims` is
+spent. Until then the holder's other posts are refused as `LeaseExpired`. The lapsed claim ends
+for good only when another worker claims the run (its failure is recorded then), or, when the
+run has no claims left, at the sweep.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from sqlalchemy import ColumnElement, and_, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from api.errors import RunCancelled, StaleLease
+from api.errors import LeaseExpired, RunCancelled, StaleLease
 from api.rowmodels import target_of
 from api.runstore import is_postgres, lock_run
 from api.tables import FailureRow, RunRow, WorkerRow
@@ -50,9 +57,10 @@ def has_expired_leases(session: Session, *, now: datetime) -> bool:
 def expire_leases(
     session: Session, *, now: datetime, max_claims: int, run_id: int | None = None
 ) -> int:
-    """Requeue (or, past `max_claims`, fail) every running run whose lease has expired.
+    """Requeue every running run whose lease has lapsed (its holder may still renew it), or
+    fail it when it has no claims left.
 
-    Returns how many leases were ended here. On PostgreSQL the rows are locked and re-checked,
+    Returns how many leases lapsed here. On PostgreSQL the rows are locked and re-checked,
     so a heartbeat that renewed the lease in the meantime wins and a concurrent expirer skips.
     """
     query = select(RunRow).where(
@@ -64,13 +72,22 @@ def expire_leases(
         query = query.with_for_update(skip_locked=True)
     rows = session.scalars(query.order_by(RunRow.id)).all()
     for row in rows:
+        lapsed_at = row.lease_expires_at
+        if row.claim_count < max_claims:
+            # The lease id and worker stay: the holder may be alive behind an outage.
+            row.status = RunStatus.QUEUED.value
+            row.lease_lapsed_at = lapsed_at
+            row.lease_expires_at = None
+            row.updated_at = now
+            continue
         _end_claim(
             session,
             row,
             error_type="LeaseExpired",
-            message=f"worker {row.worker_id} stopped renewing its lease",
+            message=f"the lease of worker {row.worker_id} lapsed at {lapsed_at} with no "
+            "heartbeat, and the run has no claims left",
             traceback_tail=None,
-            retryable=True,
+            retryable=False,
             now=now,
             max_claims=max_claims,
         )
@@ -180,25 +197,45 @@ def claim_run(
     )
     if is_postgres(session):
         oldest = oldest.with_for_update(skip_locked=True)
+    taken = session.execute(
+        oldest.add_columns(RunRow.lease_id, RunRow.worker_id, RunRow.lease_lapsed_at)
+    ).first()
+    if taken is None:
+        return None
     lease_id = secrets.token_hex(16)
     expires_at = now + timedelta(seconds=lease_s)
     claimed = session.execute(
         update(RunRow)
-        .where(RunRow.id == oldest.scalar_subquery(), RunRow.status == RunStatus.QUEUED.value)
+        .where(RunRow.id == taken.id, RunRow.status == RunStatus.QUEUED.value)
         .values(
             status=RunStatus.RUNNING.value,
             lease_id=lease_id,
             lease_expires_at=expires_at,
+            lease_lapsed_at=None,
             worker_id=request.worker_id,
             claim_count=RunRow.claim_count + 1,
             started_at=now,
             updated_at=now,
         )
-        .returning(RunRow.id)
+        .returning(RunRow.id, RunRow.claim_count)
         .execution_options(synchronize_session=False)
     ).first()
     if claimed is None:
         return None
+    if taken.lease_id is not None:
+        # A lapsed lease nobody renewed: this claim ends it, and says so.
+        session.add(
+            FailureRow(
+                run_id=taken.id,
+                lease_id=taken.lease_id,
+                claim_number=claimed.claim_count - 1,
+                worker_id=taken.worker_id,
+                error_type="LeaseExpired",
+                message=f"the lease of worker {taken.worker_id} lapsed at "
+                f"{taken.lease_lapsed_at} with no heartbeat; the run was claimed again",
+                created_at=now,
+            )
+        )
     row = session.get_one(RunRow, claimed.id)
     session.refresh(row)
     target = target_of(row)
@@ -224,22 +261,44 @@ def claim_run(
     )
 
 
-def held_run(session: Session, *, run_id: int, lease_id: str, now: datetime) -> RunRow:
-    """The run, locked, if `lease_id` is its current unexpired lease.
+def _lease_of(session: Session, *, run_id: int, lease_id: str) -> RunRow:
+    """The run, locked, if `lease_id` is its current lease (expired or not).
 
     Raises:
-        RunNotFound, RunCancelled, StaleLease: nothing may be written under this lease.
+        RunNotFound, RunCancelled, StaleLease: the lease is not (or no longer) the run's.
     """
     row = lock_run(session, run_id)
     if row.lease_id != lease_id:
         raise StaleLease(f"lease {lease_id} is not the current lease of run {run_id}")
     if row.status == RunStatus.CANCELLED.value:
         raise RunCancelled(f"run {run_id} was cancelled")
-    if row.status != RunStatus.RUNNING.value:
+    if row.status not in (RunStatus.RUNNING.value, RunStatus.QUEUED.value):
         raise StaleLease(f"run {run_id} is {row.status}, not running")
-    assert row.lease_expires_at is not None
-    if row.lease_expires_at <= now:
-        raise StaleLease(f"lease {lease_id} of run {run_id} expired at {row.lease_expires_at}")
+    return row
+
+
+def _has_lapsed(row: RunRow, now: datetime) -> bool:
+    # Queued under its lease id: the sweep found the lease lapsed and requeued the run.
+    return (
+        row.status == RunStatus.QUEUED.value
+        or row.lease_expires_at is None
+        or row.lease_expires_at <= now
+    )
+
+
+def held_run(session: Session, *, run_id: int, lease_id: str, now: datetime) -> RunRow:
+    """The run, locked, if `lease_id` is its current unexpired lease.
+
+    Raises:
+        RunNotFound, RunCancelled, StaleLease: nothing may be written under this lease.
+        LeaseExpired: the lease lapsed but is still the run's; a heartbeat renews it.
+    """
+    row = _lease_of(session, run_id=run_id, lease_id=lease_id)
+    if _has_lapsed(row, now):
+        raise LeaseExpired(
+            f"lease {lease_id} of run {run_id} lapsed at "
+            f"{row.lease_expires_at or row.lease_lapsed_at}; renew it with a heartbeat"
+        )
     return row
 
 
@@ -260,8 +319,12 @@ def renew(session: Session, row: RunRow, now: datetime, lease_s: float) -> datet
 def heartbeat(
     session: Session, *, run_id: int, lease_id: str, now: datetime, lease_s: float
 ) -> Lease:
-    """Renew a lease for another `lease_s` seconds."""
-    row = held_run(session, run_id=run_id, lease_id=lease_id, now=now)
+    """Renew a lease for another `lease_s` seconds; a lapsed lease nobody else claimed is
+    renewed too (the run runs again under it), and the lapse stays on the record."""
+    row = _lease_of(session, run_id=run_id, lease_id=lease_id)
+    if _has_lapsed(row, now):
+        row.lease_lapsed_at = row.lease_lapsed_at or row.lease_expires_at
+        row.status = RunStatus.RUNNING.value
     expires_at = renew(session, row, now, lease_s)
     return Lease(run_id=run_id, lease_id=lease_id, lease_expires_at=expires_at)
 

@@ -110,6 +110,9 @@ class RunRow(Base):
     claim_count: Mapped[int] = mapped_column(default=0)
     lease_id: Mapped[str | None] = mapped_column(String(64))
     lease_expires_at: Mapped[datetime | None]
+    # When the current claim's lease last lapsed (no heartbeat in time), if it did; the holder
+    # may renew a lapsed lease until another claim takes the run.
+    lease_lapsed_at: Mapped[datetime | None]
     worker_id: Mapped[str | None] = mapped_column(ForeignKey("autotune_workers.id"))
     device_index: Mapped[int | None]
     worker_device: Mapped[dict[str, Any] | None]
