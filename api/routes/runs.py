@@ -11,8 +11,9 @@ from fastapi import APIRouter, Path, Query, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.concurrency import run_in_threadpool
 
-from api import crud
+from api import leases, runstore
 from api.deps import AppContext, ClientAuth, ContextDep, ReaderAuth
+from api.rowmodels import run_url
 from api.runcache import CachedRun
 from autotune.protocol import (
     MAX_INT,
@@ -58,15 +59,15 @@ _FACTORY_REFUSED = {
 def _fresh_run(context: AppContext, run_id: int) -> Run:
     """Read a run, first requeueing it if its lease has expired (expiry is checked on read)."""
     with context.db.read() as session:
-        run = crud.get_run(session, run_id=run_id)
+        run = runstore.get_run(session, run_id=run_id)
     now = context.clock()
     if run.status == RunStatus.RUNNING and run.lease_expires_at and run.lease_expires_at < now:
         with context.db.write() as session:
-            crud.expire_leases(
+            leases.expire_leases(
                 session, now=now, max_claims=context.settings.max_claims, run_id=run_id
             )
         with context.db.read() as session:
-            run = crud.get_run(session, run_id=run_id)
+            run = runstore.get_run(session, run_id=run_id)
     return run
 
 
@@ -87,16 +88,16 @@ def _submit(
 ) -> tuple[int, RunStatus, bool]:
     """(run id, status, cached) for a submission: an existing run or a new queued one."""
     with context.db.read() as session:
-        found = crud.find_reusable_run(session, run_fingerprint=run_fingerprint)
+        found = runstore.find_reusable_run(session, run_fingerprint=run_fingerprint)
     if found is None:
         with context.db.write() as session:
             # Looked up again inside the write transaction: a twin may have just been queued.
-            found = crud.find_reusable_run(session, run_fingerprint=run_fingerprint)
-            if found is None:
-                run_id = crud.create_run(
-                    session, request=request, version=context.version, now=context.clock()
-                )
-                return run_id, RunStatus.QUEUED, False
+            run_id, status, created = runstore.submit_run(
+                session, request=request, version=context.version, now=context.clock()
+            )
+        if created:
+            return run_id, status, False
+        found = run_id, status
     run_id, status = found
     if status == RunStatus.SUCCEEDED:
         context.finished_runs.put_succeeded(run_fingerprint, run_id)
@@ -122,7 +123,7 @@ def _json(body: bytes, status_code: int = 200) -> Response:
 def _submitted(run_id: int, status: RunStatus, cached: bool, run_body: bytes | None) -> bytes:
     """A `Submitted` body around an already serialised run (no second serialisation)."""
     head = json.dumps(
-        {"id": run_id, "status": status.value, "url": crud.run_url(run_id), "cached": cached}
+        {"id": run_id, "status": status.value, "url": run_url(run_id), "cached": cached}
     )
     return head[:-1].encode() + b', "run": ' + (run_body or b"null") + b"}"
 
@@ -174,11 +175,11 @@ def list_runs(
     """Runs, newest first, filtered by status, model label, device label and creation time."""
     now = context.clock()
     with context.db.read() as session:
-        expired = crud.has_expired_leases(session, now=now)
+        expired = leases.has_expired_leases(session, now=now)
     if expired:
         with context.db.write() as session:
-            crud.expire_leases(session, now=now, max_claims=context.settings.max_claims)
-    where = crud.RunFilter(
+            leases.expire_leases(session, now=now, max_claims=context.settings.max_claims)
+    where = runstore.RunFilter(
         status=status,
         model=model,
         device=device,
@@ -186,7 +187,7 @@ def list_runs(
         created_before=created_before,
     )
     with context.db.read() as session:
-        return crud.list_runs(session, where=where, limit=limit, offset=offset)
+        return runstore.list_runs(session, where=where, limit=limit, offset=offset)
 
 
 @router.get("/{run_id}", response_model=Run, dependencies=[ReaderAuth], responses=_NOT_FOUND)
@@ -214,6 +215,6 @@ async def read_run(run_id: RunId, context: ContextDep, wait: WaitSeconds = 0) ->
 def cancel_run(run_id: RunId, context: ContextDep) -> Run:
     """Cancel a queued or running run."""
     with context.db.write() as session:
-        crud.cancel_run(session, run_id=run_id, now=context.clock())
+        runstore.cancel_run(session, run_id=run_id, now=context.clock())
     with context.db.read() as session:
-        return crud.get_run(session, run_id=run_id)
+        return runstore.get_run(session, run_id=run_id)

@@ -431,10 +431,6 @@ def test_the_worker_waits_for_a_server_that_is_down(fleet: Fleet, tmp_path: Path
     assert stop_worker(worker) == 0
 
 
-@pytest.mark.skip(
-    reason="TODO(lead): enable after merging the server side of the lease protocol (a "
-    "heartbeat renews a lapsed lease nobody else claimed; other posts get 409 lease_expired)"
-)
 def test_a_server_outage_longer_than_the_lease_keeps_the_claims_work(
     fleet: Fleet, tmp_path: Path
 ) -> None:
