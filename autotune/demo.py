@@ -33,7 +33,9 @@ from typing import IO
 from rich.console import Console
 
 from autotune.bytesize import format_bytes, parse_bytes
+from autotune.cli_options import memory_size
 from autotune.client import ServerClient, ServerError
+from autotune.defaults import DEFAULT_DATA_DIR
 from autotune.protocol import CudaTarget, EmulatedTarget, Run, RunStatus
 from autotune.schemas import ProbeResult, TuneResult
 
@@ -132,11 +134,11 @@ def _device(memory: str) -> tuple[list[str], EmulatedTarget | CudaTarget, str]:
 
 def _follow(client: ServerClient, run_id: int, worker: _Child, timeout_s: float) -> Run:
     """Print the run's attempts and trials as they arrive, until it finishes."""
-    from autotune.cli import _progress_printer
-    from autotune.cli_tune import _trial_printer
+    from autotune.cli import progress_printer
+    from autotune.cli_tune import trial_printer
 
     err = Console(stderr=True)
-    show_attempt, show_trial = _progress_printer(err), _trial_printer(err)
+    show_attempt, show_trial = progress_printer(err), trial_printer(err)
     seen: set[tuple[str, int, int]] = set()
     status: RunStatus | None = None
     deadline_s = time.monotonic() + timeout_s
@@ -186,10 +188,10 @@ def _print_run(console: Console, run: Run, url: str) -> None:
     result = _as_result(run)
     if run.status is RunStatus.SUCCEEDED and result is not None:
         if result.recommendation is None and result.infeasible is None:
-            from autotune.cli import _print_probe_table
+            from autotune.cli import print_probe_table
 
             # A spec without a target global batch is probed, not tuned.
-            _print_probe_table(console, result.probe, headroom=run.spec.training.headroom)
+            print_probe_table(console, result.probe, headroom=run.spec.training.headroom)
         else:
             print_tune_result(console, result)
     else:
@@ -300,10 +302,7 @@ def run_demo(argv: Sequence[str] | None = None) -> int:
 
 
 def _memory(text: str) -> str:
-    try:
-        parse_bytes(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+    memory_size(text)  # validated here, passed on as text to the worker's --memory
     return text
 
 
@@ -322,7 +321,11 @@ def _parser() -> argparse.ArgumentParser:
         help=f"emulated GPU size without CUDA ({DEMO_MEMORY})",
     )
     parser.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
-    parser.add_argument("--data-dir", default="data", help="database and logs (./data)")
+    parser.add_argument(
+        "--data-dir",
+        default=str(DEFAULT_DATA_DIR),
+        help=f"database and logs (./{DEFAULT_DATA_DIR})",
+    )
     parser.add_argument("--seconds-per-trial", type=float, default=1.0)
     parser.add_argument("--start-method", choices=("spawn", "forkserver"), default="spawn")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait")

@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from autotune.errors import SpecError
 from autotune.hubid import HUB_ID_MAX, hub_id_problem
 from autotune.presets import PRESETS, CNNPreset, DecoderPreset
 
@@ -144,6 +145,16 @@ class TrainingSpec(Base):
         ):
             raise ValueError("input_shape: every dimension must be >= 1")
         return self
+
+    def required_target_global_batch(self) -> int:
+        """The target global batch, which tuning needs (probing does not).
+
+        Raises:
+            SpecError: the spec sets none.
+        """
+        if self.target_global_batch is None:
+            raise SpecError("training.target_global_batch: required for tuning")
+        return self.target_global_batch
 
 
 class Spec(Base):

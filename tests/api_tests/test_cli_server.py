@@ -13,7 +13,7 @@ import httpx2
 import pytest
 
 from autotune.cli import main
-from autotune.cli_server import parse_device
+from autotune.cli_client import parse_device
 from autotune.client import ServerClient
 from autotune.errors import SpecError
 from autotune.protocol import CudaTarget, EmulatedTarget

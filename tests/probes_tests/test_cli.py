@@ -1,4 +1,5 @@
-"""`autotune worker` argument handling, in process: bad input is exit code 2 and one line."""
+"""`autotune worker` (probes/cli.py) argument handling, in process: bad input is exit code 2
+and one line."""
 
 from __future__ import annotations
 
