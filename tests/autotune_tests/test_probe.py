@@ -7,7 +7,7 @@ import pytest
 from autotune.device import EmulatedDevice
 from autotune.presets import PRESETS
 from autotune.probe import probe, run_step
-from autotune.schemas import Spec
+from autotune.schemas import Phase, Spec
 from autotune.session import ProbeSession
 
 # The smallest preset of each family: within a family the presets differ only in size, which the
@@ -133,3 +133,19 @@ def test_other_errors_surface_with_their_own_message(
 ) -> None:
     with pytest.raises(error, match=message):
         probe(factory_spec(factory), EmulatedDevice(HUGE_BYTES))
+
+
+def test_an_optimizer_that_ran_out_while_building_its_state_steps_again() -> None:
+    """AdamW builds its state (exp_avg, exp_avg_sq) lazily in the first step. Out of memory
+    half-way left one parameter with exp_avg only, and the next warm-up (the checkpointing mode)
+    raised KeyError: 'exp_avg_sq' out of `autotune tune` instead of answering "nothing fits"."""
+    spec = preset_spec("mlp")
+    params_bytes = sum(
+        p.numel() * p.element_size()
+        for p in ProbeSession(spec, EmulatedDevice(HUGE_BYTES)).step.model.parameters()
+    )
+    # Parameters and gradients fit, the optimizer's two state tensors per parameter do not.
+    result = probe(spec, EmulatedDevice(3 * params_bytes))
+    assert [mode.max_micro_batch for mode in result.modes] == [0, 0]
+    for mode in result.modes:
+        assert [(a.fits, a.oom_phase) for a in mode.attempts] == [(False, Phase.OPTIMIZER)]
