@@ -1,5 +1,8 @@
 """Recording a tuning run that ran locally (`autotune tune`) in the project's database, so that
 the server shows it next to the runs its workers did. Torch-free like the rest of `api/`.
+
+`DatabaseRecorder` is the server package's `autotune.recorder.RunRecorder`, registered under the
+`autotune.recorders` entry points: `autotune tune` finds it there without importing `api`.
 """
 
 from __future__ import annotations
@@ -34,3 +37,10 @@ def record_local_run(database_url: str, result: TuneResult) -> int:
         return run_id
     finally:
         database.dispose()
+
+
+class DatabaseRecorder:
+    """`autotune.recorder.RunRecorder` that stores runs in the server's database."""
+
+    def record_run(self, database_url: str, result: TuneResult) -> int:
+        return record_local_run(database_url, result)

@@ -292,9 +292,10 @@ def open_device(name: str, memory_bytes: int | None = None) -> Device:
         raise SpecError(f"memory: must be a positive size, got {memory_bytes}")
     if name == "cpu":
         if memory_bytes is None:
+            # The one place this rule lives: every command's --device/--memory ends up here.
             raise SpecError(
-                "--memory is required for the emulated cpu device (the GPU size to emulate, "
-                "e.g. --memory 24GiB)"
+                "--memory: required with the emulated cpu device (the GPU size to emulate, "
+                "e.g. --memory 2GiB)"
             )
         return EmulatedDevice(memory_bytes)
     match = _CUDA_NAME.match(name)

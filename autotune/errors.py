@@ -3,6 +3,7 @@
 * AutotuneError
   + SpecError            the spec (or a CLI argument) is invalid; names the field
   + ModelBuildError      the model could not be built (bad factory, hub unreachable, ...)
+  |  + FactoryRefused     a worker was not started to allow this factory's module
   + DeviceError          the requested device does not exist or cannot be read
 
 Out-of-memory is *not* an error here: `autotune.device` turns it into `fits=False`.
@@ -21,6 +22,11 @@ class SpecError(AutotuneError):
 
 class ModelBuildError(AutotuneError):
     """The model described by a valid spec could not be built."""
+
+
+class FactoryRefused(ModelBuildError):
+    """A factory outside the process's allow-list (`autotune.factoryaccess`); nothing was
+    imported. Another worker, started with `--allow-factory`, may run it."""
 
 
 class DeviceError(AutotuneError):

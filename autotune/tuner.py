@@ -17,7 +17,6 @@ from collections.abc import Callable
 
 from autotune.candidates import Candidate, enumerate_candidates, explain_infeasible
 from autotune.device import Device
-from autotune.errors import SpecError
 from autotune.exports import build_exports
 from autotune.probe import AttemptCallback, probe_session
 from autotune.schemas import (
@@ -89,9 +88,7 @@ def tune(
     Raises:
         SpecError: the spec has no `training.target_global_batch`.
     """
-    training = spec.training
-    if training.target_global_batch is None:
-        raise SpecError("training.target_global_batch: required for tuning")
+    spec.training.required_target_global_batch()  # before the model is built
     return tune_session(
         ProbeSession(spec, device),
         storage_url=storage_url,
@@ -118,12 +115,11 @@ def tune_session(
     """`tune` on any trial runner (in this process, or a child process per trial)."""
     spec = session.spec
     training = spec.training
-    if training.target_global_batch is None:
-        raise SpecError("training.target_global_batch: required for tuning")
+    target_global_batch = training.required_target_global_batch()
     device_info = session.device_info
     probe_result = probe_session(session, on_attempt=on_attempt)
     limits = {mode.checkpointing: mode.recommended_micro_batch for mode in probe_result.modes}
-    candidates = enumerate_candidates(training.target_global_batch, training.world_size, limits)
+    candidates = enumerate_candidates(target_global_batch, training.world_size, limits)
     if any(c.accumulation_steps > 1 for c in candidates):
         probe_result = _probe_accumulation(session, probe_result, candidates)
         accumulating = {m.checkpointing: m.accumulating_micro_batch for m in probe_result.modes}
@@ -133,7 +129,7 @@ def tune_session(
             if c.accumulation_steps == 1 or c.micro_batch <= (accumulating[c.checkpointing] or 0)
         ]
     if not candidates:
-        infeasible = explain_infeasible(training.target_global_batch, training.world_size, limits)
+        infeasible = explain_infeasible(target_global_batch, training.world_size, limits)
         return TuneResult(
             spec=spec,
             device=device_info,

@@ -36,7 +36,7 @@ import importlib
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autotune.errors import AutotuneError, ModelBuildError, SpecError
+from autotune.factoryaccess import check_factory_allowed
 from autotune.hubid import hub_id_problem
 from autotune.presets import PRESETS, DecoderPreset
 from autotune.schemas import Spec, TrainingSpec
@@ -374,13 +375,49 @@ def _hf_checkpointing(model: Any) -> Callable[[bool], None]:
 # Source 4: user factories.
 
 
-def build_factory(path: str, training: TrainingSpec) -> Workload:
-    """Import ``package.module:function`` and call it with `training`."""
+def build_factory(
+    path: str, training: TrainingSpec, *, allowed_prefixes: Sequence[str] | None = None
+) -> Workload:
+    """Import ``package.module:function`` and call it with `training`.
+
+    Args:
+        path: the spec's ``factory``.
+        training: passed to the function.
+        allowed_prefixes: None imports any module (your own spec, on your own machine). A probe
+            worker passes its ``--allow-factory`` prefixes (`autotune.factoryaccess`).
+
+    Raises:
+        FactoryRefused: the module is outside `allowed_prefixes`; nothing was imported.
+        ModelBuildError: the module or function cannot be imported, the function raised, or it
+            returned something other than a `Workload`.
+    """
+    if allowed_prefixes is not None:
+        check_factory_allowed(path, allowed_prefixes)
     module_name, _, function_name = path.partition(":")
     try:
-        function = getattr(importlib.import_module(module_name), function_name)
-    except (ImportError, AttributeError) as exc:
-        raise ModelBuildError(f"factory {path!r}: {type(exc).__name__}: {exc}") from exc
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (module_name + ".").startswith(exc.name + "."):
+            # The factory's own module (or its package) is missing, not one it imports.
+            raise ModelBuildError(
+                f"factory {path!r}: No module named {exc.name!r} on this process's path "
+                f"(sys.path). The factory's module must be importable where the model is built "
+                f"(by `autotune probe`/`tune`, or by the worker's trial processes): install its "
+                f"package, or add the directory that holds it to PYTHONPATH, e.g. "
+                f"PYTHONPATH=/dir/of/the/spec; a module next to the spec file is not found "
+                f"by itself"
+            ) from exc
+        raise ModelBuildError(
+            f"factory {path!r}: importing {module_name!r} failed: {exc}"
+        ) from exc
+    except Exception as exc:  # user code at import time: any error is the factory's
+        raise ModelBuildError(
+            f"factory {path!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}"
+        ) from exc
+    try:
+        function = getattr(module, function_name)
+    except AttributeError as exc:
+        raise ModelBuildError(f"factory {path!r}: AttributeError: {exc}") from exc
     try:
         workload = function(training)
     except AutotuneError:
@@ -394,11 +431,37 @@ def build_factory(path: str, training: TrainingSpec) -> Workload:
         )
     if workload.tokens_per_sample is not None and workload.tokens_per_sample < 1:
         raise ModelBuildError(f"factory {path!r}: tokens_per_sample must be >= 1")
+    _check_factory_shapes(path, workload, training)
     return workload
 
 
-def build_workload(spec: Spec) -> Workload:
-    """The workload for a validated spec, from whichever model source it names."""
+def _check_factory_shapes(path: str, workload: Workload, training: TrainingSpec) -> None:
+    """The spec's shape must be the one the factory's batches have: a seq_len the factory
+    ignores would be measured (and reported) as if it had been used."""
+    tokens = workload.tokens_per_sample
+    if tokens is not None and training.input_shape is not None:
+        raise SpecError(
+            f"training.input_shape: factory {path!r} builds a token model "
+            f"(tokens_per_sample={tokens}); give training.seq_len instead"
+        )
+    if training.seq_len is not None and tokens is None:
+        raise SpecError(
+            f"training.seq_len: factory {path!r} returned tokens_per_sample=None; a token "
+            "model's Workload sets tokens_per_sample=training.seq_len (for non-token models, "
+            "give training.input_shape instead)"
+        )
+    if training.seq_len is not None and tokens != training.seq_len:
+        raise SpecError(
+            f"training.seq_len: {training.seq_len}, but factory {path!r} makes samples of "
+            f"{tokens} tokens (tokens_per_sample); make its batches from training.seq_len"
+        )
+
+
+def build_workload(
+    spec: Spec, *, allowed_factory_prefixes: Sequence[str] | None = None
+) -> Workload:
+    """The workload for a validated spec, from whichever model source it names.
+    `allowed_factory_prefixes`: see `build_factory` (None: any factory)."""
     source, training = spec.model, spec.training
     if source.preset is not None:
         return build_preset(
@@ -409,4 +472,4 @@ def build_workload(spec: Spec) -> Workload:
     if source.hf_id is not None:
         return build_hf_id(source.hf_id, training)
     assert source.factory is not None
-    return build_factory(source.factory, training)
+    return build_factory(source.factory, training, allowed_prefixes=allowed_factory_prefixes)

@@ -6,6 +6,7 @@ import json
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Response
+from fastapi.exceptions import RequestValidationError
 from starlette.concurrency import run_in_threadpool
 
 from api import leases, runstore
@@ -41,6 +42,16 @@ WaitSeconds = Annotated[
     Query(ge=0, le=3600, description="Long-poll: answer when the run finishes, or after this."),
 ]
 _Label = Annotated[str | None, Query(max_length=300, pattern=r"^[^\x00]*$")]
+
+
+# Shaped like pydantic's errors, so the 422 is the same as any other invalid field's.
+_FACTORY_REFUSED = {
+    "type": "factory_not_allowed",
+    "loc": ("body", "spec", "model", "factory"),
+    "msg": "this server does not accept factory specs (a factory is code that workers run); "
+    "use a preset, hf_config or hf_id, or ask the operator to start the server with "
+    "--allow-factory-specs",
+}
 
 
 def _fresh_run(context: AppContext, run_id: int) -> Run:
@@ -131,7 +142,10 @@ def _submitted(run_id: int, status: RunStatus, cached: bool, run_body: bytes | N
 )
 async def submit_run(request: RunCreate, context: ContextDep, wait: WaitSeconds = 0) -> Response:
     """Submit a spec and a device target. A succeeded run with the same fingerprint answers
-    at once (200, `cached: true`); otherwise the run is queued (202)."""
+    at once (200, `cached: true`); otherwise the run is queued (202). A `factory` spec is a
+    422 unless the server allows them (`allow_factory_specs`)."""
+    if request.spec.model.factory is not None and not context.settings.allow_factory_specs:
+        raise RequestValidationError([_FACTORY_REFUSED])
     run_fingerprint = fingerprint(request.spec, request.device, context.version)
     known_id = context.finished_runs.succeeded_run(run_fingerprint)
     hit = context.finished_runs.body(known_id) if known_id is not None else None

@@ -67,7 +67,7 @@ def test_preset_token_batches_are_int64_ids_and_the_loss_is_a_sum() -> None:
 def test_preset_seq_len_defaults_to_max_and_is_capped() -> None:
     assert build_preset("gpt2-tiny").tokens_per_sample == 256
     with pytest.raises(SpecError, match=r"training\.seq_len: 257 exceeds the max_seq_len 256"):
-        build_workload(_spec(TrainingSpec(seq_len=257), preset="gpt2-tiny"))
+        build_preset("gpt2-tiny", seq_len=257)
 
 
 def test_preset_classifiers_take_input_shape() -> None:
@@ -305,3 +305,49 @@ def test_factory_errors_are_model_build_errors_naming_the_factory(
 ) -> None:
     with pytest.raises(ModelBuildError, match=message):
         build_workload(_spec(TrainingSpec(input_shape=(8,)), factory=factory))
+
+
+def test_factory_shapes_must_match_the_spec(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(
+        SpecError, match=r"^training\.input_shape: factory .* builds a token model"
+    ):
+        build_workload(_spec(TrainingSpec(input_shape=(8,)), factory=f"{FACTORIES}:tiny_lm"))
+    classifier = f"{FACTORIES}:tiny_classifier_without_checkpointing"
+    with pytest.raises(SpecError, match=r"^training\.seq_len: .* tokens_per_sample=None"):
+        build_workload(_spec(TrainingSpec(seq_len=8), factory=classifier))
+    (tmp_path / "fixed_length_factory.py").write_text(
+        "from autotune.schemas import TrainingSpec\n"
+        "from tests.autotune_tests.factories import tiny_lm\n"
+        "def make(training):\n"
+        "    return tiny_lm(TrainingSpec(seq_len=16))  # ignores the spec's seq_len\n"
+    )
+    monkeypatch.syspath_prepend(tmp_path)
+    with pytest.raises(SpecError, match=r"^training\.seq_len: 8, but .* samples of 16 tokens"):
+        build_workload(_spec(TrainingSpec(seq_len=8), factory="fixed_length_factory:make"))
+    monkeypatch.delitem(sys.modules, "fixed_length_factory")
+
+
+def test_a_factory_module_that_is_not_on_the_path_gets_a_hint() -> None:
+    with pytest.raises(ModelBuildError) as raised:
+        build_workload(_spec(factory="my_factory_next_to_the_spec:make"))
+    message = str(raised.value)
+    assert message.startswith(
+        "factory 'my_factory_next_to_the_spec:make': No module named "
+        "'my_factory_next_to_the_spec' on this process's path"
+    )
+    assert "PYTHONPATH" in message and "next to the spec file" in message
+
+
+def test_a_missing_dependency_of_the_factory_module_is_named_as_such(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "factory_with_missing_dep.py").write_text("import no_such_dependency_xyz\n")
+    monkeypatch.syspath_prepend(tmp_path)
+    with pytest.raises(ModelBuildError) as raised:
+        build_workload(_spec(factory="factory_with_missing_dep:make"))
+    assert str(raised.value) == (
+        "factory 'factory_with_missing_dep:make': importing 'factory_with_missing_dep' failed: "
+        "No module named 'no_such_dependency_xyz'"
+    )
