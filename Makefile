@@ -40,6 +40,7 @@ bench: env
 	$(PY) bench/probe_trials.py
 	$(PY) bench/tuner_regret.py
 	$(PY) bench/api_load.py
+	$(PY) bench/long_poll.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -20,6 +20,7 @@ from fastapi import Depends, Request
 from api.db import Database
 from api.errors import Forbidden, InvalidToken, Unauthenticated
 from api.runcache import FinishedRunCache
+from api.runwatch import RunWatch
 from api.settings import Settings
 
 
@@ -32,6 +33,7 @@ class AppContext:
     clock: Callable[[], datetime]
     version: str
     finished_runs: FinishedRunCache
+    run_watch: RunWatch
 
 
 async def get_context(request: Request) -> AppContext:

@@ -333,8 +333,10 @@ def fail_claim(
     session: Session, *, run_id: int, report: FailureReport, now: datetime, max_claims: int
 ) -> None:
     """A worker gave up: requeue the run, or fail it when the error is not retryable or the run
-    has used up `max_claims` claims. The reasons of every claim are kept."""
+    has used up `max_claims` claims. The reasons of every claim are kept, and the run points
+    at the study the claim created (its name is the worker's: `probes.worker`)."""
     row = held_run(session, run_id=run_id, lease_id=report.lease_id, now=now)
+    row.study_name = report.study_name or row.study_name
     _end_claim(
         session,
         row,

@@ -19,6 +19,7 @@ from api.deps import AppContext
 from api.errors import register_error_handlers
 from api.routes import health, runs, worker
 from api.runcache import FinishedRunCache
+from api.runwatch import RunWatch
 from api.settings import Settings
 from autotune.protocol import API_PREFIX
 
@@ -63,6 +64,12 @@ def create_app(settings: Settings, *, clock: Callable[[], datetime] = _utc_now) 
         clock=clock,
         version=autotune.__version__,
         finished_runs=FinishedRunCache(),
+        run_watch=RunWatch(
+            database,
+            clock=clock,
+            max_claims=settings.max_claims,
+            poll_s=settings.wait_poll_s,
+        ),
     )
     register_error_handlers(app)
     app.include_router(health.router)

@@ -52,7 +52,11 @@ class Settings(BaseSettings):
         default=3.0, gt=0, description="GET /health answers 503 if the database takes longer."
     )
     max_wait_s: float = Field(default=300.0, ge=0, description="Cap on ?wait= long polls.")
-    wait_poll_s: float = Field(default=0.1, gt=0, description="How often a long poll looks.")
+    wait_poll_s: float = Field(
+        default=0.1,
+        gt=0,
+        description="How often the long-poll watcher reads the status of waited-for runs.",
+    )
 
     @field_validator("client_tokens", "worker_tokens", mode="before")
     @classmethod

@@ -366,6 +366,7 @@ class ServerClient:
         message: str,
         traceback_tail: str | None = None,
         retryable: bool = True,
+        study_name: str | None = None,
     ) -> Run:
         report = FailureReport(
             lease_id=lease_id,
@@ -373,6 +374,7 @@ class ServerClient:
             message=_storable_text(message)[:10_000],
             traceback_tail=_storable_text(traceback_tail)[-10_000:] if traceback_tail else None,
             retryable=retryable,
+            study_name=study_name,
         )
         response = self._request(
             "POST", f"{API_PREFIX}/worker/runs/{run_id}/failure", body=report, worker_call=True

@@ -28,6 +28,7 @@ from pydantic import (
 from autotune.bytesize import parse_bytes
 from autotune.schemas import (
     DEVICE_NAME_MAX,
+    STUDY_NAME_MAX,
     Base,
     DeviceInfo,
     DeviceKind,
@@ -410,3 +411,6 @@ class FailureReport(_Storable):
     message: Annotated[str, Field(max_length=10_000)]
     traceback_tail: Annotated[str, Field(max_length=10_000)] | None = None
     retryable: bool = True
+    study_name: Annotated[str, Field(min_length=1, max_length=STUDY_NAME_MAX)] | None = Field(
+        default=None, description="The Optuna study this claim created, if it got that far."
+    )

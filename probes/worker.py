@@ -403,7 +403,14 @@ class Worker:
             return RunOutcome.LOST
         except WorkerShutdown as error:
             logger.warning("run %d: released: %s", claim.run_id, error)
-            return self._give_up(claim, keeper, error, retryable=True, outcome=RunOutcome.RELEASED)
+            return self._give_up(
+                claim,
+                keeper,
+                error,
+                retryable=True,
+                outcome=RunOutcome.RELEASED,
+                study_name=self._study_of(claim, study_name),
+            )
         except Exception as error:  # the one catch-all: no run may take the worker down
             # A refused factory is this worker's choice: one started to allow it may run it.
             retryable = isinstance(error, FactoryRefused) or not isinstance(error, _SPEC_ERRORS)
@@ -417,7 +424,12 @@ class Worker:
             )
             self._post_failed_trial(claim, runner, progress, study_name, error)
             return self._give_up(
-                claim, keeper, error, retryable=retryable, outcome=RunOutcome.FAILED
+                claim,
+                keeper,
+                error,
+                retryable=retryable,
+                outcome=RunOutcome.FAILED,
+                study_name=self._study_of(claim, study_name),
             )
         finally:
             keeper.stop()
@@ -482,6 +494,22 @@ class Worker:
             storage.engine.dispose()
         return max(progress.trial_numbers, default=-1) + 1
 
+    def _study_of(self, claim: Claim, study_name: str) -> str | None:
+        """`study_name` if this claim created that study in the worker's store, else None
+        (a probe-only run has none; a failure may come before the study was created)."""
+        if claim.spec.training.target_global_batch is None:
+            return None
+        import optuna
+
+        storage = optuna.storages.RDBStorage(self.config.storage_url)
+        try:
+            storage.get_study_id_from_name(study_name)
+        except Exception:  # KeyError (no such study), or an unreadable store: the report
+            return None  # matters more than the name in it
+        finally:
+            storage.engine.dispose()
+        return study_name
+
     def _give_up(
         self,
         claim: Claim,
@@ -490,6 +518,7 @@ class Worker:
         *,
         retryable: bool,
         outcome: RunOutcome,
+        study_name: str | None,
     ) -> RunOutcome:
         try:
             self._patiently(
@@ -501,6 +530,7 @@ class Worker:
                     message=_error_message(error),
                     traceback_tail=_traceback_tail(error),
                     retryable=retryable,
+                    study_name=study_name,
                 ),
             )
         except LeaseLost as lost:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Response
@@ -105,15 +103,19 @@ def _submit(
 
 
 async def _wait_for(context: AppContext, run_id: int, wait_s: float) -> CachedRun | None:
-    """Poll until the run finishes (its status and body) or the wait is over (None)."""
-    deadline = time.monotonic() + min(wait_s, context.settings.max_wait_s)
-    while True:
-        status, body = await run_in_threadpool(_load_run, context, run_id)
-        if status.is_finished():
-            return status, body
-        if time.monotonic() >= deadline:
-            return None
-        await asyncio.sleep(context.settings.wait_poll_s)
+    """The finished run (its status and body), or None when the wait is over first.
+
+    The run is loaded in full at most twice (now, and once it finished); in between, the
+    process's one watcher polls only its status (`api.runwatch`).
+    """
+    status, body = await run_in_threadpool(_load_run, context, run_id)
+    if status.is_finished():
+        return status, body
+    timeout_s = min(wait_s, context.settings.max_wait_s)
+    if not await context.run_watch.wait_finished(run_id, timeout_s):
+        return None
+    status, body = await run_in_threadpool(_load_run, context, run_id)
+    return (status, body) if status.is_finished() else None
 
 
 def _json(body: bytes, status_code: int = 200) -> Response:

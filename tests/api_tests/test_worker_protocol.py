@@ -349,6 +349,25 @@ def test_non_retryable_failure_fails_at_once(user: ServerClient, worker: ServerC
     assert run.error == "failed after 1 claim(s): claim 1: SpecError: model.preset: unknown preset"
 
 
+def test_a_failed_claim_points_the_run_at_the_study_it_created(
+    user: ServerClient, worker: ServerClient
+) -> None:
+    run_id = user.submit_run(tiny_spec(), emulated()).id
+    claim = worker.claim("w1", [emulated_device()])
+    assert claim is not None
+    study_name = f"{claim.study_name}-claim-1-{claim.lease_id[:8]}"
+    run = worker.report_failure(
+        run_id,
+        claim.lease_id,
+        error_type="TrialCrashed",
+        message="killed by SIGABRT",
+        retryable=False,
+        study_name=study_name,
+    )
+    assert run.status == RunStatus.FAILED
+    assert run.study_name == study_name
+
+
 def test_cancel_while_running_tells_the_worker(user: ServerClient, worker: ServerClient) -> None:
     run_id = user.submit_run(tiny_spec(), emulated()).id
     claim = worker.claim("w1", [emulated_device()])

@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import optuna
 import pytest
 
 from autotune.client import LeaseLost, ServerClient
@@ -319,6 +320,11 @@ def test_crashing_and_hanging_trials_fail_their_runs_and_the_worker_goes_on(
     [failed_trial] = failed
     assert failed_trial.error is not None and "killed by SIGABRT" in failed_trial.error
     assert failed_trial.micro_batch * failed_trial.accumulation_steps == 32
+    # The failed run points at the study its claim created in the worker's store.
+    study_name = runs[measuring].study_name
+    assert study_name is not None and study_name.startswith(f"autotune-run-{measuring}-claim-1-")
+    store = f"sqlite:///{fleet.tmp_path / 'crashy-optuna.db'}"
+    assert optuna.load_study(study_name=study_name, storage=store).trials
     # A user exception: its type once, beside the message, never "ValueError: ValueError".
     [boom] = runs[raising].failures
     assert (boom.error_type, boom.message) == ("ValueError", "boom")
