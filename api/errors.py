@@ -1,4 +1,5 @@
-"""Domain errors raised by `api.crud` and `api.auth`, and the handlers that turn them into HTTP.
+"""Domain errors raised by the run store (`api.runstore`, `api.leases`, `api.results`) and the
+auth dependencies, and the handlers that turn them into HTTP.
 
 * ApiError                 (code, status)
   + Unauthenticated        401  no bearer token
@@ -9,6 +10,8 @@
   + StaleLease             409  the lease is not the run's current lease (expired, requeued,
   |                             finished elsewhere): the event changes nothing
   |  + RunCancelled        409  ... because the run was cancelled while the worker held it
+  |  + LeaseExpired        409  the lease lapsed (no heartbeat in time) but nobody else claimed
+  |                             the run: a heartbeat renews it, then the event may be sent again
   + ResultRejected         422  a result that does not belong to the run it is posted to
   + InvalidResult          422  a result the tuner could not have produced (its body also
   |                             lists `violations`: [{field, message}])
@@ -87,6 +90,10 @@ class StaleLease(ApiError):
 
 class RunCancelled(StaleLease):
     code = "run_cancelled"
+
+
+class LeaseExpired(StaleLease):
+    code = "lease_expired"
 
 
 class ResultRejected(ApiError):

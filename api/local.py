@@ -1,19 +1,19 @@
 """Recording a tuning run that ran locally (`autotune tune`) in the project's database, so that
 the server shows it next to the runs its workers did. Torch-free like the rest of `api/`.
+
+`DatabaseRecorder` is the server package's `autotune.recorder.RunRecorder`, registered under the
+`autotune.recorders` entry points: `autotune tune` finds it there without importing `api`.
 """
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from api import crud
+from api import results
 from api.db import Database, migrate
 from autotune import __version__
-from autotune.protocol import CudaTarget, DeviceTarget, EmulatedTarget, ResultSubmission, RunCreate
+from autotune.protocol import CudaTarget, DeviceTarget, EmulatedTarget, RunCreate
 from autotune.schemas import DeviceInfo, DeviceKind, TuneResult
-
-# The whole recording is one transaction; the lease only has to outlive it.
-_LOCAL_LEASE_S = 3600.0
 
 
 def target_for(device: DeviceInfo) -> DeviceTarget:
@@ -31,16 +31,16 @@ def record_local_run(database_url: str, result: TuneResult) -> int:
         now = datetime.now(UTC)
         with database.write() as session:
             request = RunCreate(spec=result.spec, device=target_for(result.device))
-            run_id = crud.create_run(session, request=request, version=__version__, now=now)
-            lease_id = crud.start_local_claim(
-                session, run_id=run_id, now=now, lease_s=_LOCAL_LEASE_S
-            )
-            crud.complete_run(
-                session,
-                run_id=run_id,
-                submission=ResultSubmission(lease_id=lease_id, result=result),
-                now=now,
+            run_id = results.record_local_run(
+                session, request=request, result=result, version=__version__, now=now
             )
         return run_id
     finally:
         database.dispose()
+
+
+class DatabaseRecorder:
+    """`autotune.recorder.RunRecorder` that stores runs in the server's database."""
+
+    def record_run(self, database_url: str, result: TuneResult) -> int:
+        return record_local_run(database_url, result)

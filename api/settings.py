@@ -12,6 +12,8 @@ from typing import Annotated
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from autotune.defaults import DEFAULT_DATA_DIR, SERVER_DATABASE_FILE, server_database_url
+
 
 class Settings(BaseSettings):
     """Everything the server can be told. Tokens accept a JSON list or comma-separated text."""
@@ -20,9 +22,9 @@ class Settings(BaseSettings):
 
     database_url: str | None = Field(
         default=None,
-        description="SQLAlchemy URL; default: a SQLite file autotune.db in data_dir.",
+        description=f"SQLAlchemy URL; default: a SQLite file {SERVER_DATABASE_FILE} in data_dir.",
     )
-    data_dir: Path = Path("data")
+    data_dir: Path = DEFAULT_DATA_DIR
     client_tokens: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Bearer tokens allowed to submit and cancel runs."
     )
@@ -30,6 +32,11 @@ class Settings(BaseSettings):
         default_factory=list, description="Bearer tokens allowed to use the worker protocol."
     )
     open_reads: bool = Field(default=False, description="Let anyone GET runs without a token.")
+    allow_factory_specs: bool = Field(
+        default=False,
+        description="Accept specs whose model is a `factory` (code that workers started with "
+        "--allow-factory import and run); refused with 422 otherwise.",
+    )
     lease_s: float = Field(default=60.0, gt=0, description="How long a claim lasts unrenewed.")
     max_claims: int = Field(
         default=3, ge=1, description="Claims a run may use up (failures, expired leases)."
@@ -61,5 +68,4 @@ class Settings(BaseSettings):
         """The configured URL, or the embedded SQLite file (its directory is created)."""
         if self.database_url:
             return self.database_url
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        return f"sqlite:///{(self.data_dir / 'autotune.db').resolve()}"
+        return server_database_url(self.data_dir)

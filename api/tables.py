@@ -22,6 +22,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -71,6 +72,9 @@ class WorkerRow(Base):
     claims: Mapped[int] = mapped_column(default=0)
 
 
+_UNFINISHED = "status IN ('queued', 'running')"
+
+
 class RunRow(Base):
     """One submission: the spec, the device target, its queue state and its outcome."""
 
@@ -79,6 +83,14 @@ class RunRow(Base):
         # The claim query walks queued runs oldest first.
         Index("ix_autotune_runs_status_created", "status", "created_at", "id"),
         Index("ix_autotune_runs_fingerprint_status", "fingerprint", "status"),
+        # One unfinished run per fingerprint: identical submissions join it (revision 0003).
+        Index(
+            "ix_autotune_runs_unfinished_fingerprint",
+            "fingerprint",
+            unique=True,
+            sqlite_where=text(_UNFINISHED),
+            postgresql_where=text(_UNFINISHED),
+        ),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
@@ -98,6 +110,9 @@ class RunRow(Base):
     claim_count: Mapped[int] = mapped_column(default=0)
     lease_id: Mapped[str | None] = mapped_column(String(64))
     lease_expires_at: Mapped[datetime | None]
+    # When the current claim's lease last lapsed (no heartbeat in time), if it did; the holder
+    # may renew a lapsed lease until another claim takes the run.
+    lease_lapsed_at: Mapped[datetime | None]
     worker_id: Mapped[str | None] = mapped_column(ForeignKey("autotune_workers.id"))
     device_index: Mapped[int | None]
     worker_device: Mapped[dict[str, Any] | None]

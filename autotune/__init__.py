@@ -6,14 +6,13 @@ This package root stays torch-free; torch-backed modules (`zoo`, `workload`, `st
 
 from __future__ import annotations
 
-from autotune.errors import AutotuneError, ModelBuildError, NoFeasibleBatch, SpecError
+from autotune.errors import AutotuneError, ModelBuildError, SpecError
 from autotune.schemas import ModelSpec, Spec, TrainingSpec
 
 __all__ = [
     "AutotuneError",
     "ModelBuildError",
     "ModelSpec",
-    "NoFeasibleBatch",
     "Spec",
     "SpecError",
     "TrainingSpec",

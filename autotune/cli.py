@@ -1,8 +1,13 @@
-"""The `autotune` command line: an entry point, so the only place (with the server's and the
-worker's) that reads arguments and settings.
+"""The `autotune` command line: the entry point of every command, so the only place (with the
+commands' own modules) that reads arguments and settings.
 
     autotune probe SPEC [--device cpu|cuda|cuda:N] [--memory SIZE] [--json]
     autotune step SPEC --micro-batch B [--checkpointing] [--device ...] [--memory SIZE] [--json]
+
+The other commands belong to the part that implements them and are found through the
+`autotune.commands` entry points (see `autotune.plugins` and pyproject.toml): `tune`, `submit`
+and `runs` here, `serve` in `api.cli`, `worker` in `probes.cli`. A command whose extra is not
+installed still parses; running it says which extra to install and exits with code 2.
 
 Bad input exits with code 2 and one line naming the problem.
 """
@@ -10,73 +15,32 @@ Bad input exits with code 2 and one line naming the problem.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 from rich.console import Console
 from rich.table import Table
 
-from autotune.bytesize import format_bytes, parse_bytes
+from autotune.bytesize import format_bytes
+from autotune.cli_options import (
+    CommandParser,
+    Subcommands,
+    add_device_args,
+    open_device,
+    positive_int,
+)
+from autotune.defaults import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE
 from autotune.errors import AutotuneError, DeviceError, ModelBuildError, SpecError
+from autotune.plugins import COMMAND_GROUP, Plugin, install_hint, is_missing_dependency, plugins
 from autotune.schemas import ProbeAttempt, ProbeResult, StepResult
-
-if TYPE_CHECKING:
-    from autotune.device import Device
-
-EXIT_USAGE = 2
-EXIT_FAILURE = 1
 
 Handler = Callable[[argparse.Namespace], int]
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (and still exit code 2)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
-
-
-def _memory_size(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def _add_device_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--device",
-        default=None,
-        help="cuda, cuda:N, or cpu (an emulated GPU; needs --memory). "
-        "Default: cuda when present, else cpu.",
-    )
-    parser.add_argument(
-        "--memory",
-        type=_memory_size,
-        default=None,
-        metavar="SIZE",
-        help="capacity of the emulated GPU (e.g. 2GiB, 1500MiB); caps a real GPU's capacity",
-    )
-
-
-def _open_device(args: argparse.Namespace) -> Device:
-    from autotune.device import open_device
-
-    name = args.device
-    if name is None:
-        import torch
-
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cpu" and args.memory is None:
-        raise SpecError("--memory: required with the emulated cpu device (e.g. --memory 2GiB)")
-    return open_device(name, args.memory)
-
-
-def _progress_printer(console: Console) -> Callable[[bool, ProbeAttempt], None]:
+def progress_printer(console: Console) -> Callable[[bool, ProbeAttempt], None]:
     def show(checkpointing: bool, attempt: ProbeAttempt) -> None:
         verdict = "[green]fits[/green]" if attempt.fits else "[red]OOM[/red] "
         where = f" in {attempt.oom_phase.value}" if attempt.oom_phase else ""
@@ -94,21 +58,21 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     from autotune.specfile import load_spec
 
     spec = load_spec(args.spec)
-    device = _open_device(args)
+    device = open_device(args)
     err = Console(stderr=True)
     err.print(
         f"probing [bold]{spec.model.label}[/bold] on {device.info.name} "
         f"(capacity {format_bytes(device.info.capacity_bytes)})"
     )
-    result = probe(spec, device, on_attempt=_progress_printer(err))
+    result = probe(spec, device, on_attempt=progress_printer(err))
     if args.json:
         sys.stdout.write(result.model_dump_json() + "\n")
     else:
-        _print_probe_table(Console(), result, headroom=spec.training.headroom)
+        print_probe_table(Console(), result, headroom=spec.training.headroom)
     return 0
 
 
-def _print_probe_table(console: Console, result: ProbeResult, *, headroom: float) -> None:
+def print_probe_table(console: Console, result: ProbeResult, *, headroom: float) -> None:
     table = Table(
         title=f"{result.device.name}: capacity {format_bytes(result.device.capacity_bytes)}"
     )
@@ -135,7 +99,7 @@ def _cmd_step(args: argparse.Namespace) -> int:
     from autotune.specfile import load_spec
 
     spec = load_spec(args.spec)
-    device = _open_device(args)
+    device = open_device(args)
     result: StepResult = run_step(
         spec, device, micro_batch=args.micro_batch, checkpointing=args.checkpointing
     )
@@ -149,57 +113,63 @@ def _cmd_step(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1: {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="autotune", description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="autotune", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log what happens")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
 
     probe = commands.add_parser(
         "probe", help="exact max micro-batch, without and with checkpointing"
     )
     probe.add_argument("spec", help="spec file (YAML or JSON)")
-    _add_device_args(probe)
+    add_device_args(probe)
     probe.add_argument("--json", action="store_true", help="print one JSON object")
-    probe.set_defaults(func=_cmd_probe)
+    probe.set_defaults(func=_cmd_probe, extra="probe")
 
     step = commands.add_parser("step", help="run one training step at one micro-batch")
     step.add_argument("spec", help="spec file (YAML or JSON)")
-    step.add_argument("--micro-batch", type=_positive_int, required=True)
+    step.add_argument("--micro-batch", type=positive_int, required=True)
     step.add_argument("--checkpointing", action="store_true")
-    _add_device_args(step)
+    add_device_args(step)
     step.add_argument("--json", action="store_true", help="print one JSON object")
-    step.set_defaults(func=_cmd_step)
+    step.set_defaults(func=_cmd_step, extra="probe")
 
-    _register_optional_commands(commands)
+    for plugin in plugins(COMMAND_GROUP):
+        _register_plugin(commands, plugin)
     return parser
 
 
-# Commands of the optional parts, each only where its extra is installed: the server image has
-# no torch, so the tuner and worker commands must fail to register quietly, not break `serve`.
-_OPTIONAL_COMMANDS = (
-    ("autotune.cli_tune", "register"),
-    ("autotune.cli_server", "add_server_commands"),
-    ("probes.cli_worker", "register"),
-)
+def _register_plugin(commands: Subcommands, plugin: Plugin) -> None:
+    """Add the commands of one entry point, each marked with the extra it needs. A module that
+    cannot be imported still gets its command, which reports the problem when it is run."""
+    before = set(commands.choices)
+    try:
+        register = plugin.load()
+        if not callable(register):
+            raise TypeError(f"{plugin.entry_point.value}: not a register(commands) function")
+        register(commands)
+    except Exception as error:  # noqa: BLE001 - reported when the command is run
+        if plugin.name in commands.choices:
+            raise  # half registered: a bug in the command's module, shown at once
+        _add_unavailable_command(commands, plugin, error)
+        return
+    for name in set(commands.choices) - before:
+        commands.choices[name].set_defaults(extra=plugin.extra)
 
 
-def _register_optional_commands(commands: argparse._SubParsersAction[_Parser]) -> None:
-    for module_name, function_name in _OPTIONAL_COMMANDS:
-        try:
-            module = importlib.import_module(module_name)
-            getattr(module, function_name)(commands)
-        except ImportError as error:
-            logging.getLogger(__name__).debug("%s unavailable: %s", module_name, error)
+def _add_unavailable_command(commands: Subcommands, plugin: Plugin, error: Exception) -> None:
+    hint = install_hint(plugin.extra)
+    help_text = f"(not installed: {hint})" if is_missing_dependency(error) else "(broken)"
+    # Takes any arguments, so that running the command explains itself instead of parsing.
+    placeholder = commands.add_parser(
+        plugin.name, help=help_text, add_help=False, prefix_chars="\0"
+    )
+    placeholder.add_argument("arguments", nargs=argparse.REMAINDER)
+
+    def explain(args: argparse.Namespace) -> int:
+        raise error
+
+    placeholder.set_defaults(func=explain, extra=plugin.extra)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -218,9 +188,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AutotuneError as error:
         sys.stderr.write(f"autotune: error: {error}\n")
         return EXIT_FAILURE
+    except ModuleNotFoundError as error:
+        # A command of an extra that is not installed (or only partly: no torch for the worker).
+        if not is_missing_dependency(error):
+            raise
+        extra = getattr(args, "extra", None)
+        needs = f"the {extra!r} extra" if extra else "a package that is not installed"
+        sys.stderr.write(
+            f"autotune {args.command}: needs {needs} ({error}): {install_hint(extra)}\n"
+        )
+        return EXIT_USAGE
     except KeyboardInterrupt:
         sys.stderr.write("autotune: interrupted\n")
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def run() -> NoReturn:

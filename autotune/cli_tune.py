@@ -5,7 +5,9 @@
 
 The Optuna study lives in the database at `--db` (default: AUTOTUNE_DATABASE_URL, else the
 embedded SQLite file data/autotune.db), so `optuna-dashboard <url>` can open it, and the run is
-recorded there for the server to show.
+recorded there for the server to show, by each installed `autotune.recorder.RunRecorder` (the
+server package's, where the `api` extra is installed). Registered through the
+`autotune.commands` entry points.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -22,22 +23,24 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from autotune.bytesize import format_bytes
-from autotune.errors import SpecError
+from autotune.cli_options import (
+    Subcommands,
+    add_device_args,
+    open_device,
+    positive_int,
+    positive_seconds,
+)
+from autotune.defaults import ENV_DATABASE_URL, EXIT_FAILURE, EXIT_OK, server_database_url
+from autotune.recorder import installed_recorders
 from autotune.schemas import Trial, TrialState, TuneResult
-
-DEFAULT_DATA_DIR = Path("data")
 
 
 def default_database_url() -> str:
     """AUTOTUNE_DATABASE_URL, else the embedded SQLite file the server uses by default."""
-    url = os.environ.get("AUTOTUNE_DATABASE_URL")
-    if url:
-        return url
-    DEFAULT_DATA_DIR.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{(DEFAULT_DATA_DIR / 'autotune.db').resolve()}"
+    return os.environ.get(ENV_DATABASE_URL) or server_database_url()
 
 
-def _trial_printer(console: Console) -> Callable[[Trial], None]:
+def trial_printer(console: Console) -> Callable[[Trial], None]:
     def show(trial: Trial) -> None:
         mode = "on " if trial.checkpointing else "off"
         head = (
@@ -54,19 +57,18 @@ def _trial_printer(console: Console) -> Callable[[Trial], None]:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from autotune.cli import _open_device, _progress_printer
+    from autotune.cli import progress_printer
     from autotune.specfile import load_spec
     from autotune.tuner import tune
 
     spec = load_spec(args.spec)
-    if spec.training.target_global_batch is None:
-        raise SpecError("training.target_global_batch: required for tuning")
-    device = _open_device(args)
+    target_global_batch = spec.training.required_target_global_batch()
+    device = open_device(args)
     storage_url = args.db or default_database_url()
     err = Console(stderr=True)
     err.print(
         f"tuning [bold]{spec.model.label}[/bold] for global batch "
-        f"{spec.training.target_global_batch} on {device.info.name} "
+        f"{target_global_batch} on {device.info.name} "
         f"(capacity {format_bytes(device.info.capacity_bytes)})"
     )
     result = tune(
@@ -76,16 +78,19 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         n_trials=args.trials,
         seed=args.seed,
         target_seconds=args.seconds_per_trial,
-        on_attempt=_progress_printer(err),
-        on_trial=_trial_printer(err),
+        on_attempt=progress_printer(err),
+        on_trial=trial_printer(err),
     )
     _record_locally(result, storage_url, err)
     if args.json:
         sys.stdout.write(tune_json(result) + "\n")
     else:
         print_tune_result(Console(), result)
-        err.print(f"Optuna study [bold]{result.study_name}[/bold]: optuna-dashboard {storage_url}")
-    return 0 if result.recommendation is not None else 1
+        if result.study_name is not None:
+            err.print(
+                f"Optuna study [bold]{result.study_name}[/bold]: optuna-dashboard {storage_url}"
+            )
+    return EXIT_OK if result.recommendation is not None else EXIT_FAILURE
 
 
 def tune_json(result: TuneResult) -> str:
@@ -105,13 +110,11 @@ def tune_json(result: TuneResult) -> str:
 
 
 def _record_locally(result: TuneResult, storage_url: str, console: Console) -> None:
-    """Store the run in the local database, if the server package is installed."""
-    try:
-        from api.local import record_local_run
-    except ImportError:
-        return
-    run_id = record_local_run(storage_url, result)
-    console.print(f"recorded as run {run_id} in {storage_url}")
+    """Store the run in the local database, by every installed recorder (none without the
+    server package)."""
+    for recorder in installed_recorders():
+        run_id = recorder.record_run(storage_url, result)
+        console.print(f"recorded as run {run_id} in {storage_url}")
 
 
 def print_tune_result(console: Console, result: TuneResult) -> None:
@@ -176,21 +179,20 @@ def print_tune_result(console: Console, result: TuneResult) -> None:
         console.print(Syntax(text, languages.get(name, "text"), theme="ansi_dark"))
 
 
-def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from autotune.cli import _add_device_args, _positive_int
-
+def register(commands: Subcommands) -> None:
+    """`autotune tune`."""
     tune = commands.add_parser(
         "tune", help="the micro-batch x accumulation x checkpointing with the best samples/s"
     )
     tune.add_argument("spec", help="spec file (YAML or JSON) with training.target_global_batch")
-    _add_device_args(tune)
+    add_device_args(tune)
     tune.add_argument("--json", action="store_true", help="print one JSON object")
     tune.add_argument("--db", default=None, metavar="URL", help="database URL (Optuna + runs)")
-    tune.add_argument("--trials", type=_positive_int, default=None, help="measurement budget")
+    tune.add_argument("--trials", type=positive_int, default=None, help="measurement budget")
     tune.add_argument("--seed", type=int, default=0, help="sampler seed")
     tune.add_argument(
         "--seconds-per-trial",
-        type=float,
+        type=positive_seconds,
         default=1.0,
         help="how long each measurement's timed steps take (default 1.0)",
     )

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import httpx2
 from pydantic import BaseModel
 
+from autotune.defaults import DEFAULT_SERVER_URL
 from autotune.errors import AutotuneError
 from autotune.protocol import (
     API_PREFIX,
@@ -153,7 +154,7 @@ class ServerClient:
 
     def __init__(
         self,
-        base_url: str = "http://127.0.0.1:8000",
+        base_url: str = DEFAULT_SERVER_URL,
         *,
         token: str | None = None,
         http: httpx2.Client | None = None,

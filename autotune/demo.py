@@ -9,7 +9,9 @@ The worker uses the first CUDA GPU when there is one, otherwise an emulated GPU 
 (default 1 GiB) on the CPU. The server keeps running (with its URL and tokens printed) until
 Ctrl-C; `--stop` (or DEMO_STOP=1) stops it as soon as the result is printed. Either way the
 worker and the server are stopped (SIGTERM, then SIGKILL after a grace period), and no process
-is left behind. Logs go to DIR/server.log and DIR/worker.log.
+is left behind. Logs go to DIR/server.log and DIR/worker.log. A spec whose model is a factory
+is your own code: the demo starts its server with `--allow-factory-specs` and its worker with
+`--allow-factory` for that factory's module only.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from typing import IO
 from rich.console import Console
 
 from autotune.bytesize import format_bytes, parse_bytes
+from autotune.cli_options import memory_size
 from autotune.client import ServerClient, ServerError
+from autotune.defaults import DEFAULT_DATA_DIR
 from autotune.protocol import CudaTarget, EmulatedTarget, Run, RunStatus
 from autotune.schemas import ProbeResult, TuneResult
 
@@ -130,11 +134,11 @@ def _device(memory: str) -> tuple[list[str], EmulatedTarget | CudaTarget, str]:
 
 def _follow(client: ServerClient, run_id: int, worker: _Child, timeout_s: float) -> Run:
     """Print the run's attempts and trials as they arrive, until it finishes."""
-    from autotune.cli import _progress_printer
-    from autotune.cli_tune import _trial_printer
+    from autotune.cli import progress_printer
+    from autotune.cli_tune import trial_printer
 
     err = Console(stderr=True)
-    show_attempt, show_trial = _progress_printer(err), _trial_printer(err)
+    show_attempt, show_trial = progress_printer(err), trial_printer(err)
     seen: set[tuple[str, int, int]] = set()
     status: RunStatus | None = None
     deadline_s = time.monotonic() + timeout_s
@@ -184,10 +188,10 @@ def _print_run(console: Console, run: Run, url: str) -> None:
     result = _as_result(run)
     if run.status is RunStatus.SUCCEEDED and result is not None:
         if result.recommendation is None and result.infeasible is None:
-            from autotune.cli import _print_probe_table
+            from autotune.cli import print_probe_table
 
             # A spec without a target global batch is probed, not tuned.
-            _print_probe_table(console, result.probe, headroom=run.spec.training.headroom)
+            print_probe_table(console, result.probe, headroom=run.spec.training.headroom)
         else:
             print_tune_result(console, result)
     else:
@@ -222,6 +226,15 @@ def run_demo(argv: Sequence[str] | None = None) -> int:
     client_token, worker_token = secrets.token_urlsafe(18), secrets.token_urlsafe(18)
     url = f"http://127.0.0.1:{args.port or _free_port()}"
     worker_args, target, device_text = _device(args.memory)
+    from autotune.specfile import load_spec
+
+    spec = load_spec(args.spec)
+    # Your own spec on your own machine: a factory in it is your code, so this server accepts
+    # it and this worker runs it (and nothing else: only the factory's own module).
+    server_args, factory_args = [], []
+    if spec.model.factory is not None:
+        server_args = ["--allow-factory-specs"]
+        factory_args = ["--allow-factory", spec.model.factory.partition(":")[0]]
     children: list[_Child] = []
     try:
         server_env = {
@@ -232,7 +245,9 @@ def run_demo(argv: Sequence[str] | None = None) -> int:
         }
         server_env.pop("AUTOTUNE_DATABASE_URL", None)  # the demo's server is the embedded one
         port = url.rsplit(":", 1)[1]
-        server = _start("server", ["serve", "--port", port], server_env, data_dir / "server.log")
+        server = _start(
+            "server", ["serve", "--port", port, *server_args], server_env, data_dir / "server.log"
+        )
         children.append(server)
         with ServerClient(url, retries=0) as probe_client:
             _wait_for_server(probe_client, server)
@@ -256,15 +271,13 @@ def run_demo(argv: Sequence[str] | None = None) -> int:
                 str(args.seconds_per_trial),
                 "--start-method",
                 args.start_method,
+                *factory_args,
             ],
             worker_env,
             data_dir / "worker.log",
         )
         children.append(worker)
         console.print(f"[bold]Worker[/bold]: {device_text} (log {worker.log_path})")
-        from autotune.specfile import load_spec
-
-        spec = load_spec(args.spec)
         submitted = client.submit_run(spec, target)
         console.print(f"Submitted {args.spec} as run {submitted.id}: {url}{submitted.url}")
         if submitted.cached:
@@ -289,10 +302,7 @@ def run_demo(argv: Sequence[str] | None = None) -> int:
 
 
 def _memory(text: str) -> str:
-    try:
-        parse_bytes(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+    memory_size(text)  # validated here, passed on as text to the worker's --memory
     return text
 
 
@@ -311,7 +321,11 @@ def _parser() -> argparse.ArgumentParser:
         help=f"emulated GPU size without CUDA ({DEMO_MEMORY})",
     )
     parser.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
-    parser.add_argument("--data-dir", default="data", help="database and logs (./data)")
+    parser.add_argument(
+        "--data-dir",
+        default=str(DEFAULT_DATA_DIR),
+        help=f"database and logs (./{DEFAULT_DATA_DIR})",
+    )
     parser.add_argument("--seconds-per-trial", type=float, default=1.0)
     parser.add_argument("--start-method", choices=("spawn", "forkserver"), default="spawn")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait")

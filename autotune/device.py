@@ -26,7 +26,8 @@ from autotune.tracker import CUDA_BLOCK_BYTES, LiveBytesTracker
 logger = logging.getLogger(__name__)
 
 # Out-of-memory failures that arrive as a plain RuntimeError: the CPU allocator's (e.g. under
-# RLIMIT_AS, see feasibility.md Exp 7) and a failed raw cudaMalloc outside the caching allocator.
+# RLIMIT_AS, see docs/design.md#a-real-cpu-out-of-memory-is-a-signal-not-a-budget) and a
+# failed raw cudaMalloc outside the caching allocator.
 _OOM_MESSAGES = ("DefaultCPUAllocator: can't allocate memory", "CUDA error: out of memory")
 _CUDA_NAME = re.compile(r"^cuda(?::(\d+))?$")
 
@@ -291,9 +292,10 @@ def open_device(name: str, memory_bytes: int | None = None) -> Device:
         raise SpecError(f"memory: must be a positive size, got {memory_bytes}")
     if name == "cpu":
         if memory_bytes is None:
+            # The one place this rule lives: every command's --device/--memory ends up here.
             raise SpecError(
-                "--memory is required for the emulated cpu device (the GPU size to emulate, "
-                "e.g. --memory 24GiB)"
+                "--memory: required with the emulated cpu device (the GPU size to emulate, "
+                "e.g. --memory 2GiB)"
             )
         return EmulatedDevice(memory_bytes)
     match = _CUDA_NAME.match(name)

@@ -3,8 +3,8 @@
 * AutotuneError
   + SpecError            the spec (or a CLI argument) is invalid; names the field
   + ModelBuildError      the model could not be built (bad factory, hub unreachable, ...)
+  |  + FactoryRefused     a worker was not started to allow this factory's module
   + DeviceError          the requested device does not exist or cannot be read
-  + NoFeasibleBatch      not even micro-batch 1 fits on the device
 
 Out-of-memory is *not* an error here: `autotune.device` turns it into `fits=False`.
 """
@@ -24,9 +24,10 @@ class ModelBuildError(AutotuneError):
     """The model described by a valid spec could not be built."""
 
 
+class FactoryRefused(ModelBuildError):
+    """A factory outside the process's allow-list (`autotune.factoryaccess`); nothing was
+    imported. Another worker, started with `--allow-factory`, may run it."""
+
+
 class DeviceError(AutotuneError):
     """The requested device is unavailable or its memory cannot be read."""
-
-
-class NoFeasibleBatch(AutotuneError):
-    """Not even a micro-batch of 1 fits in the device's capacity."""

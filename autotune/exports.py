@@ -2,7 +2,9 @@
 
 Pure and torch-free: `build_exports` turns a `Recommendation` into plain dicts (Hugging Face
 `TrainingArguments` kwargs, Axolotl YAML keys, DeepSpeed JSON keys, Lightning arguments) plus
-the source of a complete plain-PyTorch training loop; `render_exports` turns those into text.
+the source of a complete plain-PyTorch training loop (filled in from the templates in
+`autotune/templates/`, which it reads as text, never imports); `render_exports` turns those into
+text.
 
 Version rule for Hugging Face: transformers 5 renamed the `TrainingArguments` flag
 `gradient_checkpointing` to `activation_checkpointing` (the old name still works in 5.x but
@@ -14,8 +16,11 @@ text states which rule applied.
 
 from __future__ import annotations
 
+import ast
+import importlib.resources
 import json
 import re
+import sys
 from typing import Any
 
 import yaml
@@ -155,246 +160,55 @@ def _render_lightning(lightning: dict[str, Any], batch: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# The plain PyTorch loop. The parts below are the loop's own source text; only the header is
-# filled in with the recommendation's numbers.
+# The plain PyTorch loop: autotune/templates/train_loop.py with the task's source inlined
+# (sample_task.py or token_task.py), a docstring that states the recommendation, and its numbers.
 
-_LOOP_IMPORTS = """
-import contextlib
-import os
-
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.checkpoint import checkpoint
-
-"""
-
-_TOKEN_LOSS = '''
-
-def to_device(batch, device):
-    return {key: value.to(device) for key, value in batch.items()}
+_TEMPLATES = "autotune.templates"
+_TASK_MARKER = "# autotune-template: task\n"
 
 
-def count_targets(micro_batches):
-    """Label tokens of this rank's micro-batches, after the one-position shift."""
-    return sum(int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()) for batch in micro_batches)
+def _template(name: str) -> str:
+    return importlib.resources.files(_TEMPLATES).joinpath(name).read_text(encoding="utf-8")
 
 
-def loss_sum(model, batch):
-    """Summed (not averaged) next-token cross-entropy of one micro-batch."""
-    inputs = {key: value for key, value in batch.items() if key != "labels"}
-    output = model(**inputs)
-    logits = getattr(output, "logits", output)  # Hugging Face models return an output object
-    return F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(),
-        batch["labels"][:, 1:].flatten(),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
+def _split_module(source: str) -> tuple[list[str], str]:
+    """A template's top-level imports (one statement per line, our own templates' imports left
+    out) and its source after the last import."""
+    tree = ast.parse(source)
+    imports = [node for node in tree.body if isinstance(node, ast.Import | ast.ImportFrom)]
+    statements = [
+        ast.unparse(node)
+        for node in imports
+        if not (isinstance(node, ast.ImportFrom) and (node.module or "").startswith(_TEMPLATES))
+    ]
+    last_line = max(node.end_lineno or node.lineno for node in imports)
+    rest = "".join(source.splitlines(keepends=True)[last_line:])
+    return statements, rest.lstrip("\n")
+
+
+def _import_block(statements: list[str]) -> str:
+    """The statements in isort's order: standard library first, then the rest; plain imports
+    before from-imports, each group by module."""
+
+    def module(statement: str) -> str:
+        return statement.split()[1]
+
+    def key(statement: str) -> tuple[bool, str]:
+        return statement.startswith("from "), module(statement).lower()
+
+    unique = set(statements)
+    stdlib = sorted(
+        (s for s in unique if module(s).split(".")[0] in sys.stdlib_module_names), key=key
     )
-'''
-
-_SAMPLE_LOSS = '''
-
-def to_device(batch, device):
-    inputs, labels = batch
-    return inputs.to(device), labels.to(device)
+    others = sorted(unique - set(stdlib), key=key)
+    return "\n\n".join("\n".join(group) for group in (stdlib, others) if group) + "\n"
 
 
-def count_targets(micro_batches):
-    """Samples in this rank's micro-batches."""
-    return sum(len(labels) for _, labels in micro_batches)
-
-
-def loss_sum(model, batch):
-    """Summed (not averaged) cross-entropy of one micro-batch."""
-    inputs, labels = batch
-    return F.cross_entropy(model(inputs).float(), labels, reduction="sum")
-'''
-
-_LOOP_BODY = '''
-
-class CheckpointedBlock(nn.Module):
-    """Recomputes the wrapped block's activations in backward instead of keeping them."""
-
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, *args, **kwargs):
-        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
-
-
-def enable_checkpointing(model):
-    """Hugging Face models have a switch; any other model gets every block of its largest
-    nn.ModuleList (the layers, in most models) wrapped in CheckpointedBlock."""
-    if hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return
-    block_lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    if not block_lists:
-        raise ValueError("no nn.ModuleList of blocks found: wrap your blocks in CheckpointedBlock")
-    blocks = max(block_lists, key=len)
-    for index, block in enumerate(blocks):
-        blocks[index] = CheckpointedBlock(block)
-
-
-def prepare_model(model):
-    """Checkpointing as recommended, then DDP on several ranks. Call before creating the
-    optimizer, after moving the model to its device."""
-    if CHECKPOINTING:
-        enable_checkpointing(model)
-    if WORLD_SIZE > 1:
-        model = nn.parallel.DistributedDataParallel(model)
-    return model
-
-
-def check_world_size():
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    if world_size != WORLD_SIZE:
-        raise RuntimeError(
-            f"tuned for {WORLD_SIZE} ranks but running on {world_size}: "
-            f"launch with torchrun --nproc-per-node {WORLD_SIZE} (or across nodes)"
-        )
-
-
-def train_step(model, optimizer, micro_batches):
-    """One optimizer step over this rank's ACCUMULATION_STEPS micro-batches.
-
-    The loss is the sum over every micro-batch of every rank divided by the number of loss
-    targets in all of them, so the gradient equals the full-batch gradient whatever the split.
-    Gradients are zeroed first and left in place after the update. Returns the mean loss of
-    this rank's micro-batches.
-    """
-    check_world_size()
-    if len(micro_batches) != ACCUMULATION_STEPS:
-        raise ValueError(f"expected {ACCUMULATION_STEPS} micro-batches, got {len(micro_batches)}")
-    device = next(model.parameters()).device
-    micro_batches = [to_device(batch, device) for batch in micro_batches]
-    # The normaliser must be known before the first backward: count this rank's targets, then
-    # sum the counts over ranks.
-    local_targets = count_targets(micro_batches)
-    num_targets = torch.tensor(local_targets, dtype=torch.int64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(num_targets)
-    # DDP averages gradients over ranks; the factor WORLD_SIZE turns that mean back into a sum.
-    scale = WORLD_SIZE / max(int(num_targets.item()), 1)
-    optimizer.zero_grad(set_to_none=True)
-    total_loss = 0.0
-    for index, batch in enumerate(micro_batches):
-        is_last = index == len(micro_batches) - 1
-        # DDP all-reduces gradients only on the last micro-batch of the step.
-        no_sync = getattr(model, "no_sync", None)
-        context = contextlib.nullcontext() if is_last or no_sync is None else no_sync()
-        with context:
-            loss = loss_sum(model, batch)
-            (loss * scale).backward()
-        total_loss += loss.item()
-    optimizer.step()
-    return total_loss / max(local_targets, 1)
-
-
-def train(model, optimizer, data_loader, num_steps):
-    """num_steps optimizer steps, each over ACCUMULATION_STEPS consecutive loader batches.
-
-    The loader must yield MICRO_BATCH samples per batch on every rank, e.g.
-    DataLoader(dataset, batch_size=MICRO_BATCH, drop_last=True), with a DistributedSampler
-    when WORLD_SIZE > 1. Returns each step's mean loss.
-    """
-    model.train()
-    losses = []
-    while len(losses) < num_steps:
-        micro_batches = []
-        steps_before = len(losses)
-        for batch in data_loader:
-            micro_batches.append(batch)
-            if len(micro_batches) == ACCUMULATION_STEPS:
-                losses.append(train_step(model, optimizer, micro_batches))
-                micro_batches = []
-                if len(losses) == num_steps:
-                    break
-        if len(losses) == steps_before:
-            raise ValueError(f"the loader yields fewer than {ACCUMULATION_STEPS} batches")
-    return losses
-'''
-
-_TOKEN_DEMO = '''
-
-class TinyLM(nn.Module):
-    """A stand-in for your model, so that this file runs as is."""
-
-    def __init__(self, vocab_size=64, dim=32, n_layer=2):
-        super().__init__()
-        self.embed = nn.Embedding(vocab_size, dim)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.GELU())
-            for _ in range(n_layer)
-        )
-        self.head = nn.Linear(dim, vocab_size)
-
-    def forward(self, input_ids):
-        x = self.embed(input_ids)
-        for block in self.blocks:
-            x = x + block(x)
-        return self.head(x)
-
-
-def demo_batches(num_batches, seq_len=16, vocab_size=64):
-    """Right-padded batches of random lengths, labels -100 at padding."""
-    for _ in range(num_batches):
-        input_ids = torch.randint(vocab_size, (MICRO_BATCH, seq_len))
-        lengths = torch.randint(2, seq_len + 1, (MICRO_BATCH, 1))
-        labels = input_ids.masked_fill(torch.arange(seq_len) >= lengths, IGNORE_INDEX)
-        yield {"input_ids": input_ids, "labels": labels}
-'''
-
-_SAMPLE_DEMO = '''
-
-class TinyNet(nn.Module):
-    """A stand-in for your model, so that this file runs as is."""
-
-    def __init__(self, in_features=16, dim=32, n_layer=2, num_classes=10):
-        super().__init__()
-        self.stem = nn.Linear(in_features, dim)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.GELU())
-            for _ in range(n_layer)
-        )
-        self.head = nn.Linear(dim, num_classes)
-
-    def forward(self, inputs):
-        x = self.stem(inputs.flatten(1))
-        for block in self.blocks:
-            x = x + block(x)
-        return self.head(x)
-
-
-def demo_batches(num_batches, in_features=16, num_classes=10):
-    for _ in range(num_batches):
-        yield torch.randn(MICRO_BATCH, in_features), torch.randint(num_classes, (MICRO_BATCH,))
-'''
-
-_DEMO_MAIN = """
-
-def main():
-    if WORLD_SIZE > 1:
-        dist.init_process_group()  # torchrun provides the rendezvous environment
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    torch.manual_seed(0)
-    model = prepare_model(DemoModel().to(device))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = train(model, optimizer, list(demo_batches(2 * ACCUMULATION_STEPS)), num_steps=2)
-    print(f"loss per optimizer step: {losses}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
-"""
+def _set_constant(source: str, name: str, value: str) -> str:
+    source, count = re.subn(rf"^{name} = .*$", f"{name} = {value}", source, flags=re.MULTILINE)
+    if count != 1:
+        raise AssertionError(f"template train_loop.py: {count} definitions of {name}")
+    return source
 
 
 def _pytorch_loop(rec: Recommendation, *, token_model: bool) -> str:
@@ -428,18 +242,19 @@ def _pytorch_loop(rec: Recommendation, *, token_model: bool) -> str:
         f"{normaliser}\n{ranks}"
         'Run it as is for a demo on random data; replace DemoModel and the data with yours.\n"""\n'
     )
-    constants = (
-        f"MICRO_BATCH = {rec.micro_batch}\n"
-        f"ACCUMULATION_STEPS = {rec.accumulation_steps}\n"
-        f"WORLD_SIZE = {rec.world_size}\n"
-        "GLOBAL_BATCH = MICRO_BATCH * ACCUMULATION_STEPS * WORLD_SIZE"
-        f"  # {rec.global_batch}\n"
-        f"CHECKPOINTING = {rec.checkpointing}\n"
-        "IGNORE_INDEX = -100\n"
+    loop_imports, loop = _split_module(_template("train_loop.py"))
+    task_imports, task = _split_module(
+        _template("token_task.py" if token_model else "sample_task.py")
     )
-    loss = _TOKEN_LOSS if token_model else _SAMPLE_LOSS
-    if token_model:
-        demo = _TOKEN_DEMO + "\n\nDemoModel = TinyLM\n"
-    else:
-        demo = _SAMPLE_DEMO + "\n\nDemoModel = TinyNet\n"
-    return header + _LOOP_IMPORTS + constants + loss + _LOOP_BODY + demo + _DEMO_MAIN
+    if loop.count(_TASK_MARKER) != 1:
+        raise AssertionError(f"template train_loop.py: no single {_TASK_MARKER!r}")
+    loop = loop.replace(_TASK_MARKER, task)
+    for name, value in (
+        ("MICRO_BATCH", str(rec.micro_batch)),
+        ("ACCUMULATION_STEPS", str(rec.accumulation_steps)),
+        ("WORLD_SIZE", str(rec.world_size)),
+        ("GLOBAL_BATCH", f"MICRO_BATCH * ACCUMULATION_STEPS * WORLD_SIZE  # {rec.global_batch}"),
+        ("CHECKPOINTING", str(rec.checkpointing)),
+    ):
+        loop = _set_constant(loop, name, value)
+    return f"{header}\n{_import_block(loop_imports + task_imports)}\n{loop}"

@@ -284,6 +284,11 @@ class Run(Base):
     started_at: datetime | None = None
     finished_at: datetime | None = None
     lease_expires_at: datetime | None = None
+    lease_lapsed_at: datetime | None = Field(
+        default=None,
+        description="When the current claim's lease lapsed, if it did (renewed by its holder "
+        "afterwards, or requeued until another claim takes the run).",
+    )
     queued_s: float | None = Field(default=None, description="Creation to the last claim.")
     run_s: float | None = Field(default=None, description="Last claim to finish.")
     claim_count: int = 0

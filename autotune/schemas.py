@@ -12,7 +12,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from autotune.presets import PRESETS
+from autotune.errors import SpecError
+from autotune.hubid import HUB_ID_MAX, hub_id_problem
+from autotune.presets import PRESETS, CNNPreset, DecoderPreset
 
 # Column sizes in api/tables.py: a longer value would pass SQLite and fail PostgreSQL, so the
 # schemas refuse it first and both databases answer the same 422.
@@ -46,7 +48,6 @@ class OptimizerName(StrEnum):
 
 
 _FACTORY_PATTERN = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
-_HF_ID_PATTERN = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
 
 class ModelSpec(Base):
@@ -60,8 +61,9 @@ class ModelSpec(Base):
     )
     hf_id: str | None = Field(
         default=None,
-        max_length=MODEL_LABEL_MAX,
-        description="A Hugging Face hub id (needs the hub).",
+        max_length=HUB_ID_MAX,
+        description="A Hugging Face hub id, 'name' or 'namespace/name' (needs the hub or its "
+        "local cache; never a local directory).",
     )
     factory: str | None = Field(
         default=None,
@@ -87,8 +89,10 @@ class ModelSpec(Base):
             raise ValueError('hf_config: needs a "model_type" string, e.g. "llama"')
         if self.hf_config is not None and len(self.hf_config["model_type"]) > _MODEL_TYPE_MAX:
             raise ValueError(f"hf_config.model_type: at most {_MODEL_TYPE_MAX} characters")
-        if self.hf_id is not None and not _HF_ID_PATTERN.match(self.hf_id):
-            raise ValueError(f"hf_id: not a hub id: {self.hf_id!r}")
+        if self.hf_config is not None and "auto_map" in self.hf_config:
+            raise ValueError("hf_config.auto_map: names remote code, which autotune never runs")
+        if self.hf_id is not None and (problem := hub_id_problem(self.hf_id)) is not None:
+            raise ValueError(f"hf_id: not a Hugging Face hub id: {problem}")
         if self.factory is not None and not _FACTORY_PATTERN.match(self.factory):
             raise ValueError(f'factory: expected "package.module:function", got {self.factory!r}')
         return self
@@ -142,6 +146,16 @@ class TrainingSpec(Base):
             raise ValueError("input_shape: every dimension must be >= 1")
         return self
 
+    def required_target_global_batch(self) -> int:
+        """The target global batch, which tuning needs (probing does not).
+
+        Raises:
+            SpecError: the spec sets none.
+        """
+        if self.target_global_batch is None:
+            raise SpecError("training.target_global_batch: required for tuning")
+        return self.target_global_batch
+
 
 class Spec(Base):
     """One training set-up to probe or tune: a model and how it is trained."""
@@ -160,6 +174,19 @@ class Spec(Base):
             )
         if self.model.preset is None and token_model and self.training.seq_len is None:
             raise ValueError("training.seq_len: required for Hugging Face models")
+        preset = PRESETS.get(self.model.preset) if self.model.preset is not None else None
+        seq_len, input_shape = self.training.seq_len, self.training.input_shape
+        # Shapes the preset cannot take are refused here, not when a worker builds the model.
+        if isinstance(preset, DecoderPreset) and seq_len is not None:
+            if seq_len > preset.max_seq_len:
+                raise ValueError(
+                    f"training.seq_len: {seq_len} exceeds the max_seq_len {preset.max_seq_len} "
+                    f"of preset {self.model.preset!r}"
+                )
+        if isinstance(preset, CNNPreset) and input_shape is not None and len(input_shape) != 3:
+            raise ValueError(
+                f"training.input_shape: the cnn preset needs [C, H, W], got {list(input_shape)}"
+            )
         return self
 
 

@@ -4,7 +4,7 @@ Owns `find_max_micro_batch` and the per-op memory model (`PeakModel`) that guide
 here: a trial is an opaque `fits(micro_batch) -> Observation` callback, which on a real GPU costs
 seconds to minutes, so the search is tested with fake devices and serves any backend.
 
-Algorithm (the memory facts are from /work/shared/reference/feasibility.md, "Exp 2"):
+Algorithm (the memory model and the proof: docs/design.md#search, docs/design.md#per-op-fit):
 
 1. Fit points: try b=2, then b=3; with a hint `known_fitting` >= 2, try it and the size after it
    instead. A hint is only a guess and is verified like any other size; if it does not fit, start

@@ -9,7 +9,7 @@ probe worker runs each trial in a fresh child process behind the same contract.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -63,10 +63,17 @@ class TrialRunner(Protocol):
 class ProbeSession:
     """A `TrialRunner` in this process: one model, optimizer and device."""
 
-    def __init__(self, spec: Spec, device: Device) -> None:
+    def __init__(
+        self,
+        spec: Spec,
+        device: Device,
+        *,
+        allowed_factory_prefixes: Sequence[str] | None = None,
+    ) -> None:
+        """`allowed_factory_prefixes`: see `autotune.workload.build_factory`."""
         self.spec = spec
         self.device = device
-        self.workload = build_workload(spec)
+        self.workload = build_workload(spec, allowed_factory_prefixes=allowed_factory_prefixes)
         self.step = TrainingStep(self.workload, spec.training, device.torch_device)
         self._snapshot: object | None = None
 
@@ -134,7 +141,11 @@ class ProbeSession:
         )
         if not outcome.fits:
             self.step.clear_grads()
-            if outcome.oom_phase is Phase.OPTIMIZER and self._snapshot is not None:
-                # Some parameters may already be updated; put all of them back as one.
-                self.step.restore(self._snapshot)
+            if outcome.oom_phase is Phase.OPTIMIZER:
+                if self._snapshot is not None:
+                    # Some parameters may already be updated; put all of them back as one.
+                    self.step.restore(self._snapshot)
+                else:
+                    # No step has completed: the optimizer's state may be half built.
+                    self.step.reset_optimizer()
         return outcome

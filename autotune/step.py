@@ -2,7 +2,7 @@
 
 The memory probe and the tuner's throughput timing both run `TrainingStep.run`, so what is
 measured is what is timed. The optimizer and precision are set up the way a CUDA run sets them
-up, because the CPU defaults differ and change the peak (feasibility.md, Exp 1).
+up, because the CPU defaults differ and change the peak (docs/design.md#memory-model).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def accumulate_gradients(
     Each micro-batch's summed loss is divided by the item count of ALL micro-batches of the step,
     so the accumulated gradient equals the full-batch gradient whatever the lengths. Dividing
     each micro-batch by its own count and then by G (mean of means) is the gradient-accumulation
-    bug fixed across the ecosystem in October 2024 (theory.md section 1).
+    bug fixed across the ecosystem in October 2024 (docs/design.md#loss-normalisation).
     """
     # A step whose labels are all padding has a zero loss; dividing by 1 keeps it zero, not NaN.
     total_items = max(sum(num_items(batch) for batch in batches), 1)
@@ -175,6 +175,13 @@ class TrainingStep:
         self.optimizer.load_state_dict(_copy_to_cpu(snapshot.optimizer_state))
         if self.scaler is not None and snapshot.scaler_state is not None:
             self.scaler.load_state_dict(snapshot.scaler_state)
+
+    def reset_optimizer(self) -> None:
+        """Forget the optimizer's state, as before its first step. torch optimizers build their
+        state lazily inside the first `step()`, one tensor at a time: running out of memory there
+        leaves a parameter with part of it (AdamW's `exp_avg` without `exp_avg_sq`), and every
+        later step raises KeyError. With nothing to restore yet, the empty state is the undo."""
+        self.optimizer.state.clear()
 
     def clear_grads(self) -> None:
         """Drop all gradients (after an OOM, so that a failed step leaves nothing behind)."""

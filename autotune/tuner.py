@@ -17,7 +17,6 @@ from collections.abc import Callable
 
 from autotune.candidates import Candidate, enumerate_candidates, explain_infeasible
 from autotune.device import Device
-from autotune.errors import SpecError
 from autotune.exports import build_exports
 from autotune.probe import AttemptCallback, probe_session
 from autotune.result_check import check_result
@@ -53,8 +52,8 @@ def default_trial_budget(n_candidates: int) -> int:
 def priority_candidates(candidates: list[Candidate]) -> list[Candidate]:
     """What to measure first, from how GPUs behave: samples/s rises with the micro-batch until
     the kernels saturate, and checkpointing only pays when it allows a larger micro-batch
-    (theory.md 3.2, 6.2). So: the largest micro-batch without checkpointing, the largest with
-    it (only if larger), then the runner-up without."""
+    (docs/design.md#throughput). So: the largest micro-batch without checkpointing, the largest
+    with it (only if larger), then the runner-up without."""
     plain = sorted((c for c in candidates if not c.checkpointing), key=lambda c: -c.micro_batch)
     checkpointed = sorted((c for c in candidates if c.checkpointing), key=lambda c: -c.micro_batch)
     first: list[Candidate] = []
@@ -90,9 +89,7 @@ def tune(
     Raises:
         SpecError: the spec has no `training.target_global_batch`.
     """
-    training = spec.training
-    if training.target_global_batch is None:
-        raise SpecError("training.target_global_batch: required for tuning")
+    spec.training.required_target_global_batch()  # before the model is built
     return tune_session(
         ProbeSession(spec, device),
         storage_url=storage_url,
@@ -123,12 +120,11 @@ def tune_session(
     """
     spec = session.spec
     training = spec.training
-    if training.target_global_batch is None:
-        raise SpecError("training.target_global_batch: required for tuning")
+    target_global_batch = training.required_target_global_batch()
     device_info = session.device_info
     probe_result = probe_session(session, on_attempt=on_attempt)
     limits = {mode.checkpointing: mode.recommended_micro_batch for mode in probe_result.modes}
-    candidates = enumerate_candidates(training.target_global_batch, training.world_size, limits)
+    candidates = enumerate_candidates(target_global_batch, training.world_size, limits)
     if any(c.accumulation_steps > 1 for c in candidates):
         probe_result = _probe_accumulation(session, probe_result, candidates)
         accumulating = {m.checkpointing: m.accumulating_micro_batch for m in probe_result.modes}
@@ -138,7 +134,7 @@ def tune_session(
             if c.accumulation_steps == 1 or c.micro_batch <= (accumulating[c.checkpointing] or 0)
         ]
     if not candidates:
-        infeasible = explain_infeasible(training.target_global_batch, training.world_size, limits)
+        infeasible = explain_infeasible(target_global_batch, training.world_size, limits)
         return _checked(
             TuneResult(
                 spec=spec,

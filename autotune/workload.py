@@ -5,7 +5,8 @@ built from a `Spec` by `build_workload`, from one of four sources:
 
 * ``preset``: a built-in model from `autotune.zoo`.
 * ``hf_config``: a transformers config dict, built with random weights (nothing downloaded).
-* ``hf_id``: a Hugging Face hub id; only its config is fetched, never its weights.
+* ``hf_id``: a Hugging Face hub id (`autotune.hubid`); only its config.json is fetched, never
+  its weights, and never read from a local directory.
 * ``factory``: your own code, given as ``"package.module:function"``.
 
 The factory contract
@@ -32,10 +33,12 @@ An import or attribute error, or a return value that is not a `Workload`, raises
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,6 +46,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from autotune.errors import AutotuneError, ModelBuildError, SpecError
+from autotune.factoryaccess import check_factory_allowed
+from autotune.hubid import hub_id_problem
 from autotune.presets import PRESETS, DecoderPreset
 from autotune.schemas import Spec, TrainingSpec
 from autotune.zoo import CheckpointedStack, build_model
@@ -186,30 +191,77 @@ def _import_transformers() -> Any:
         ) from exc
 
 
+def _config_errors() -> tuple[type[Exception], ...]:
+    """What transformers raises for a config it refuses; transformers 5's configs are strict
+    dataclasses, whose field errors do not derive from ValueError."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    return (ValueError, TypeError, KeyError, StrictDataclassError)
+
+
 def build_hf_config(config: dict[str, Any], training: TrainingSpec) -> Workload:
     """A workload for a transformers config dict, with random weights."""
     transformers = _import_transformers()
     try:
         hf_config = transformers.AutoConfig.for_model(**config)
-    except (ValueError, TypeError, KeyError) as exc:
+    except _config_errors() as exc:
         raise ModelBuildError(f"hf_config: transformers rejected the config: {exc}") from exc
     return _build_hf_model(hf_config, training, label=f"hf_config ({config['model_type']})")
 
 
 def build_hf_id(hf_id: str, training: TrainingSpec) -> Workload:
-    """A workload for a hub model's config. Only the config is fetched; a cached config is
-    used without the network. An unreachable hub fails within about HUB_TIMEOUT_S seconds
-    rather than going through huggingface_hub's retries (23 s or more)."""
+    """A workload for a hub model's config, with random weights.
+
+    Only the hub's `config.json` is fetched, through `huggingface_hub` (a cached copy is used
+    without the network), so `hf_id` is only ever a hub id, never a local directory. The file
+    is parsed here and the config built from its `model_type` with `AutoConfig.for_model`, as
+    for `hf_config`: nothing in the file can name code to run (no remote code, ever). An
+    unreachable hub fails within about HUB_TIMEOUT_S seconds rather than going through
+    huggingface_hub's retries (23 s or more). Errors name the file and what is wrong with it,
+    never its text.
+    """
     transformers = _import_transformers()
+    problem = hub_id_problem(hf_id)
+    if problem is not None:  # validated specs never get here; a direct call might
+        raise SpecError(f"hf_id: not a Hugging Face hub id: {problem}")
+    path = _fetch_hub_config(hf_id)
+    label = f"hf_id {hf_id!r}"
+    try:
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelBuildError(
+            f"{label}: its config.json ({path}) is not a readable JSON file ({type(exc).__name__})"
+        ) from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ModelBuildError(f'{label}: its config.json ({path}) has no "model_type" string')
+    if config.pop("auto_map", None) is not None:
+        logger.warning("%s: ignoring auto_map (autotune never runs a model's remote code)", label)
+    try:
+        hf_config = transformers.AutoConfig.for_model(**config)
+    except _config_errors() as exc:
+        raise ModelBuildError(
+            f"{label}: transformers rejected its config.json ({path}): {type(exc).__name__}"
+        ) from None
+    return _build_hf_model(hf_config, training, label=label, quote_errors=False)
+
+
+def _fetch_hub_config(hf_id: str) -> str:
+    """The local path of the hub model's config.json: from the cache, else downloaded."""
+    import huggingface_hub
+    from huggingface_hub.errors import EntryNotFoundError
+
     try:
         try:
-            hf_config = transformers.AutoConfig.from_pretrained(hf_id, local_files_only=True)
-        except OSError:  # not in the local cache
+            path: str = huggingface_hub.hf_hub_download(
+                hf_id, "config.json", local_files_only=True
+            )
+        except EntryNotFoundError:  # not in the local cache
             _check_hub_reachable(hf_id)
-            hf_config = transformers.AutoConfig.from_pretrained(hf_id)
-    except (OSError, ValueError) as exc:  # ValueError: e.g. a config that needs remote code
-        raise _hub_error(hf_id, str(exc).splitlines()[0]) from exc
-    return _build_hf_model(hf_config, training, label=f"hf_id {hf_id!r}")
+            path = huggingface_hub.hf_hub_download(hf_id, "config.json")
+    except (OSError, ValueError, EntryNotFoundError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise _hub_error(hf_id, reason) from exc
+    return path
 
 
 def _hub_error(hf_id: str, reason: str) -> ModelBuildError:
@@ -246,7 +298,7 @@ def _check_hub_reachable(hf_id: str) -> None:
 
 def _zero_dropout(hf_config: Any, label: str) -> None:
     """Dropout off, as in the presets: attention dropout forces CPU SDPA onto the math path
-    (2.4x the memory of a GPU's flash kernel, feasibility.md Exp 4)."""
+    (2.4x the memory of a GPU's flash kernel, docs/design.md#what-it-does-not-model)."""
     changed = []
     for key, value in hf_config.to_dict().items():
         is_dropout = "dropout" in key or key.endswith("pdrop")
@@ -263,8 +315,13 @@ def _zero_dropout(hf_config: Any, label: str) -> None:
         )
 
 
-def _build_hf_model(hf_config: Any, training: TrainingSpec, label: str) -> Workload:
+def _build_hf_model(
+    hf_config: Any, training: TrainingSpec, label: str, *, quote_errors: bool = True
+) -> Workload:
+    """`quote_errors=False` for a config read from a file: its values stay out of messages."""
     transformers = _import_transformers()
+    if getattr(hf_config, "auto_map", None):
+        raise ModelBuildError(f"{label}: auto_map names remote code, which autotune never runs")
     _zero_dropout(hf_config, label)
     hf_config.use_cache = False
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else None
@@ -284,8 +341,9 @@ def _build_hf_model(hf_config: Any, training: TrainingSpec, label: str) -> Workl
         model = transformers.AutoModelForCausalLM.from_config(
             hf_config, attn_implementation="sdpa"
         )
-    except (ValueError, TypeError, KeyError, ImportError) as exc:
-        raise ModelBuildError(f"{label}: could not build a causal LM: {exc}") from exc
+    except _config_errors() + (ImportError,) as exc:
+        reason = str(exc) if quote_errors else type(exc).__name__
+        raise ModelBuildError(f"{label}: could not build a causal LM: {reason}") from None
     # fp32 master weights whatever the config's dtype says: precision is the spec's business.
     model = model.float()
     set_checkpointing = _hf_checkpointing(model) if model.supports_gradient_checkpointing else None
@@ -317,13 +375,49 @@ def _hf_checkpointing(model: Any) -> Callable[[bool], None]:
 # Source 4: user factories.
 
 
-def build_factory(path: str, training: TrainingSpec) -> Workload:
-    """Import ``package.module:function`` and call it with `training`."""
+def build_factory(
+    path: str, training: TrainingSpec, *, allowed_prefixes: Sequence[str] | None = None
+) -> Workload:
+    """Import ``package.module:function`` and call it with `training`.
+
+    Args:
+        path: the spec's ``factory``.
+        training: passed to the function.
+        allowed_prefixes: None imports any module (your own spec, on your own machine). A probe
+            worker passes its ``--allow-factory`` prefixes (`autotune.factoryaccess`).
+
+    Raises:
+        FactoryRefused: the module is outside `allowed_prefixes`; nothing was imported.
+        ModelBuildError: the module or function cannot be imported, the function raised, or it
+            returned something other than a `Workload`.
+    """
+    if allowed_prefixes is not None:
+        check_factory_allowed(path, allowed_prefixes)
     module_name, _, function_name = path.partition(":")
     try:
-        function = getattr(importlib.import_module(module_name), function_name)
-    except (ImportError, AttributeError) as exc:
-        raise ModelBuildError(f"factory {path!r}: {type(exc).__name__}: {exc}") from exc
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (module_name + ".").startswith(exc.name + "."):
+            # The factory's own module (or its package) is missing, not one it imports.
+            raise ModelBuildError(
+                f"factory {path!r}: No module named {exc.name!r} on this process's path "
+                f"(sys.path). The factory's module must be importable where the model is built "
+                f"(by `autotune probe`/`tune`, or by the worker's trial processes): install its "
+                f"package, or add the directory that holds it to PYTHONPATH, e.g. "
+                f"PYTHONPATH=/dir/of/the/spec; a module next to the spec file is not found "
+                f"by itself"
+            ) from exc
+        raise ModelBuildError(
+            f"factory {path!r}: importing {module_name!r} failed: {exc}"
+        ) from exc
+    except Exception as exc:  # user code at import time: any error is the factory's
+        raise ModelBuildError(
+            f"factory {path!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}"
+        ) from exc
+    try:
+        function = getattr(module, function_name)
+    except AttributeError as exc:
+        raise ModelBuildError(f"factory {path!r}: AttributeError: {exc}") from exc
     try:
         workload = function(training)
     except AutotuneError:
@@ -337,11 +431,37 @@ def build_factory(path: str, training: TrainingSpec) -> Workload:
         )
     if workload.tokens_per_sample is not None and workload.tokens_per_sample < 1:
         raise ModelBuildError(f"factory {path!r}: tokens_per_sample must be >= 1")
+    _check_factory_shapes(path, workload, training)
     return workload
 
 
-def build_workload(spec: Spec) -> Workload:
-    """The workload for a validated spec, from whichever model source it names."""
+def _check_factory_shapes(path: str, workload: Workload, training: TrainingSpec) -> None:
+    """The spec's shape must be the one the factory's batches have: a seq_len the factory
+    ignores would be measured (and reported) as if it had been used."""
+    tokens = workload.tokens_per_sample
+    if tokens is not None and training.input_shape is not None:
+        raise SpecError(
+            f"training.input_shape: factory {path!r} builds a token model "
+            f"(tokens_per_sample={tokens}); give training.seq_len instead"
+        )
+    if training.seq_len is not None and tokens is None:
+        raise SpecError(
+            f"training.seq_len: factory {path!r} returned tokens_per_sample=None; a token "
+            "model's Workload sets tokens_per_sample=training.seq_len (for non-token models, "
+            "give training.input_shape instead)"
+        )
+    if training.seq_len is not None and tokens != training.seq_len:
+        raise SpecError(
+            f"training.seq_len: {training.seq_len}, but factory {path!r} makes samples of "
+            f"{tokens} tokens (tokens_per_sample); make its batches from training.seq_len"
+        )
+
+
+def build_workload(
+    spec: Spec, *, allowed_factory_prefixes: Sequence[str] | None = None
+) -> Workload:
+    """The workload for a validated spec, from whichever model source it names.
+    `allowed_factory_prefixes`: see `build_factory` (None: any factory)."""
     source, training = spec.model, spec.training
     if source.preset is not None:
         return build_preset(
@@ -352,4 +472,4 @@ def build_workload(spec: Spec) -> Workload:
     if source.hf_id is not None:
         return build_hf_id(source.hf_id, training)
     assert source.factory is not None
-    return build_factory(source.factory, training)
+    return build_factory(source.factory, training, allowed_prefixes=allowed_factory_prefixes)

@@ -4,7 +4,8 @@ Every model takes one input tensor and returns logits, has no dropout, and suppo
 checkpointing (per transformer block, MLP hidden layer or CNN stage) through its
 `gradient_checkpointing` attribute. Attention goes through `F.scaled_dot_product_attention` with
 `is_causal=True` and dropout 0, so that on the CPU it takes the flash kernel, as a GPU would, and
-not the math path that materialises (b, heads, s, s) probabilities (feasibility.md, Exp 4).
+not the math path that materialises (b, heads, s, s) probabilities
+(docs/design.md#what-it-does-not-model).
 """
 
 from __future__ import annotations
@@ -14,31 +15,34 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from autotune.checkpointing import checkpoint_blocks
 from autotune.presets import CNNPreset, DecoderPreset, MLPPreset, Preset
 
 _INIT_STD = 0.02  # GPT-2's initialiser; also what HF Llama uses (initializer_range)
 
 
 class CheckpointedStack(nn.Module):
-    """A module list run in sequence, each entry optionally under activation checkpointing.
-
-    Non-reentrant checkpointing (`use_reentrant=False`) is the one PyTorch recommends and the one
-    transformers and Lightning use; it also works when the input does not require grad.
-    """
+    """A module list run in sequence, each entry checkpointable through
+    `autotune.checkpointing.checkpoint_blocks` (the helper factories use too), switched by the
+    `gradient_checkpointing` attribute."""
 
     def __init__(self, layers: list[nn.Module]) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
-        self.gradient_checkpointing = False
+        self._checkpointing = checkpoint_blocks(self.layers)
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return self._checkpointing.enabled
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, enabled: bool) -> None:
+        self._checkpointing(enabled)
 
     def run_layers(self, x: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
-            if self.gradient_checkpointing and self.training:
-                x = checkpoint(layer, x, *extra, use_reentrant=False)
-            else:
-                x = layer(x, *extra)
+            x = layer(x, *extra)
         return x
 
 

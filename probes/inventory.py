@@ -12,7 +12,6 @@ import logging
 from dataclasses import dataclass
 
 from autotune.bytesize import format_bytes
-from autotune.errors import SpecError
 from autotune.schemas import DeviceInfo, DeviceKind
 from probes.isolation import read_devices
 
@@ -46,12 +45,7 @@ def read_inventory(device_name: str, memory_bytes: int | None) -> list[WorkerDev
         DeviceError: CUDA was asked for and is unavailable.
     """
     if device_name == "cpu":
-        if memory_bytes is None:
-            raise SpecError(
-                "--memory: required with the emulated cpu device (the GPU size to emulate, "
-                "e.g. --memory 4GiB)"
-            )
-        from autotune.device import open_device
+        from autotune.device import open_device  # refuses "cpu" without a memory size
 
         info = open_device("cpu", memory_bytes).info
         devices = [WorkerDevice(info, "cpu", memory_bytes)]

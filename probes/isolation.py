@@ -77,7 +77,9 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 class ChildRequest:
     """What one child process does. `warm_mode` is the checkpointing mode to warm up in before
     a trial or measurement (None: no warm-up, as in a session that never warmed up).
-    `worker_pid` is the worker's process id; `spawned` says whether it is the parent too."""
+    `worker_pid` is the worker's process id; `spawned` says whether it is the parent too.
+    `allowed_factories`: the worker's `--allow-factory` prefixes; a factory outside them is
+    refused in the child too, before anything is imported (`autotune.factoryaccess`)."""
 
     operation: Operation
     device_name: str
@@ -91,6 +93,7 @@ class ChildRequest:
     checkpointing: bool = False
     target_seconds: float = 1.0
     log_level: int = logging.WARNING
+    allowed_factories: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -193,7 +196,11 @@ def _perform(request: ChildRequest) -> object:
     from autotune.session import ProbeSession
 
     spec = Spec.model_validate_json(request.spec_json)
-    session = ProbeSession(spec, open_device(request.device_name, request.memory_bytes))
+    session = ProbeSession(
+        spec,
+        open_device(request.device_name, request.memory_bytes),
+        allowed_factory_prefixes=request.allowed_factories,
+    )
     if request.operation == "describe":
         return Description(
             device_info=session.device_info,
@@ -404,6 +411,8 @@ class ChildProcessRunner:
         timeout_s: Time limit of one child (start-up, model build, warm-up and the trial).
         interrupt: Checked while children run; whatever it raises stops the run.
         start_method: "spawn" or "forkserver" (see `run_child`).
+        allowed_factories: module prefixes whose factories the children may import (the
+            worker's `--allow-factory`); by default none.
     """
 
     def __init__(
@@ -415,9 +424,11 @@ class ChildProcessRunner:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         interrupt: Interrupt | None = None,
         start_method: StartMethod = "spawn",
+        allowed_factories: tuple[str, ...] = (),
     ) -> None:
         self.spec = spec
         self.start_method = start_method
+        self.allowed_factories = allowed_factories
         self.device_name = device_name
         self.memory_bytes = memory_bytes
         self.timeout_s = timeout_s
@@ -442,6 +453,7 @@ class ChildProcessRunner:
             spec_json=self._spec_json,
             warm_mode=self._warm_mode,
             log_level=logging.getLogger("autotune").getEffectiveLevel(),
+            allowed_factories=self.allowed_factories,
             **fields,
         )
         self.children_run += 1

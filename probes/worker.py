@@ -19,7 +19,9 @@ to the server with its type, message and traceback tail, and the worker takes th
   server is unreachable is skipped: the final result carries everything.
 * Failures: errors that come from the spec (a model that cannot be built, a trial that crashes,
   hangs or raises in user code) are reported as not retryable; they would recur on any worker.
-  Anything else is retryable, and the server requeues the run until its claim limit.
+  Anything else is retryable, and the server requeues the run until its claim limit. So is a
+  factory this worker refuses (`WorkerConfig.allowed_factories`, `--allow-factory`): refused
+  before any child starts, with nothing imported; a worker that allows it may take the run.
   A trial that crashes during a throughput measurement is also posted as a FAILED trial; the
   run then fails (the Optuna study cannot continue past an objective that raised).
 * Shutdown (SIGTERM, Ctrl-C): no new claims; a run in progress gets `shutdown_grace_s` to
@@ -51,7 +53,8 @@ from autotune.client import (
     ServerError,
     ServerUnavailable,
 )
-from autotune.errors import ModelBuildError, NoFeasibleBatch, SpecError
+from autotune.errors import FactoryRefused, ModelBuildError, SpecError
+from autotune.factoryaccess import check_factory_allowed
 from autotune.probe import probe_session
 from autotune.protocol import Claim
 from autotune.schemas import ProbeAttempt, Trial, TrialState, TuneResult
@@ -65,7 +68,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Errors that the spec causes: another claim, on any worker, would end the same way.
-_SPEC_ERRORS = (SpecError, ModelBuildError, NoFeasibleBatch, TrialCrashed, TrialError)
+_SPEC_ERRORS = (SpecError, ModelBuildError, TrialCrashed, TrialError)
 _TRACEBACK_CHARS = 4000
 _SLEEP_SLICE_S = 0.1
 SHUTDOWN_REASON = "worker shutting down"
@@ -90,6 +93,8 @@ class WorkerConfig:
     seconds_per_trial: float = 1.0
     shutdown_grace_s: float = 10.0
     start_method: StartMethod = "spawn"
+    # Module prefixes whose factory specs this worker may import (`autotune.factoryaccess`).
+    allowed_factories: tuple[str, ...] = ()
 
 
 class _LeaseKeeper:
@@ -368,6 +373,7 @@ class Worker:
             timeout_s=self.config.trial_timeout_s,
             interrupt=lambda: self._interrupt(keeper),
             start_method=self.config.start_method,
+            allowed_factories=self.config.allowed_factories,
         )
         progress = _Progress(self.client, keeper)
         # One Optuna study per claim: a study left by an earlier claim of this run (a killed
@@ -378,6 +384,9 @@ class Worker:
         try:
             if self._stopping:
                 raise WorkerShutdown(SHUTDOWN_REASON)
+            if claim.spec.model.factory is not None:
+                # Refused here, before any child starts; the children check again.
+                check_factory_allowed(claim.spec.model.factory, self.config.allowed_factories)
             result = self._tune(claim, runner, progress, study_name)
             self._patiently(
                 keeper, lambda: self.client.submit_result(claim.run_id, claim.lease_id, result)
@@ -396,13 +405,15 @@ class Worker:
             logger.warning("run %d: released: %s", claim.run_id, error)
             return self._give_up(claim, keeper, error, retryable=True, outcome=RunOutcome.RELEASED)
         except Exception as error:  # the one catch-all: no run may take the worker down
-            retryable = not isinstance(error, _SPEC_ERRORS)
+            # A refused factory is this worker's choice: one started to allow it may run it.
+            retryable = isinstance(error, FactoryRefused) or not isinstance(error, _SPEC_ERRORS)
             logger.error(
                 "run %d failed: %s: %s",
                 claim.run_id,
                 _error_type(error),
                 _error_message(error),
-                exc_info=error if retryable else None,
+                # A refusal is a decision, not a fault: its message says it all.
+                exc_info=error if retryable and not isinstance(error, FactoryRefused) else None,
             )
             self._post_failed_trial(claim, runner, progress, study_name, error)
             return self._give_up(

@@ -8,10 +8,12 @@ import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Response
+from fastapi.exceptions import RequestValidationError
 from starlette.concurrency import run_in_threadpool
 
-from api import crud
+from api import leases, runstore
 from api.deps import AppContext, ClientAuth, ContextDep, ReaderAuth
+from api.rowmodels import run_url
 from api.runcache import CachedRun
 from autotune.protocol import (
     MAX_INT,
@@ -44,18 +46,28 @@ WaitSeconds = Annotated[
 _Label = Annotated[str | None, Query(max_length=300, pattern=r"^[^\x00]*$")]
 
 
+# Shaped like pydantic's errors, so the 422 is the same as any other invalid field's.
+_FACTORY_REFUSED = {
+    "type": "factory_not_allowed",
+    "loc": ("body", "spec", "model", "factory"),
+    "msg": "this server does not accept factory specs (a factory is code that workers run); "
+    "use a preset, hf_config or hf_id, or ask the operator to start the server with "
+    "--allow-factory-specs",
+}
+
+
 def _fresh_run(context: AppContext, run_id: int) -> Run:
     """Read a run, first requeueing it if its lease has expired (expiry is checked on read)."""
     with context.db.read() as session:
-        run = crud.get_run(session, run_id=run_id)
+        run = runstore.get_run(session, run_id=run_id)
     now = context.clock()
     if run.status == RunStatus.RUNNING and run.lease_expires_at and run.lease_expires_at < now:
         with context.db.write() as session:
-            crud.expire_leases(
+            leases.expire_leases(
                 session, now=now, max_claims=context.settings.max_claims, run_id=run_id
             )
         with context.db.read() as session:
-            run = crud.get_run(session, run_id=run_id)
+            run = runstore.get_run(session, run_id=run_id)
     return run
 
 
@@ -76,16 +88,16 @@ def _submit(
 ) -> tuple[int, RunStatus, bool]:
     """(run id, status, cached) for a submission: an existing run or a new queued one."""
     with context.db.read() as session:
-        found = crud.find_reusable_run(session, run_fingerprint=run_fingerprint)
+        found = runstore.find_reusable_run(session, run_fingerprint=run_fingerprint)
     if found is None:
         with context.db.write() as session:
             # Looked up again inside the write transaction: a twin may have just been queued.
-            found = crud.find_reusable_run(session, run_fingerprint=run_fingerprint)
-            if found is None:
-                run_id = crud.create_run(
-                    session, request=request, version=context.version, now=context.clock()
-                )
-                return run_id, RunStatus.QUEUED, False
+            run_id, status, created = runstore.submit_run(
+                session, request=request, version=context.version, now=context.clock()
+            )
+        if created:
+            return run_id, status, False
+        found = run_id, status
     run_id, status = found
     if status == RunStatus.SUCCEEDED:
         context.finished_runs.put_succeeded(run_fingerprint, run_id)
@@ -111,7 +123,7 @@ def _json(body: bytes, status_code: int = 200) -> Response:
 def _submitted(run_id: int, status: RunStatus, cached: bool, run_body: bytes | None) -> bytes:
     """A `Submitted` body around an already serialised run (no second serialisation)."""
     head = json.dumps(
-        {"id": run_id, "status": status.value, "url": crud.run_url(run_id), "cached": cached}
+        {"id": run_id, "status": status.value, "url": run_url(run_id), "cached": cached}
     )
     return head[:-1].encode() + b', "run": ' + (run_body or b"null") + b"}"
 
@@ -128,7 +140,10 @@ def _submitted(run_id: int, status: RunStatus, cached: bool, run_body: bytes | N
 )
 async def submit_run(request: RunCreate, context: ContextDep, wait: WaitSeconds = 0) -> Response:
     """Submit a spec and a device target. A succeeded run with the same fingerprint answers
-    at once (200, `cached: true`); otherwise the run is queued (202)."""
+    at once (200, `cached: true`); otherwise the run is queued (202). A `factory` spec is a
+    422 unless the server allows them (`allow_factory_specs`)."""
+    if request.spec.model.factory is not None and not context.settings.allow_factory_specs:
+        raise RequestValidationError([_FACTORY_REFUSED])
     run_fingerprint = fingerprint(request.spec, request.device, context.version)
     known_id = context.finished_runs.succeeded_run(run_fingerprint)
     hit = context.finished_runs.body(known_id) if known_id is not None else None
@@ -160,11 +175,11 @@ def list_runs(
     """Runs, newest first, filtered by status, model label, device label and creation time."""
     now = context.clock()
     with context.db.read() as session:
-        expired = crud.has_expired_leases(session, now=now)
+        expired = leases.has_expired_leases(session, now=now)
     if expired:
         with context.db.write() as session:
-            crud.expire_leases(session, now=now, max_claims=context.settings.max_claims)
-    where = crud.RunFilter(
+            leases.expire_leases(session, now=now, max_claims=context.settings.max_claims)
+    where = runstore.RunFilter(
         status=status,
         model=model,
         device=device,
@@ -172,7 +187,7 @@ def list_runs(
         created_before=created_before,
     )
     with context.db.read() as session:
-        return crud.list_runs(session, where=where, limit=limit, offset=offset)
+        return runstore.list_runs(session, where=where, limit=limit, offset=offset)
 
 
 @router.get("/{run_id}", response_model=Run, dependencies=[ReaderAuth], responses=_NOT_FOUND)
@@ -200,6 +215,6 @@ async def read_run(run_id: RunId, context: ContextDep, wait: WaitSeconds = 0) ->
 def cancel_run(run_id: RunId, context: ContextDep) -> Run:
     """Cancel a queued or running run."""
     with context.db.write() as session:
-        crud.cancel_run(session, run_id=run_id, now=context.clock())
+        runstore.cancel_run(session, run_id=run_id, now=context.clock())
     with context.db.read() as session:
-        return crud.get_run(session, run_id=run_id)
+        return runstore.get_run(session, run_id=run_id)

@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import APIRouter, Response
 
-from api import crud
+from api import leases, results, runstore
 from api.deps import ContextDep, WorkerAuth
 from api.errors import InvalidResult
 from api.routes.runs import RunId
@@ -52,7 +52,7 @@ router = APIRouter(prefix="/worker", tags=["worker"], dependencies=[WorkerAuth],
 def claim_run(request: ClaimRequest, context: ContextDep) -> Claim | Response:
     """Hand over the oldest queued run that one of the worker's devices matches."""
     with context.db.write() as session:
-        claim = crud.claim_run(
+        claim = leases.claim_run(
             session,
             request=request,
             now=context.clock(),
@@ -68,7 +68,7 @@ def claim_run(request: ClaimRequest, context: ContextDep) -> Claim | Response:
 def heartbeat(run_id: RunId, request: Heartbeat, context: ContextDep) -> Lease:
     """Renew the lease."""
     with context.db.write() as session:
-        return crud.heartbeat(
+        return leases.heartbeat(
             session,
             run_id=run_id,
             lease_id=request.lease_id,
@@ -81,7 +81,7 @@ def heartbeat(run_id: RunId, request: Heartbeat, context: ContextDep) -> Lease:
 def post_attempt(run_id: RunId, event: AttemptEvent, context: ContextDep) -> EventAck:
     """Store one probe attempt (once per lease and sequence number); renews the lease."""
     with context.db.write() as session:
-        return crud.record_attempt(
+        return results.record_attempt(
             session,
             run_id=run_id,
             event=event,
@@ -94,7 +94,7 @@ def post_attempt(run_id: RunId, event: AttemptEvent, context: ContextDep) -> Eve
 def post_trial(run_id: RunId, event: TrialEvent, context: ContextDep) -> EventAck:
     """Store one trial (once per lease and trial number); renews the lease."""
     with context.db.write() as session:
-        return crud.record_trial(
+        return results.record_trial(
             session,
             run_id=run_id,
             event=event,
@@ -120,16 +120,16 @@ def submit_result(run_id: RunId, submission: ResultSubmission, context: ContextD
     if violations:
         raise InvalidResult(violations)
     with context.db.write() as session:
-        crud.complete_run(session, run_id=run_id, submission=submission, now=context.clock())
+        results.complete_run(session, run_id=run_id, submission=submission, now=context.clock())
     with context.db.read() as session:
-        return crud.get_run(session, run_id=run_id)
+        return runstore.get_run(session, run_id=run_id)
 
 
 @router.post("/runs/{run_id}/failure", responses=_LEASED)
 def report_failure(run_id: RunId, report: FailureReport, context: ContextDep) -> Run:
     """Give up the run: it is requeued, or failed when out of claims or not retryable."""
     with context.db.write() as session:
-        crud.fail_claim(
+        leases.fail_claim(
             session,
             run_id=run_id,
             report=report,
@@ -137,4 +137,4 @@ def report_failure(run_id: RunId, report: FailureReport, context: ContextDep) ->
             max_claims=context.settings.max_claims,
         )
     with context.db.read() as session:
-        return crud.get_run(session, run_id=run_id)
+        return runstore.get_run(session, run_id=run_id)

@@ -13,7 +13,7 @@ import httpx2
 import pytest
 
 from autotune.cli import main
-from autotune.cli_server import parse_device
+from autotune.cli_client import parse_device
 from autotune.client import ServerClient
 from autotune.errors import SpecError
 from autotune.protocol import CudaTarget, EmulatedTarget
@@ -83,28 +83,54 @@ def test_cli_errors_are_one_line(
     assert "--device" in capsys.readouterr().err
 
 
-def test_serve_generates_and_prints_tokens(tmp_path: Path) -> None:
+def _serve(tmp_path: Path, *args: str, **env: str) -> tuple[str, subprocess.Popen[bytes]]:
+    """`autotune serve` in `tmp_path` with no AUTOTUNE_ settings but `env`, once healthy."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
     log_path = tmp_path / "serve.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "autotune.cli", "serve", "--port", str(port)],
+            [sys.executable, "-m", "autotune.cli", "serve", "--port", str(port), *args],
             cwd=tmp_path,
-            env=env,
+            env={**clean, **env},
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-        try:
-            url = f"http://127.0.0.1:{port}"
-            wait_for_health(url, process, log_path)
-            output = log_path.read_text()
-            tokens = dict(re.findall(r"generated (client|worker) token: (\S+)", output))
-            assert set(tokens) == {"client", "worker"}
-            assert httpx2.get(f"{url}/api/v1/runs").status_code == 401
-            with ServerClient(url, token=tokens["client"]) as user:
-                assert user.list_runs().total == 0
-            assert (tmp_path / "data" / "autotune.db").is_file()  # the default embedded store
-        finally:
-            process.terminate()
-            process.wait(timeout=10)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(url, process, log_path)
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+    return url, process
+
+
+def test_serve_generates_and_prints_tokens(tmp_path: Path) -> None:
+    url, process = _serve(tmp_path)
+    try:
+        output = (tmp_path / "serve.log").read_text()
+        tokens = dict(re.findall(r"generated (client|worker) token: (\S+)", output))
+        assert set(tokens) == {"client", "worker"}
+        assert httpx2.get(f"{url}/api/v1/runs").status_code == 401
+        with ServerClient(url, token=tokens["client"]) as user:
+            assert user.list_runs().total == 0
+        assert (tmp_path / "data" / "autotune.db").is_file()  # the default embedded store
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def test_serve_allow_factory_specs_accepts_them(tmp_path: Path) -> None:
+    url, process = _serve(tmp_path, "--allow-factory-specs", AUTOTUNE_CLIENT_TOKENS=CLIENT_TOKEN)
+    try:
+        body = {
+            "spec": {"model": {"factory": "mypkg.models:make"}, "training": {"seq_len": 8}},
+            "device": {"kind": "emulated", "memory_bytes": 1024},
+        }
+        auth = {"Authorization": f"Bearer {CLIENT_TOKEN}"}
+        response = httpx2.post(f"{url}/api/v1/runs", json=body, headers=auth)
+        assert response.status_code == 202
+    finally:
+        process.terminate()
+        process.wait(timeout=10)

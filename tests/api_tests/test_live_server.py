@@ -143,3 +143,39 @@ def test_client_gives_up_with_server_unavailable() -> None:
         with pytest.raises(ServerUnavailable):
             client.health()
     assert time.monotonic() - started >= 0.03  # 0.01 + 0.02 of backoff
+
+
+def test_identical_submissions_at_once_queue_one_run(
+    two_servers: list[LiveServer], db_url: str
+) -> None:
+    # Under READ COMMITTED each of these found no twin and queued its own run; the unique index
+    # on unfinished fingerprints leaves one, which every submission joins.
+    submitters = 20
+    for round_number in range(3):
+        body = {
+            "spec": tiny_spec(seq_len=16 + round_number).model_dump(mode="json"),
+            "device": emulated().model_dump(mode="json"),
+        }
+        start = threading.Barrier(submitters)
+
+        def submit(
+            index: int, body: dict[str, object] = body, start: threading.Barrier = start
+        ) -> tuple[int, int]:
+            url = two_servers[index % 2].url
+            start.wait()
+            response = httpx2.post(
+                f"{url}/api/v1/runs",
+                json=body,
+                headers={"Authorization": f"Bearer {CLIENT_TOKEN}"},
+                timeout=30,
+            )
+            return response.status_code, response.json()["id"]
+
+        with ThreadPoolExecutor(submitters) as pool:
+            answers = list(pool.map(submit, range(submitters)))
+        assert {status for status, _ in answers} == {202}
+        assert len({run_id for _, run_id in answers}) == 1, answers
+    engine = create_engine(db_url)
+    with engine.connect() as connection:
+        assert connection.execute(text("SELECT COUNT(*) FROM autotune_runs")).scalar() == 3
+    engine.dispose()

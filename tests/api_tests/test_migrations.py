@@ -9,6 +9,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, text
+from sqlalchemy.exc import IntegrityError
 
 from api.db import VERSION_TABLE, Database, alembic_config, migrate
 from api.tables import Base
@@ -84,4 +85,37 @@ def test_optuna_storage_shares_the_database(db_url: str, optuna_first: bool) -> 
     assert len(optuna.load_study(study_name="autotune-run-1", storage=db_url).trials) == 2
     storage.remove_session()
     storage.engine.dispose()
+    database.dispose()
+
+
+def test_the_unfinished_twin_index_goes_down_and_up(db_url: str) -> None:
+    from alembic import command
+
+    database = Database(db_url)
+    migrate(database)
+
+    def index_names() -> set[str]:
+        with database.engine.connect() as connection:
+            return {i["name"] or "" for i in inspect(connection).get_indexes("autotune_runs")}
+
+    assert "ix_autotune_runs_unfinished_fingerprint" in index_names()
+    with database.engine.connect() as connection:
+        command.downgrade(alembic_config(connection), "0002")
+        connection.commit()
+    assert "ix_autotune_runs_unfinished_fingerprint" not in index_names()
+    migrate(database)
+    assert "ix_autotune_runs_unfinished_fingerprint" in index_names()
+    # The index refuses a second unfinished run of one fingerprint, and only that.
+    row = (
+        "INSERT INTO autotune_runs (fingerprint, status, spec, model, target_kind,"
+        " target_memory_bytes, device, autotune_version, created_at, updated_at, claim_count)"
+        " VALUES ('f', :status, '{}', 'm', 'emulated', 1, 'd', 'v', :now, :now, 0)"
+    )
+    now = "2026-01-01 00:00:00"
+    with database.engine.connect() as connection:
+        for status in ("succeeded", "succeeded", "queued"):
+            connection.execute(text(row), {"status": status, "now": now})
+        with pytest.raises(IntegrityError):
+            connection.execute(text(row), {"status": "running", "now": now})
+        connection.rollback()
     database.dispose()

@@ -9,7 +9,8 @@ CHECK = """
 import sys
 from pathlib import Path
 import tempfile
-import api.main, api.crud, autotune.client, autotune.cli_server, autotune.protocol
+import api.main, api.runstore, api.leases, api.results, api.cli
+import autotune.client, autotune.cli_client, autotune.protocol
 from api.settings import Settings
 app = api.main.create_app(Settings(data_dir=Path(tempfile.mkdtemp())))
 heavy = sorted(m for m in ("torch", "optuna", "numpy", "transformers") if m in sys.modules)

@@ -3,11 +3,14 @@ submit and the fingerprint cache, long polls, listing with filters and pages, ca
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
 from starlette.testclient import TestClient
 
+from api.main import create_app
+from api.settings import Settings
 from autotune.client import Conflict, InvalidRequest, NotFound, ServerClient
 from autotune.protocol import RunStatus
 from tests.api_tests.factories import GIB, a100, emulated, emulated_device, tiny_spec, tune_result
@@ -261,14 +264,37 @@ def test_invalid_spec_is_422_naming_the_field(
     assert user.list_runs().total == 0
 
 
-def test_factory_spec_is_stored_not_executed(user: ServerClient, http: TestClient) -> None:
-    body = {
-        "spec": {"model": {"factory": "os:system"}, "training": {"input_shape": [4]}},
-        "device": {"kind": "emulated", "memory_bytes": 1024},
-    }
-    response = http.post("/api/v1/runs", json=body, headers=AUTH)
-    assert response.status_code == 202
-    assert user.get_run(response.json()["id"]).spec.model.factory == "os:system"
+FACTORY_BODY = {
+    "spec": {"model": {"factory": "os:system"}, "training": {"input_shape": [4]}},
+    "device": {"kind": "emulated", "memory_bytes": 1024},
+}
+
+
+def test_factory_specs_are_refused_by_default_with_422_naming_the_field(
+    user: ServerClient, http: TestClient
+) -> None:
+    response = http.post("/api/v1/runs", json=FACTORY_BODY, headers=AUTH)
+    assert response.status_code == 422
+    assert response.json()["code"] == "invalid"
+    (problem,) = response.json()["detail"]
+    assert problem["loc"] == ["body", "spec", "model", "factory"]
+    assert problem["type"] == "factory_not_allowed"
+    assert "--allow-factory-specs" in problem["msg"]
+    assert user.list_runs().total == 0
+
+
+def test_a_server_that_allows_factory_specs_stores_them_and_runs_nothing(
+    settings_factory: Callable[..., Settings], clock: FakeClock
+) -> None:
+    app = create_app(settings_factory(allow_factory_specs=True), clock=clock)
+    try:
+        with TestClient(app) as http:
+            response = http.post("/api/v1/runs", json=FACTORY_BODY, headers=AUTH)
+            assert response.status_code == 202
+            run = ServerClient(http=http, token=CLIENT_TOKEN).get_run(response.json()["id"])
+            assert run.spec.model.factory == "os:system"
+    finally:
+        app.state.context.db.dispose()
 
 
 def test_oversized_body_is_413(http: TestClient) -> None:

@@ -182,15 +182,20 @@ def test_expired_lease_requeues_and_stale_events_change_nothing(
     )
 
     clock.advance(31)
-    # Expiry is seen on read: the run is back in the queue, with the reason recorded.
+    # Expiry is seen on read: the run is back in the queue, the lapse recorded.
     run = user.get_run(run_id)
     assert run.status == RunStatus.QUEUED
-    assert [(f.claim_number, f.error_type, f.worker_id) for f in run.failures] == [
-        (1, "LeaseExpired", "w1")
-    ]
+    assert run.lease_lapsed_at == old.lease_expires_at
+    assert run.failures == []  # the claim has not ended: its holder may still renew it
     new = worker.claim("w2", [emulated_device()])
     assert new is not None and new.run_id == run_id and new.claim_number == 2
     assert new.lease_id != old.lease_id
+    failures = user.get_run(run_id).failures
+    assert [(f.claim_number, f.error_type, f.worker_id) for f in failures] == [
+        (1, "LeaseExpired", "w1")
+    ]
+    assert "stopped renewing" not in failures[0].message
+    assert "claimed again" in failures[0].message
 
     before = user.get_run(run_id)
     for stale_call in (
@@ -209,6 +214,82 @@ def test_expired_lease_requeues_and_stale_events_change_nothing(
     after = user.get_run(run_id)
     assert after == before
     assert after.worker_id == "w2"
+
+
+def test_posts_after_the_lease_expired_are_refused_before_anyone_claims(
+    user: ServerClient, worker: ServerClient, clock: FakeClock
+) -> None:
+    # Nobody reads or claims in between, so only the lease's own expiry can refuse these.
+    spec = tiny_spec()
+    run_id = user.submit_run(spec, emulated()).id
+    claim = worker.claim("w1", [emulated_device()])
+    assert claim is not None
+    lease = claim.lease_id
+    worker.post_attempt(run_id, lease, sequence=0, checkpointing=False, attempt=attempt(1, True))
+    clock.advance(30)  # the lease ends at exactly this instant
+    for late_post in (
+        lambda: worker.post_attempt(
+            run_id, lease, sequence=1, checkpointing=False, attempt=attempt(2, True)
+        ),
+        lambda: worker.post_trial(run_id, lease, trial(0)),
+        lambda: worker.submit_result(run_id, lease, tune_result(spec, emulated_device())),
+        lambda: worker.report_failure(run_id, lease, error_type="Late", message="late"),
+    ):
+        with pytest.raises(LeaseLost) as refused:
+            late_post()
+        assert refused.value.status_code == 409
+        assert refused.value.code == "lease_expired"
+    run = user.get_run(run_id)
+    assert [a.sequence for a in run.attempts] == [0]
+    assert run.trials == [] and run.recommendation is None and run.modes == []
+    assert run.status != RunStatus.SUCCEEDED
+    assert "Late" not in {f.error_type for f in run.failures}
+
+
+@pytest.mark.parametrize("read_in_between", [False, True])
+def test_a_lapsed_lease_nobody_claimed_is_renewed_by_its_heartbeat(
+    user: ServerClient, worker: ServerClient, clock: FakeClock, read_in_between: bool
+) -> None:
+    # A server outage longer than the lease: the worker worked on, and comes back.
+    spec = tiny_spec()
+    run_id = user.submit_run(spec, emulated()).id
+    claim = worker.claim("w1", [emulated_device()])
+    assert claim is not None
+    clock.advance(90)
+    if read_in_between:  # the sweep on read requeues the run, keeping the lease renewable
+        assert user.get_run(run_id).status == RunStatus.QUEUED
+    with pytest.raises(LeaseLost) as refused:
+        worker.post_trial(run_id, claim.lease_id, trial(0))
+    assert refused.value.code == "lease_expired"
+    lease = worker.heartbeat(run_id, claim.lease_id)
+    assert (lease.lease_expires_at - clock.now).total_seconds() == 30.0
+    assert worker.post_trial(run_id, claim.lease_id, trial(0)).stored
+    run = worker.submit_result(run_id, claim.lease_id, tune_result(spec, emulated_device()))
+    assert run.status == RunStatus.SUCCEEDED
+    assert run.claim_count == 1 and run.failures == []  # no claim spent
+    assert run.lease_lapsed_at == claim.lease_expires_at  # what happened stays on the record
+
+
+def test_a_lapsed_lease_on_the_last_claim_fails_the_run_saying_so(
+    user: ServerClient, worker: ServerClient, clock: FakeClock
+) -> None:
+    run_id = user.submit_run(tiny_spec(), emulated()).id
+    for number in (1, 2, 3):
+        claim = worker.claim(f"w{number}", [emulated_device()])
+        assert claim is not None and claim.claim_number == number
+        clock.advance(31)
+    run = user.get_run(run_id)
+    assert run.status == RunStatus.FAILED
+    assert [(f.claim_number, f.error_type) for f in run.failures] == [
+        (1, "LeaseExpired"),
+        (2, "LeaseExpired"),
+        (3, "LeaseExpired"),
+    ]
+    assert "no claims left" in run.failures[2].message
+    assert not any("stopped renewing" in f.message for f in run.failures)
+    with pytest.raises(LeaseLost) as refused:
+        worker.heartbeat(run_id, claim.lease_id)
+    assert refused.value.code == "stale_lease"
 
 
 def test_lease_expiry_is_found_by_the_next_claim(
@@ -259,16 +340,13 @@ def test_non_retryable_failure_fails_at_once(user: ServerClient, worker: ServerC
     run = worker.report_failure(
         run_id,
         claim.lease_id,
-        error_type="NoFeasibleBatch",
-        message="micro-batch 1 does not fit",
+        error_type="SpecError",
+        message="model.preset: unknown preset",
         retryable=False,
     )
     assert run.status == RunStatus.FAILED
     assert run.claim_count == 1
-    assert (
-        run.error
-        == "failed after 1 claim(s): claim 1: NoFeasibleBatch: micro-batch 1 does not fit"
-    )
+    assert run.error == "failed after 1 claim(s): claim 1: SpecError: model.preset: unknown preset"
 
 
 def test_cancel_while_running_tells_the_worker(user: ServerClient, worker: ServerClient) -> None:

@@ -22,15 +22,23 @@ def autotune(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
     )
 
 
-@pytest.fixture
-def spec_path(tmp_path: Path) -> Path:
-    path = tmp_path / "spec.yaml"
+@pytest.fixture(scope="module")
+def spec_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cli") / "spec.yaml"
     path.write_text(SPEC)
     return path
 
 
-def test_probe_json_is_one_object_with_both_modes(spec_path: Path) -> None:
-    done = autotune("probe", str(spec_path), "--device", "cpu", "--memory", "200MiB", "--json")
+@pytest.fixture(scope="module")
+def probed(spec_path: Path) -> subprocess.CompletedProcess[str]:
+    """One `autotune probe --json` run, shared by the tests that read it."""
+    return autotune("probe", str(spec_path), "--device", "cpu", "--memory", "200MiB", "--json")
+
+
+def test_probe_json_is_one_object_with_both_modes(
+    probed: subprocess.CompletedProcess[str],
+) -> None:
+    done = probed
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)  # exactly one JSON document on stdout
     assert result["device"]["kind"] == "emulated"
@@ -51,11 +59,10 @@ def test_probe_table_by_default(spec_path: Path) -> None:
     assert "recommended" in done.stdout
 
 
-def test_step_json_agrees_with_probe(spec_path: Path) -> None:
-    probed = json.loads(
-        autotune("probe", str(spec_path), "--device", "cpu", "--memory", "200MiB", "--json").stdout
-    )
-    best = probed["modes"][0]["max_micro_batch"]
+def test_step_json_agrees_with_probe(
+    spec_path: Path, probed: subprocess.CompletedProcess[str]
+) -> None:
+    best = json.loads(probed.stdout)["modes"][0]["max_micro_batch"]
     fits = autotune(
         "step",
         str(spec_path),

@@ -170,7 +170,7 @@ def test_open_device_cpu() -> None:
     device = open_device("cpu", 2 * 2**30)
     assert isinstance(device, EmulatedDevice)
     assert device.info.capacity_bytes == 2 * 2**30
-    with pytest.raises(SpecError, match="--memory is required for the emulated cpu device"):
+    with pytest.raises(SpecError, match="--memory: required with the emulated cpu device"):
         open_device("cpu")
     with pytest.raises(SpecError, match="positive"):
         open_device("cpu", 0)

@@ -7,18 +7,20 @@ import pytest
 from autotune.device import EmulatedDevice
 from autotune.presets import PRESETS
 from autotune.probe import probe, run_step
-from autotune.schemas import Spec
+from autotune.schemas import Phase, Spec
 from autotune.session import ProbeSession
 
-# Short sequences keep the larger presets quick on two CPU cores; the search does not care.
-SEQ_LEN = {"gpt2-small": 16, "llama-small": 16, "gpt2-mini": 32, "llama-mini": 32}
+# The smallest preset of each family: within a family the presets differ only in size, which the
+# search does not care about (test_zoo.py runs every preset); short sequences keep them quick.
+FAMILY_PRESETS = ["cnn", "gpt2-tiny", "llama-tiny", "mlp"]
+SEQ_LEN = 32
 HUGE_BYTES = 1 << 40
 
 
 def preset_spec(name: str, **training: object) -> Spec:
     settings: dict[str, object] = {"max_micro_batch": 64, **training}
     if PRESETS[name].kind == "decoder":
-        settings.setdefault("seq_len", SEQ_LEN.get(name, 64))
+        settings.setdefault("seq_len", SEQ_LEN)
     return Spec.model_validate({"model": {"preset": name}, "training": settings})
 
 
@@ -31,7 +33,15 @@ def capacity_for_about_four(spec: Spec) -> int:
     return peak3 + (peak3 - peak2) * 3 // 2
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+def _family(name: str) -> str:
+    return getattr(PRESETS[name], "family", PRESETS[name].kind)
+
+
+def test_the_family_presets_cover_every_family() -> None:
+    assert {_family(name) for name in FAMILY_PRESETS} == {_family(name) for name in PRESETS}
+
+
+@pytest.mark.parametrize("name", FAMILY_PRESETS)
 def test_probe_result_fits_and_one_more_does_not(name: str) -> None:
     spec = preset_spec(name)
     device = EmulatedDevice(capacity_for_about_four(spec))
@@ -123,3 +133,19 @@ def test_other_errors_surface_with_their_own_message(
 ) -> None:
     with pytest.raises(error, match=message):
         probe(factory_spec(factory), EmulatedDevice(HUGE_BYTES))
+
+
+def test_an_optimizer_that_ran_out_while_building_its_state_steps_again() -> None:
+    """AdamW builds its state (exp_avg, exp_avg_sq) lazily in the first step. Out of memory
+    half-way left one parameter with exp_avg only, and the next warm-up (the checkpointing mode)
+    raised KeyError: 'exp_avg_sq' out of `autotune tune` instead of answering "nothing fits"."""
+    spec = preset_spec("mlp")
+    params_bytes = sum(
+        p.numel() * p.element_size()
+        for p in ProbeSession(spec, EmulatedDevice(HUGE_BYTES)).step.model.parameters()
+    )
+    # Parameters and gradients fit, the optimizer's two state tensors per parameter do not.
+    result = probe(spec, EmulatedDevice(3 * params_bytes))
+    assert [mode.max_micro_batch for mode in result.modes] == [0, 0]
+    for mode in result.modes:
+        assert [(a.fits, a.oom_phase) for a in mode.attempts] == [(False, Phase.OPTIMIZER)]

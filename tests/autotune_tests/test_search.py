@@ -3,8 +3,9 @@
 A fake training step is a list of ops, each leaving `fixed + b * per_sample` bytes live, built
 like a real step (resident weights and optimizer state, forward activations, logits, backward,
 optimizer temporaries) so that the peak sits in the optimizer step at small b and at the start of
-backward at large b, as in feasibility.md Exp 2. A fake device runs it against a capacity: the
-step fits iff its peak live bytes stay <= the capacity, and an OOM stops it at the first op above.
+backward at large b, as in docs/design.md#memory-model. A fake device runs it against a
+capacity: the step fits iff its peak live bytes stay <= the capacity, and an OOM stops it at the
+first op above.
 """
 
 from __future__ import annotations
@@ -689,3 +690,44 @@ def test_a_far_near_miss_from_allocator_rounding_is_found_by_galloping_down(trut
     result = find_max_micro_batch(fits, cap=1024, capacity_bytes=capacity_bytes)
     assert result.max_micro_batch == truth
     assert len(calls) <= 8, calls
+
+
+# ---------------------------------------------------------------------------------------------
+# The budget's arithmetic and the hint's bookkeeping (survivors of bench/mutation.py).
+
+
+def test_the_budget_grows_at_every_power_of_two_plus_one() -> None:
+    # 100 + 20 b <= 210: the answer is 5. With cap 64 the budget is 6 + 2 = 8 and doubling from
+    # 4 to 8 could leave 56 candidates for 5 calls, so the guard moves it up; cap 65 buys a 9th
+    # call, enough for the plain doubling, which finishes in 5.
+    for cap, calls in [(64, [2, 4, 33, 18, 11, 7, 5, 6]), (65, [2, 4, 8, 6, 5])]:
+        device = FakeDevice(lambda b: (100 + 20 * b,), 210, record_series=False)
+        result = search(device, cap)
+        assert device.calls == calls
+        assert_certified(result, device, cap)
+
+
+def test_a_fitting_hint_of_two_without_traces_is_not_tried_again() -> None:
+    device = FakeDevice(lambda b: (100 + 20 * b,), 100 + 20 * 40, record_series=False)
+    result = search(device, 64, known_fitting=2)
+    assert device.calls == [2, 4, 33, 49, 41, 37, 39, 40]
+    assert_certified(result, device, 64)
+
+
+@pytest.mark.parametrize(
+    ("threshold", "calls"),
+    [
+        # Predicted 17, but 17 fails: gallop down 1, 2, 4 sizes, then bisect (10, 14).
+        (10, [2, 3, 17, 16, 14, 10, 12, 11]),
+        # The same, further down: past 10, the guard takes over from the doubling.
+        (9, [2, 3, 17, 16, 14, 10, 4, 7, 8, 9]),
+        # Predicted 17, but 18 fits too, and so does the refit's next guess: gallop up from the
+        # miss (the guard clamps the doubling to keep the budget), then bisect.
+        (60, [2, 3, 17, 18, 19, 20, 513, 266, 143, 81, 50, 65, 57, 61, 59, 60]),
+    ],
+)
+def test_a_missed_prediction_gallops_away_from_the_miss(threshold: int, calls: list[int]) -> None:
+    device = FakeDevice(CKPT_STEP.series, capacity_for(CKPT_STEP, 17), threshold=threshold)
+    result = search(device, 1024)
+    assert device.calls == calls
+    assert_certified(result, device, 1024)

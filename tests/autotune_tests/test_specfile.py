@@ -38,7 +38,19 @@ def test_yaml_and_json_give_the_same_spec(tmp_path: Path) -> None:
         ("model: {preset: mlp, factory: 'a.b:c'}", "give exactly one of preset, hf_config"),
         ("model: {}", "give exactly one of preset"),
         ("model: {factory: 'not a factory'}", 'factory: expected "package.module:function"'),
+        (
+            "model: {hf_config: {model_type: llama, auto_map: {AutoModel: evil.M}}}",
+            "hf_config.auto_map: names remote code, which autotune never runs",
+        ),
         ("model: {hf_config: {hidden_size: 8}}", 'hf_config: needs a "model_type"'),
+        (
+            "model: {preset: gpt2-tiny}\ntraining: {seq_len: 257}",
+            "training.seq_len: 257 exceeds the max_seq_len 256 of preset 'gpt2-tiny'",
+        ),
+        (
+            "model: {preset: cnn}\ntraining: {input_shape: [32, 32]}",
+            "training.input_shape: the cnn preset needs [C, H, W], got [32, 32]",
+        ),
         ("model: {preset: mlp}\ntraining: {precison: fp16}", "training.precison: Extra inputs"),
         (
             "model: {preset: mlp}\ntraining: {precision: fp8}",

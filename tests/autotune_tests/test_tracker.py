@@ -278,7 +278,7 @@ def test_series_has_one_entry_per_op_and_is_affine_in_batch(trainer: Trainer) ->
         assert len(tracker.series) == tracker.op_count
         assert max(tracker.series) == tracker.peak_bytes
     assert len(runs[2].series) == len(runs[3].series) == len(runs[6].series)
-    # Per-op affine fit on b=2,3 predicts the b=6 peak exactly (feasibility.md, Exp 2).
+    # Per-op affine fit on b=2,3 predicts the b=6 peak exactly (docs/design.md#per-op-fit).
     slopes = [s3 - s2 for s2, s3 in zip(runs[2].series, runs[3].series, strict=True)]
     predicted = max(s2 + (6 - 2) * k for s2, k in zip(runs[2].series, slopes, strict=True))
     assert predicted == runs[6].peak_bytes

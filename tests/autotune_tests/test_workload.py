@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import sys
@@ -66,7 +67,7 @@ def test_preset_token_batches_are_int64_ids_and_the_loss_is_a_sum() -> None:
 def test_preset_seq_len_defaults_to_max_and_is_capped() -> None:
     assert build_preset("gpt2-tiny").tokens_per_sample == 256
     with pytest.raises(SpecError, match=r"training\.seq_len: 257 exceeds the max_seq_len 256"):
-        build_workload(_spec(TrainingSpec(seq_len=257), preset="gpt2-tiny"))
+        build_preset("gpt2-tiny", seq_len=257)
 
 
 def test_preset_classifiers_take_input_shape() -> None:
@@ -172,6 +173,81 @@ def test_hf_id_fails_fast_without_the_hub() -> None:
     assert elapsed_s < 30
 
 
+def _cache_hub_config(cache: Path, hf_id: str, text: str) -> None:
+    """Put `text` in huggingface_hub's cache layout as hf_id's config.json at revision main."""
+    repo = cache / f"models--{hf_id.replace('/', '--')}"
+    commit = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "config.json").write_text(text)
+
+
+@pytest.fixture
+def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty hub cache, offline: only what a test caches can be found."""
+    constants = pytest.importorskip("huggingface_hub.constants")
+    pytest.importorskip("transformers")
+    cache = tmp_path / "hub-cache"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+def test_hf_id_builds_from_the_hub_cache_and_never_runs_remote_code(hub_cache: Path) -> None:
+    config = {**TINY_LLAMA_CONFIG, "auto_map": {"AutoModelForCausalLM": "evil.EvilModel"}}
+    _cache_hub_config(hub_cache, "org/tiny-llama", json.dumps(config))
+    workload = build_workload(_spec(TrainingSpec(seq_len=8), hf_id="org/tiny-llama"))
+    assert type(workload.model).__name__ == "LlamaForCausalLM"
+    assert "evil" not in sys.modules
+
+
+def test_hf_id_is_never_read_from_a_local_directory(
+    hub_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A directory named like the id, next to where the worker runs, holds a valid config:
+    # transformers' from_pretrained would read it; a hub id must not.
+    (tmp_path / "work" / "models").mkdir(parents=True)
+    (tmp_path / "work" / "models" / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG))
+    monkeypatch.chdir(tmp_path / "work")
+    with pytest.raises(ModelBuildError, match=r"hf_id: could not fetch config for 'models'"):
+        build_workload(_spec(TrainingSpec(seq_len=8), hf_id="models"))
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("SECRET=hunter2 not json", r"is not a readable JSON file \(JSONDecodeError\)"),
+        ('{"secret": "hunter2"}', 'has no "model_type" string'),
+        ('{"model_type": "hunter2"}', r"transformers rejected its config\.json .*: ValueError"),
+        (
+            json.dumps({**TINY_LLAMA_CONFIG, "vocab_size": "hunter2"}),
+            r"(transformers rejected its config\.json|could not build a causal LM)",
+        ),
+    ],
+)
+def test_a_bad_hub_config_is_named_by_path_and_kind_never_quoted(
+    hub_cache: Path, text: str, problem: str
+) -> None:
+    _cache_hub_config(hub_cache, "org/broken", text)
+    with pytest.raises(ModelBuildError, match=problem) as raised:
+        build_workload(_spec(TrainingSpec(seq_len=8), hf_id="org/broken"))
+    assert str(raised.value).startswith("hf_id 'org/broken': ")
+    assert "config.json" in str(raised.value)
+    assert "hunter2" not in str(raised.value)
+
+
+def test_no_source_ever_sets_trust_remote_code() -> None:
+    root = Path(__file__).resolve().parents[2]
+    offenders = [
+        str(path.relative_to(root))
+        for package in ("autotune", "api", "probes")
+        for path in sorted((root / package).rglob("*.py"))
+        if "trust_remote_code" in path.read_text()
+    ]
+    assert offenders == []
+
+
 # ---------------------------------------------------------------------------------------------
 # factory.
 
@@ -229,3 +305,49 @@ def test_factory_errors_are_model_build_errors_naming_the_factory(
 ) -> None:
     with pytest.raises(ModelBuildError, match=message):
         build_workload(_spec(TrainingSpec(input_shape=(8,)), factory=factory))
+
+
+def test_factory_shapes_must_match_the_spec(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(
+        SpecError, match=r"^training\.input_shape: factory .* builds a token model"
+    ):
+        build_workload(_spec(TrainingSpec(input_shape=(8,)), factory=f"{FACTORIES}:tiny_lm"))
+    classifier = f"{FACTORIES}:tiny_classifier_without_checkpointing"
+    with pytest.raises(SpecError, match=r"^training\.seq_len: .* tokens_per_sample=None"):
+        build_workload(_spec(TrainingSpec(seq_len=8), factory=classifier))
+    (tmp_path / "fixed_length_factory.py").write_text(
+        "from autotune.schemas import TrainingSpec\n"
+        "from tests.autotune_tests.factories import tiny_lm\n"
+        "def make(training):\n"
+        "    return tiny_lm(TrainingSpec(seq_len=16))  # ignores the spec's seq_len\n"
+    )
+    monkeypatch.syspath_prepend(tmp_path)
+    with pytest.raises(SpecError, match=r"^training\.seq_len: 8, but .* samples of 16 tokens"):
+        build_workload(_spec(TrainingSpec(seq_len=8), factory="fixed_length_factory:make"))
+    monkeypatch.delitem(sys.modules, "fixed_length_factory")
+
+
+def test_a_factory_module_that_is_not_on_the_path_gets_a_hint() -> None:
+    with pytest.raises(ModelBuildError) as raised:
+        build_workload(_spec(factory="my_factory_next_to_the_spec:make"))
+    message = str(raised.value)
+    assert message.startswith(
+        "factory 'my_factory_next_to_the_spec:make': No module named "
+        "'my_factory_next_to_the_spec' on this process's path"
+    )
+    assert "PYTHONPATH" in message and "next to the spec file" in message
+
+
+def test_a_missing_dependency_of_the_factory_module_is_named_as_such(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "factory_with_missing_dep.py").write_text("import no_such_dependency_xyz\n")
+    monkeypatch.syspath_prepend(tmp_path)
+    with pytest.raises(ModelBuildError) as raised:
+        build_workload(_spec(factory="factory_with_missing_dep:make"))
+    assert str(raised.value) == (
+        "factory 'factory_with_missing_dep:make': importing 'factory_with_missing_dep' failed: "
+        "No module named 'no_such_dependency_xyz'"
+    )

@@ -99,9 +99,10 @@ def start_worker(
     start_method: str = "forkserver",
     extra_args: tuple[str, ...] = (),
     token: str = WORKER_TOKEN,
+    allow_factories: tuple[str, ...] = ("tests",),
 ) -> WorkerProcess:
     """`autotune worker` on an emulated GPU of `memory`, run from the repository root so that
-    the test factories are importable in its children."""
+    the test factories are importable in its children, and allowed (`--allow-factory`)."""
     mark = new_mark()
     log_path = log_dir / f"{name}.log"
     env = {**os.environ, "AUTOTUNE_TOKEN": token, MARK_VARIABLE: mark}
@@ -127,6 +128,7 @@ def start_worker(
         "0.2",
         "--start-method",
         start_method,
+        *(arg for prefix in allow_factories for arg in ("--allow-factory", prefix)),
         *extra_args,
     ]
     with log_path.open("wb") as log:

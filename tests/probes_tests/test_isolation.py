@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from autotune.device import open_device
-from autotune.errors import ModelBuildError
+from autotune.errors import FactoryRefused, ModelBuildError
 from autotune.probe import probe_session
 from autotune.schemas import ModelSpec, Spec, TrainingSpec
 from autotune.session import ProbeSession
@@ -25,6 +25,8 @@ from probes.errors import TrialCrashed, TrialError, WorkerShutdown
 from probes.isolation import ChildProcessRunner, StartMethod
 from tests.probes_tests.factories import wide_spec
 from tests.probes_tests.live import MARK_VARIABLE, REPO, marked_pids, new_mark, wait_for_no_marked
+
+TESTS = ("tests",)  # the test factories' package, allowed as a worker's --allow-factory would
 
 MIB = 2**20
 CAPACITY_BYTES = 4 * MIB
@@ -67,7 +69,9 @@ def test_child_trials_equal_the_same_trials_in_one_process() -> None:
     """A child warms up before its trial, so it sees what a long-lived session sees: the same
     verdict, peak, per-phase peaks and per-op series, byte for byte."""
     spec = wide_spec(features=16)
-    runner = ChildProcessRunner(spec, "cpu", CAPACITY_BYTES, start_method="forkserver")
+    runner = ChildProcessRunner(
+        spec, "cpu", CAPACITY_BYTES, start_method="forkserver", allowed_factories=TESTS
+    )
     session = ProbeSession(spec, open_device("cpu", CAPACITY_BYTES))
 
     assert runner.device_info == session.device_info
@@ -91,7 +95,9 @@ def test_child_trials_equal_the_same_trials_in_one_process() -> None:
 def test_spawned_children_answer_crash_and_leave_the_next_trial_unharmed() -> None:
     """The default start method, end to end: a new interpreter per call."""
     spec = wide_spec("abort_above_4", features=16)
-    runner = ChildProcessRunner(spec, "cpu", CAPACITY_BYTES, start_method="spawn")
+    runner = ChildProcessRunner(
+        spec, "cpu", CAPACITY_BYTES, start_method="spawn", allowed_factories=TESTS
+    )
     session = ProbeSession(spec, open_device("cpu", CAPACITY_BYTES))
     assert runner.warm_up(checkpointing=False) == session.warm_up(checkpointing=False)
     assert runner.trial(3, 2, checkpointing=False) == session.trial(3, 2, checkpointing=False)
@@ -108,7 +114,9 @@ def test_probe_in_children_finds_what_one_process_finds() -> None:
         training=TrainingSpec(input_shape=(64,), max_micro_batch=4096),
     )
     capacity_bytes = 40 * MIB
-    runner = ChildProcessRunner(spec, "cpu", capacity_bytes, start_method="forkserver")
+    runner = ChildProcessRunner(
+        spec, "cpu", capacity_bytes, start_method="forkserver", allowed_factories=TESTS
+    )
     in_children = probe_session(runner)
     in_process = probe_session(ProbeSession(spec, open_device("cpu", capacity_bytes)))
     assert in_children == in_process
@@ -118,7 +126,11 @@ def test_probe_in_children_finds_what_one_process_finds() -> None:
 
 def test_abort_is_a_crash_not_an_oom_and_the_next_trial_is_unharmed() -> None:
     runner = ChildProcessRunner(
-        wide_spec("abort_above_4", features=16), "cpu", CAPACITY_BYTES, start_method="forkserver"
+        wide_spec("abort_above_4", features=16),
+        "cpu",
+        CAPACITY_BYTES,
+        start_method="forkserver",
+        allowed_factories=TESTS,
     )
     assert runner.warm_up(checkpointing=False).fits
     with pytest.raises(TrialCrashed) as crashed:
@@ -142,6 +154,7 @@ def test_a_hang_is_killed_at_the_time_limit(start_method: StartMethod) -> None:
         CAPACITY_BYTES,
         timeout_s=timeout_s,
         start_method=start_method,
+        allowed_factories=TESTS,
     )
     started_s = time.monotonic()
     with pytest.raises(TrialCrashed) as crashed:
@@ -166,6 +179,7 @@ def test_an_interrupt_kills_the_running_child_at_once() -> None:
         timeout_s=60,
         interrupt=interrupt,
         start_method="forkserver",
+        allowed_factories=TESTS,
     )
     with pytest.raises(WorkerShutdown):
         runner.trial(8, checkpointing=False)
@@ -177,7 +191,9 @@ def test_a_user_exception_comes_back_with_its_type_message_and_traceback() -> No
         model=ModelSpec(factory="tests.autotune_tests.probe_factories:value_error_above_2"),
         training=TrainingSpec(input_shape=(16,)),
     )
-    runner = ChildProcessRunner(spec, "cpu", CAPACITY_BYTES, start_method="forkserver")
+    runner = ChildProcessRunner(
+        spec, "cpu", CAPACITY_BYTES, start_method="forkserver", allowed_factories=TESTS
+    )
     assert runner.trial(2, checkpointing=False).fits
     with pytest.raises(TrialError) as raised:
         runner.trial(3, checkpointing=False)
@@ -186,19 +202,33 @@ def test_a_user_exception_comes_back_with_its_type_message_and_traceback() -> No
     assert "probe_factories.py" in raised.value.child_traceback
 
 
+def test_trial_children_refuse_factories_outside_the_allow_list() -> None:
+    """The child checks too (the worker checks before starting one): by default, and with a
+    prefix that only looks like the module's, nothing is imported."""
+    spec = wide_spec(features=16)  # tests.probes_tests.factories:wide
+    for allowed in ((), ("tests.probes_tests.factoriesx", "test")):
+        runner = ChildProcessRunner(spec, "cpu", CAPACITY_BYTES, allowed_factories=allowed)
+        with pytest.raises(FactoryRefused, match=r"factory 'tests\.probes_tests\.factories:wide'"):
+            runner.describe()
+
+
 def test_autotune_errors_come_back_as_themselves() -> None:
     spec = Spec(
         model=ModelSpec(factory="tests.probes_tests.factories:no_such_factory"),
         training=TrainingSpec(input_shape=(16,)),
     )
-    runner = ChildProcessRunner(spec, "cpu", CAPACITY_BYTES, start_method="forkserver")
+    runner = ChildProcessRunner(
+        spec, "cpu", CAPACITY_BYTES, start_method="forkserver", allowed_factories=TESTS
+    )
     with pytest.raises(ModelBuildError, match="no_such_factory"):
         runner.describe()
 
 
 def test_a_crash_in_a_measurement_stops_the_tuner_with_the_failed_call() -> None:
     spec = wide_spec("abort_in_measurement", features=16)
-    runner = ChildProcessRunner(spec, "cpu", CAPACITY_BYTES, start_method="forkserver")
+    runner = ChildProcessRunner(
+        spec, "cpu", CAPACITY_BYTES, start_method="forkserver", allowed_factories=TESTS
+    )
     storage_url = f"sqlite:///{Path(os.environ.get('TMPDIR', '/tmp')) / new_mark()}.db"
     with pytest.raises(TrialCrashed) as crashed:
         tune_session(runner, storage_url=storage_url, target_seconds=0.05)
@@ -215,7 +245,7 @@ from tests.probes_tests.factories import wide_spec
 
 runner = ChildProcessRunner(
     wide_spec("sleep_then_hang", features=16), "cpu", 4 * 2**20, timeout_s=600,
-    start_method=sys.argv[1],
+    start_method=sys.argv[1], allowed_factories=("tests",),
 )
 runner.trial(8, checkpointing=False)
 """

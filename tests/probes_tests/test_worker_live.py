@@ -58,7 +58,12 @@ class Fleet:
         self.server = start_server(
             f"sqlite:///{self.tmp_path / 'server.db'}",
             self.tmp_path / "server.log",
-            extra_env={"AUTOTUNE_WAIT_POLL_S": "0.05", **env},
+            # The tests' specs are factories (tests.probes_tests.factories): allowed explicitly.
+            extra_env={
+                "AUTOTUNE_WAIT_POLL_S": "0.05",
+                "AUTOTUNE_ALLOW_FACTORY_SPECS": "true",
+                **env,
+            },
         )
         return self.server
 
@@ -243,6 +248,33 @@ def test_a_killed_workers_run_is_released_and_finished_by_the_other(fleet: Fleet
     assert stop_worker(survivor) == 0
 
 
+def test_a_worker_refuses_factories_outside_its_allow_list_and_imports_nothing(
+    fleet: Fleet,
+) -> None:
+    """`builtins:print` once ran in a trial child for anyone with a client token."""
+    fleet.serve()
+    worker = fleet.worker("strict", "4MiB")  # --allow-factory tests
+    spec = wide_spec(features=16)
+    spec = spec.model_copy(
+        update={"model": spec.model.model_copy(update={"factory": "builtins:print"})}
+    )
+    with fleet.user() as user:
+        run = _wait(user, user.submit_run(spec, EmulatedTarget(memory_bytes=4 * MIB)).id)
+    assert run.status is RunStatus.FAILED
+    # Refused by this worker, not by the spec: retried (another worker may allow it).
+    assert run.claim_count == 3 and len(run.failures) == 3
+    for failure in run.failures:
+        assert failure.error_type == "FactoryRefused"
+        assert failure.message == (
+            "factory 'builtins:print' refused: this worker allows factories only under tests; "
+            "to run it, start a worker with --allow-factory builtins (or a narrower prefix of "
+            "'builtins')"
+        )
+    assert run.attempts == [] and run.trials == []
+    assert "input_shape=(16,)" not in worker.log()  # what print(training) would have written
+    assert stop_worker(worker) == 0
+
+
 def test_crashing_and_hanging_trials_fail_their_runs_and_the_worker_goes_on(
     fleet: Fleet,
 ) -> None:
@@ -363,6 +395,7 @@ def _start_server_on(port: int, tmp_path: Path, **extra_env: str) -> LiveServer:
         "AUTOTUNE_DATABASE_URL": f"sqlite:///{tmp_path / 'late.db'}",
         "AUTOTUNE_CLIENT_TOKENS": CLIENT_TOKEN,
         "AUTOTUNE_WORKER_TOKENS": WORKER_TOKEN,
+        "AUTOTUNE_ALLOW_FACTORY_SPECS": "true",
         **extra_env,
     }
     command = [sys.executable, "-m", "uvicorn", "--factory", "api.main:create_app_from_env"]
@@ -398,10 +431,6 @@ def test_the_worker_waits_for_a_server_that_is_down(fleet: Fleet, tmp_path: Path
     assert stop_worker(worker) == 0
 
 
-@pytest.mark.skip(
-    reason="TODO(lead): enable after merging the server side of the lease protocol (a "
-    "heartbeat renews a lapsed lease nobody else claimed; other posts get 409 lease_expired)"
-)
 def test_a_server_outage_longer_than_the_lease_keeps_the_claims_work(
     fleet: Fleet, tmp_path: Path
 ) -> None:

@@ -4,10 +4,12 @@
                     [--once] [--db URL] [--data-dir DIR] [--trial-timeout S]
                     [--poll-interval S] [--seconds-per-trial S] [--shutdown-grace S]
                     [--worker-id ID] [--start-method spawn|forkserver]
+                    [--allow-factory PREFIX ...]
 
 The token (a worker token of the server) comes from `--token` or AUTOTUNE_TOKEN, the server URL
-from `--server` or AUTOTUNE_SERVER. `autotune.cli` finds `register` here. SIGTERM or Ctrl-C
-stops the worker with exit code 0 (see `probes.worker`).
+from `--server` or AUTOTUNE_SERVER. `autotune` finds `register` through the `autotune.commands`
+entry points, so the command exists exactly where this package imports. SIGTERM or Ctrl-C stops
+the worker with exit code 0 (see `probes.worker`).
 """
 
 from __future__ import annotations
@@ -21,23 +23,20 @@ import socket
 from pathlib import Path
 from types import FrameType
 
+from autotune.cli_options import (
+    Subcommands,
+    add_device_args,
+    add_server_args,
+    non_negative_seconds,
+    positive_seconds,
+)
+from autotune.defaults import DEFAULT_DATA_DIR, EXIT_FAILURE, EXIT_OK, worker_study_url
 from autotune.errors import SpecError
-
-DEFAULT_SERVER = "http://127.0.0.1:8000"
-DEFAULT_DATA_DIR = "data"
-EXIT_RUN_FAILED = 1
 
 
 def default_worker_id() -> str:
     """host-pid, in the characters the server accepts."""
     return re.sub(r"[^\w.:@-]", "-", f"{socket.gethostname()}-{os.getpid()}")[:100]
-
-
-def default_storage_url(data_dir: Path) -> str:
-    """The worker's own SQLite file for its Optuna studies (not the server's database: two
-    processes writing one SQLite file would wait on each other's locks)."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{(data_dir / 'worker-optuna.db').resolve()}"
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
@@ -67,12 +66,13 @@ def _serve(args: argparse.Namespace, early_signals: list[int]) -> int:
     devices = read_inventory(args.device or default_device_name(), args.memory)
     config = WorkerConfig(
         worker_id=args.worker_id or default_worker_id(),
-        storage_url=args.db or default_storage_url(Path(args.data_dir)),
+        storage_url=args.db or worker_study_url(args.data_dir),
         trial_timeout_s=args.trial_timeout,
         poll_interval_s=args.poll_interval,
         seconds_per_trial=args.seconds_per_trial,
         shutdown_grace_s=args.shutdown_grace,
         start_method=args.start_method,
+        allowed_factories=tuple(args.allow_factory),
     )
     with (
         ServerClient(args.server, token=args.token) as client,
@@ -84,48 +84,28 @@ def _serve(args: argparse.Namespace, early_signals: list[int]) -> int:
             worker.request_stop()
         outcomes = worker.run_forever(max_runs=1 if args.once else None)
     if args.once and outcomes and outcomes[-1] is not RunOutcome.SUCCEEDED:
-        return EXIT_RUN_FAILED
-    return 0
+        return EXIT_FAILURE
+    return EXIT_OK
 
 
-def _positive_seconds(text: str) -> float:
+def _module_prefix(text: str) -> str:
+    from autotune.factoryaccess import parse_prefix
+
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0: {text}")
-    return value
+        return parse_prefix(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _non_negative_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0: {text}")
-    return value
-
-
-def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from autotune.cli import _add_device_args
+def register(commands: Subcommands) -> None:
+    """`autotune worker`."""
     from probes.isolation import DEFAULT_TIMEOUT_S, START_METHODS
 
     worker = commands.add_parser(
         "worker", help="take runs from a server and tune them on this machine's device"
     )
-    worker.add_argument(
-        "--server",
-        default=os.environ.get("AUTOTUNE_SERVER", DEFAULT_SERVER),
-        help=f"server URL (default: AUTOTUNE_SERVER or {DEFAULT_SERVER})",
-    )
-    worker.add_argument(
-        "--token",
-        default=os.environ.get("AUTOTUNE_TOKEN"),
-        help="a worker token of the server (default: AUTOTUNE_TOKEN)",
-    )
-    _add_device_args(worker)
+    add_server_args(worker, token_help="a worker token of the server")
+    add_device_args(worker)
     worker.add_argument("--once", action="store_true", help="exit after one run")
     worker.add_argument(
         "--db",
@@ -134,32 +114,35 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="Optuna storage URL (default: a SQLite file in --data-dir)",
     )
     worker.add_argument(
-        "--data-dir", default=DEFAULT_DATA_DIR, help=f"default: ./{DEFAULT_DATA_DIR}"
+        "--data-dir",
+        type=Path,
+        default=DEFAULT_DATA_DIR,
+        help=f"where the default --db lives (default: ./{DEFAULT_DATA_DIR})",
     )
     worker.add_argument(
         "--trial-timeout",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=DEFAULT_TIMEOUT_S,
         metavar="S",
         help=f"time limit of one trial's child process (default {DEFAULT_TIMEOUT_S:g})",
     )
     worker.add_argument(
         "--poll-interval",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=5.0,
         metavar="S",
         help="seconds between claims while idle (default 5)",
     )
     worker.add_argument(
         "--seconds-per-trial",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=1.0,
         metavar="S",
         help="how long each throughput measurement's timed steps take (default 1.0)",
     )
     worker.add_argument(
         "--shutdown-grace",
-        type=_non_negative_seconds,
+        type=non_negative_seconds,
         default=10.0,
         metavar="S",
         help="on SIGTERM/Ctrl-C, how long a run in progress may take to finish before it is "
@@ -172,5 +155,15 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         default="spawn",
         help="how each trial's fresh child process starts: spawn (a new interpreter, default) "
         "or forkserver (forked from a clean server that pre-imported torch; much faster)",
+    )
+    worker.add_argument(
+        "--allow-factory",
+        action="append",
+        default=[],
+        type=_module_prefix,
+        metavar="PREFIX",
+        help="run factory specs whose module is PREFIX or under it (e.g. mypkg allows "
+        "mypkg.models, never mypkgx); repeatable. Without it the worker refuses every factory "
+        "spec: a factory is code that whoever submitted the spec asks this machine to run",
     )
     worker.set_defaults(func=_cmd_worker)

@@ -1,15 +1,11 @@
-"""The server-side CLI commands: `autotune serve`, `autotune submit`, `autotune runs list|show`.
+"""The client's commands: `autotune submit` and `autotune runs list|show`, talking to a server
+over HTTP with only the core installed (no torch, no server package).
 
-    autotune serve [--host 127.0.0.1] [--port 8000] [--db URL] [--workers N]
     autotune submit SPEC --server URL [--device cpu:4GiB | "cuda:NAME:80GiB"] [--wait]
     autotune runs list [--status S] [--model M] [--device D] --server URL
     autotune runs show ID --server URL
 
-`autotune.cli` calls `add_server_commands`. The server's own imports (FastAPI, SQLAlchemy,
-uvicorn) happen inside `serve`, so the other commands work with only the client installed.
-`serve` connects to the database before listening: when it cannot (refused, or no answer within
-the connect timeout) it says so in one line and exits 1 (EXIT_FAILURE: the database may come
-back, so this is not a usage error, exit 2, that the user must fix in the command).
+Registered through the `autotune.commands` entry points (`register_submit`, `register_runs`).
 Tokens: `--token` or AUTOTUNE_TOKEN; the server URL: `--server` or AUTOTUNE_SERVER.
 """
 
@@ -18,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import sys
 from datetime import datetime
 from typing import Any
@@ -27,83 +22,19 @@ from rich.console import Console
 from rich.table import Table
 
 from autotune.bytesize import format_bytes, parse_bytes
+from autotune.cli_options import (
+    Subcommands,
+    add_server_args,
+    non_negative_int,
+    positive_int,
+    positive_seconds,
+)
 from autotune.client import ServerClient
-from autotune.errors import AutotuneError, SpecError
+from autotune.defaults import EXIT_FAILURE, EXIT_OK
+from autotune.errors import SpecError
 from autotune.presets import PRESETS
 from autotune.protocol import CudaTarget, EmulatedTarget, Run, RunPage, RunStatus
 from autotune.schemas import ModelSpec, Spec
-
-EXIT_RUN_FAILED = 1
-DEFAULT_SERVER = "http://127.0.0.1:8000"
-
-
-# ---------------------------------------------------------------------------------------------
-# serve
-
-
-class DatabaseUnreachable(AutotuneError):
-    """`serve` could not connect to (or migrate) its database."""
-
-
-def _cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from api.db import UNREACHABLE_ERRORS, Database
-    from api.main import create_app
-    from api.settings import Settings
-
-    settings = Settings()
-    if args.db:
-        settings = settings.model_copy(update={"database_url": args.db})
-    generated: dict[str, str] = {}
-    # Never run open by default: generate the tokens nobody configured, and show them once.
-    if not settings.client_tokens:
-        generated["client"] = secrets.token_urlsafe(24)
-        settings = settings.model_copy(update={"client_tokens": [generated["client"]]})
-    if not settings.worker_tokens:
-        generated["worker"] = secrets.token_urlsafe(24)
-        settings = settings.model_copy(update={"worker_tokens": [generated["worker"]]})
-    url = settings.resolved_database_url()
-    try:
-        if args.workers == 1:
-            app = create_app(settings)
-        else:
-            # Each process migrates on start; check once here so one line says what is wrong.
-            database = Database(url, connect_timeout_s=settings.database_connect_timeout_s)
-            try:
-                database.ping()
-            finally:
-                database.dispose()
-    except UNREACHABLE_ERRORS as error:
-        from sqlalchemy import make_url
-
-        reason = str(error).strip().splitlines() or [type(error).__name__]
-        where = make_url(url).render_as_string(hide_password=True)
-        raise DatabaseUnreachable(f"cannot reach the database at {where}: {reason[0]}") from None
-    for role, token in generated.items():
-        sys.stderr.write(f"autotune serve: generated {role} token: {token}\n")
-    if generated:
-        sys.stderr.write(
-            "autotune serve: set AUTOTUNE_CLIENT_TOKENS / AUTOTUNE_WORKER_TOKENS to choose them\n"
-        )
-    sys.stderr.flush()
-    if args.workers == 1:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-        return 0
-    # Several processes build their own app from the environment (uvicorn's factory mode).
-    os.environ["AUTOTUNE_DATABASE_URL"] = url
-    os.environ["AUTOTUNE_CLIENT_TOKENS"] = json.dumps(settings.client_tokens)
-    os.environ["AUTOTUNE_WORKER_TOKENS"] = json.dumps(settings.worker_tokens)
-    uvicorn.run(
-        "api.main:create_app_from_env",
-        factory=True,
-        host=args.host,
-        port=args.port,
-        workers=args.workers,
-        log_level="warning",
-    )
-    return 0
-
 
 # ---------------------------------------------------------------------------------------------
 # submit
@@ -163,8 +94,8 @@ def _cmd_submit(args: argparse.Namespace) -> int:
             out.print(f"run {run.id}: cached result")
         _print_run(out, run)
     if run is not None and run.status in (RunStatus.FAILED, RunStatus.CANCELLED):
-        return EXIT_RUN_FAILED
-    return 0
+        return EXIT_FAILURE
+    return EXIT_OK
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,36 +196,14 @@ def _cmd_runs_show(args: argparse.Namespace) -> int:
 # registration
 
 
-def _add_server_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--server",
-        default=os.environ.get("AUTOTUNE_SERVER", DEFAULT_SERVER),
-        help=f"server URL (default: AUTOTUNE_SERVER or {DEFAULT_SERVER})",
-    )
-    parser.add_argument(
-        "--token",
-        default=os.environ.get("AUTOTUNE_TOKEN"),
-        help="bearer token (default: AUTOTUNE_TOKEN)",
-    )
+def _add_client_args(parser: argparse.ArgumentParser) -> None:
+    add_server_args(parser, token_help="a client token of the server")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
-def add_server_commands(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Register `serve`, `submit` and `runs` on the main CLI's subparsers."""
-    serve = subparsers.add_parser("serve", help="run the API server")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--db", default=None, help="database URL (default: ./data/autotune.db)")
-    serve.add_argument("--workers", type=_positive_int, default=1, help="server processes")
-    serve.set_defaults(func=_cmd_serve)
-
-    submit = subparsers.add_parser("submit", help="submit a spec to a server")
+def register_submit(commands: Subcommands) -> None:
+    """`autotune submit`."""
+    submit = commands.add_parser("submit", help="submit a spec to a server")
     submit.add_argument("spec", help="spec file (YAML or JSON) or a preset name")
     submit.add_argument(
         "--device",
@@ -302,21 +211,26 @@ def add_server_commands(subparsers: argparse._SubParsersAction) -> None:  # type
         help='cpu:SIZE (emulated GPU) or "cuda:NAME:SIZE"; default: this machine\'s first GPU',
     )
     submit.add_argument("--wait", action="store_true", help="wait for the result")
-    submit.add_argument("--timeout", type=float, default=3600.0, help="seconds to --wait")
-    _add_server_args(submit)
+    submit.add_argument(
+        "--timeout", type=positive_seconds, default=3600.0, help="seconds to --wait"
+    )
+    _add_client_args(submit)
     submit.set_defaults(func=_cmd_submit)
 
-    runs = subparsers.add_parser("runs", help="browse a server's runs")
+
+def register_runs(commands: Subcommands) -> None:
+    """`autotune runs list` and `autotune runs show`."""
+    runs = commands.add_parser("runs", help="browse a server's runs")
     runs_commands = runs.add_subparsers(dest="runs_command", required=True)
     listing = runs_commands.add_parser("list", help="runs, newest first")
     listing.add_argument("--status", choices=[s.value for s in RunStatus])
     listing.add_argument("--model", help="model label, e.g. gpt2-tiny")
     listing.add_argument("--device", help="device label, e.g. emulated:4294967296")
-    listing.add_argument("--limit", type=_positive_int, default=50)
-    listing.add_argument("--offset", type=int, default=0)
-    _add_server_args(listing)
+    listing.add_argument("--limit", type=positive_int, default=50)
+    listing.add_argument("--offset", type=non_negative_int, default=0)
+    _add_client_args(listing)
     listing.set_defaults(func=_cmd_runs_list)
     show = runs_commands.add_parser("show", help="one run in full")
-    show.add_argument("id", type=_positive_int)
-    _add_server_args(show)
+    show.add_argument("id", type=positive_int)
+    _add_client_args(show)
     show.set_defaults(func=_cmd_runs_show)

@@ -1,4 +1,5 @@
-"""`autotune worker` argument handling, in process: bad input is exit code 2 and one line."""
+"""`autotune worker` (probes/cli.py) argument handling, in process: bad input is exit code 2
+and one line."""
 
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ def test_cuda_without_a_gpu_is_a_usage_error(capsys: pytest.CaptureFixture[str])
         ["--seconds-per-trial", "soon"],
         ["--start-method", "fork"],
         ["--memory", "lots"],
+        ["--allow-factory", "my-pkg"],
+        ["--allow-factory", "a..b"],
     ],
 )
 def test_bad_options_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,110 @@
+"""The server's command: `autotune serve`, registered through the `autotune.commands` entry
+points, so that it exists exactly where the `api` extra is installed.
+
+    autotune serve [--host 127.0.0.1] [--port 8000] [--db URL] [--workers N]
+                   [--allow-factory-specs]
+
+Settings come from the environment (`api.settings.Settings`, `AUTOTUNE_` prefix), read here.
+`serve` connects to the database before listening: when it cannot (refused, or no answer within
+the connect timeout) it says so in one line and exits 1 (EXIT_FAILURE: the database may come
+back, so this is not a usage error, exit 2, that the user must fix in the command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+
+from autotune.cli_options import Subcommands, port_number, positive_int
+from autotune.defaults import DEFAULT_DATA_DIR, EXIT_OK, SERVER_DATABASE_FILE
+from autotune.errors import AutotuneError
+
+
+class DatabaseUnreachable(AutotuneError):
+    """`serve` could not connect to (or migrate) its database."""
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from api.db import UNREACHABLE_ERRORS, Database
+    from api.main import create_app
+    from api.settings import Settings
+
+    settings = Settings()
+    if args.db:
+        settings = settings.model_copy(update={"database_url": args.db})
+    if args.allow_factory_specs:
+        settings = settings.model_copy(update={"allow_factory_specs": True})
+    generated: dict[str, str] = {}
+    # Never run open by default: generate the tokens nobody configured, and show them once.
+    if not settings.client_tokens:
+        generated["client"] = secrets.token_urlsafe(24)
+        settings = settings.model_copy(update={"client_tokens": [generated["client"]]})
+    if not settings.worker_tokens:
+        generated["worker"] = secrets.token_urlsafe(24)
+        settings = settings.model_copy(update={"worker_tokens": [generated["worker"]]})
+    url = settings.resolved_database_url()
+    try:
+        if args.workers == 1:
+            app = create_app(settings)
+        else:
+            # Each process migrates on start; check once here so one line says what is wrong.
+            database = Database(url, connect_timeout_s=settings.database_connect_timeout_s)
+            try:
+                database.ping()
+            finally:
+                database.dispose()
+    except UNREACHABLE_ERRORS as error:
+        from sqlalchemy import make_url
+
+        reason = str(error).strip().splitlines() or [type(error).__name__]
+        where = make_url(url).render_as_string(hide_password=True)
+        raise DatabaseUnreachable(f"cannot reach the database at {where}: {reason[0]}") from None
+    for role, token in generated.items():
+        sys.stderr.write(f"autotune serve: generated {role} token: {token}\n")
+    if generated:
+        sys.stderr.write(
+            "autotune serve: set AUTOTUNE_CLIENT_TOKENS / AUTOTUNE_WORKER_TOKENS to choose them\n"
+        )
+    sys.stderr.flush()
+    if args.workers == 1:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        return EXIT_OK
+    # Several processes build their own app from the environment (uvicorn's factory mode).
+    os.environ["AUTOTUNE_DATABASE_URL"] = url
+    os.environ["AUTOTUNE_CLIENT_TOKENS"] = json.dumps(settings.client_tokens)
+    os.environ["AUTOTUNE_WORKER_TOKENS"] = json.dumps(settings.worker_tokens)
+    os.environ["AUTOTUNE_ALLOW_FACTORY_SPECS"] = json.dumps(settings.allow_factory_specs)
+    uvicorn.run(
+        "api.main:create_app_from_env",
+        factory=True,
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        log_level="warning",
+    )
+    return EXIT_OK
+
+
+def register(commands: Subcommands) -> None:
+    """`autotune serve`."""
+    serve = commands.add_parser("serve", help="run the API server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=port_number, default=8000)
+    serve.add_argument(
+        "--db",
+        default=None,
+        help=f"database URL (default: ./{DEFAULT_DATA_DIR / SERVER_DATABASE_FILE})",
+    )
+    serve.add_argument("--workers", type=positive_int, default=1, help="server processes")
+    serve.add_argument(
+        "--allow-factory-specs",
+        action="store_true",
+        help="accept factory specs (default: refused with 422, or AUTOTUNE_ALLOW_FACTORY_SPECS"
+        "=true); only workers started with --allow-factory run them",
+    )
+    serve.set_defaults(func=_cmd_serve)

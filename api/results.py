@@ -1,0 +1,159 @@
+"""What workers store under a lease: streamed attempts and trials, and the final result.
+
+Every function first checks the lease (`api.leases.held_run`); under a stale lease nothing is
+written. The final result is authoritative: it replaces what was streamed under its lease.
+"""
+
+from __future__ import annotations
+
+import secrets
+from datetime import datetime
+
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
+
+from api.errors import ResultRejected
+from api.leases import held_run, renew
+from api.rowmodels import attempt_row, mode_row, target_of, trial_row
+from api.runstore import create_run
+from api.tables import AttemptRow, ModeRow, RecommendationRow, RunRow, TrialRow
+from autotune.protocol import (
+    AttemptEvent,
+    EventAck,
+    ResultSubmission,
+    RunCreate,
+    RunStatus,
+    TrialEvent,
+)
+from autotune.schemas import TuneResult
+
+
+def record_attempt(
+    session: Session, *, run_id: int, event: AttemptEvent, now: datetime, lease_s: float
+) -> EventAck:
+    """Store a streamed probe attempt once per (run, lease, sequence); renews the lease."""
+    row = held_run(session, run_id=run_id, lease_id=event.lease_id, now=now)
+    seen = session.execute(
+        select(AttemptRow.id).where(
+            AttemptRow.run_id == run_id,
+            AttemptRow.lease_id == event.lease_id,
+            AttemptRow.sequence == event.sequence,
+        )
+    ).first()
+    if seen is None:
+        session.add(
+            attempt_row(
+                row,
+                sequence=event.sequence,
+                checkpointing=event.checkpointing,
+                attempt=event.attempt,
+                now=now,
+            )
+        )
+    return EventAck(stored=seen is None, lease_expires_at=renew(session, row, now, lease_s))
+
+
+def record_trial(
+    session: Session, *, run_id: int, event: TrialEvent, now: datetime, lease_s: float
+) -> EventAck:
+    """Store a streamed trial once per (run, lease, trial number); renews the lease."""
+    row = held_run(session, run_id=run_id, lease_id=event.lease_id, now=now)
+    seen = session.execute(
+        select(TrialRow.id).where(
+            TrialRow.run_id == run_id,
+            TrialRow.lease_id == event.lease_id,
+            TrialRow.number == event.trial.number,
+        )
+    ).first()
+    if seen is None:
+        session.add(trial_row(row, trial=event.trial, now=now))
+    return EventAck(stored=seen is None, lease_expires_at=renew(session, row, now, lease_s))
+
+
+def _torch_major_minor(version: str | None) -> str | None:
+    if not version:
+        return None
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def _check_result(row: RunRow, result: TuneResult) -> None:
+    if result.spec.model_dump(mode="json") != row.spec:
+        raise ResultRejected(f"result.spec: differs from the spec of run {row.id}")
+    target = target_of(row)
+    if not target.matches(result.device):
+        raise ResultRejected(
+            f"result.device: {result.device.name} does not match the run's target {target.label}"
+        )
+
+
+def _store_result(session: Session, row: RunRow, result: TuneResult, now: datetime) -> None:
+    """Finish `row` (held under its current lease) with `result`."""
+    assert row.lease_id is not None
+    lease_id = row.lease_id
+    for table in (AttemptRow, TrialRow, ModeRow):
+        session.execute(
+            delete(table).where(table.run_id == row.id, table.lease_id == lease_id),
+            execution_options={"synchronize_session": False},
+        )
+    sequence = 0
+    for mode in result.probe.modes:
+        session.add(mode_row(row.id, lease_id=lease_id, mode=mode))
+        for attempt in mode.attempts:
+            session.add(
+                attempt_row(
+                    row,
+                    sequence=sequence,
+                    checkpointing=mode.checkpointing,
+                    attempt=attempt,
+                    now=now,
+                )
+            )
+            sequence += 1
+    for trial in result.trials:
+        session.add(trial_row(row, trial=trial, now=now))
+    if result.recommendation is not None:
+        session.add(RecommendationRow(run_id=row.id, **result.recommendation.model_dump()))
+    row.infeasible = result.infeasible.model_dump(mode="json") if result.infeasible else None
+    row.exports = result.exports.model_dump(mode="json") if result.exports else None
+    row.worker_device = result.device.model_dump(mode="json")
+    row.torch_version = _torch_major_minor(result.device.torch_version)
+    row.study_name = result.study_name or row.study_name
+    row.status = RunStatus.SUCCEEDED.value
+    row.finished_at = now
+    row.updated_at = now
+    row.lease_expires_at = None
+
+
+def complete_run(
+    session: Session, *, run_id: int, submission: ResultSubmission, now: datetime
+) -> None:
+    """Finish a run with its result. The result's attempts and trials replace the ones streamed
+    under the same lease (the result is authoritative); earlier claims' records stay.
+
+    Raises:
+        RunNotFound, StaleLease, RunCancelled, ResultRejected.
+    """
+    row = held_run(session, run_id=run_id, lease_id=submission.lease_id, now=now)
+    _check_result(row, submission.result)
+    _store_result(session, row, submission.result, now)
+
+
+def record_local_run(
+    session: Session, *, request: RunCreate, result: TuneResult, version: str, now: datetime
+) -> int:
+    """Store a tuning run that happened in this process (`autotune tune`) as a finished run
+    with one claim, like any worker's; returns its id.
+
+    The run is inserted already finished: it never waits in the queue, so it must not count as
+    the unfinished twin of a submission (`ix_autotune_runs_unfinished_fingerprint`).
+    """
+    row = create_run(
+        session, request=request, version=version, now=now, status=RunStatus.SUCCEEDED
+    )
+    row.lease_id = secrets.token_hex(16)
+    row.claim_count = 1
+    row.started_at = now
+    _check_result(row, result)
+    _store_result(session, row, result, now)
+    session.flush()
+    return row.id

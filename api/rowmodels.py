@@ -1,0 +1,136 @@
+"""The one converter between ORM rows (`api.tables`) and protocol models (`autotune.protocol`).
+
+Fields are copied by name by pydantic, never one by one by hand: rows become models through
+`model_validate(..., from_attributes=True)`, models become rows through `model_dump()`. A
+column added to a row and its model therefore flows through without touching this module, and
+a field the other side lacks is an error, not a silent drop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from api.tables import AttemptRow, ModeRow, RunRow, TrialRow
+from autotune.protocol import (
+    API_PREFIX,
+    AttemptRecord,
+    CudaTarget,
+    EmulatedTarget,
+    Run,
+    RunSummary,
+)
+from autotune.schemas import ModeProbe, ProbeAttempt, Trial
+
+Target = EmulatedTarget | CudaTarget
+
+
+class _With:
+    """An object's attributes, with some replaced or added: the source `from_attributes`
+    reads when a model has fields the row lacks (a nested model, a derived value)."""
+
+    def __init__(self, source: Any, **fields: Any) -> None:
+        self._source = source
+        self._fields = fields
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._fields:
+            return self._fields[name]
+        return getattr(self._source, name)
+
+
+def run_url(run_id: int) -> str:
+    return f"{API_PREFIX}/runs/{run_id}"
+
+
+def target_of(row: RunRow) -> Target:
+    """The device target a run was submitted for."""
+    if row.target_kind == "cuda":
+        return CudaTarget.model_validate(
+            _With(row, name=row.target_name, memory_bytes=row.target_memory_bytes),
+            from_attributes=True,
+        )
+    return EmulatedTarget(memory_bytes=row.target_memory_bytes)
+
+
+def _seconds(start: datetime | None, end: datetime | None) -> float | None:
+    return (end - start).total_seconds() if start is not None and end is not None else None
+
+
+def run_of(
+    row: RunRow,
+    *,
+    recommendation: Any,
+    modes: Sequence[Any],
+    attempts: Sequence[Any],
+    trials: Sequence[Any],
+    failures: Sequence[Any],
+) -> Run:
+    """The protocol view of a run; child arguments are rows of the matching tables."""
+    attempt_records = [
+        AttemptRecord.model_validate(_With(a, attempt=a), from_attributes=True) for a in attempts
+    ]
+    # A mode's attempts are those of the lease that produced the mode, in order.
+    final_attempts: dict[tuple[str, bool], list[ProbeAttempt]] = {}
+    for a, record in zip(attempts, attempt_records, strict=True):
+        final_attempts.setdefault((a.lease_id, a.checkpointing), []).append(record.attempt)
+    view = _With(
+        row,
+        url=run_url(row.id),
+        device=target_of(row),
+        queued_s=_seconds(row.created_at, row.started_at),
+        run_s=_seconds(row.started_at, row.finished_at),
+        recommendation=recommendation,
+        modes=[
+            _With(m, attempts=final_attempts.get((m.lease_id, m.checkpointing), [])) for m in modes
+        ],
+        attempts=attempt_records,
+        trials=[_With(t, trial=t) for t in trials],
+        failures=failures,
+    )
+    return Run.model_validate(view, from_attributes=True)
+
+
+def summary_of(run: RunRow, recommendation: Any) -> RunSummary:
+    """One row of the listing; the recommendation's columns are None when there is none."""
+    chosen = {
+        name: getattr(recommendation, name, None)
+        for name in ("micro_batch", "accumulation_steps", "checkpointing", "samples_per_s")
+    }
+    return RunSummary.model_validate(
+        _With(run, url=run_url(run.id), **chosen), from_attributes=True
+    )
+
+
+def attempt_row(
+    row: RunRow, *, sequence: int, checkpointing: bool, attempt: ProbeAttempt, now: datetime
+) -> AttemptRow:
+    """A probe attempt under the run's current lease."""
+    assert row.lease_id is not None
+    return AttemptRow(
+        run_id=row.id,
+        lease_id=row.lease_id,
+        claim_number=row.claim_count,
+        sequence=sequence,
+        checkpointing=checkpointing,
+        created_at=now,
+        **attempt.model_dump(mode="json"),
+    )
+
+
+def trial_row(row: RunRow, *, trial: Trial, now: datetime) -> TrialRow:
+    """A trial under the run's current lease."""
+    assert row.lease_id is not None
+    return TrialRow(
+        run_id=row.id,
+        lease_id=row.lease_id,
+        claim_number=row.claim_count,
+        created_at=now,
+        **trial.model_dump(mode="json"),
+    )
+
+
+def mode_row(run_id: int, *, lease_id: str, mode: ModeProbe) -> ModeRow:
+    """A mode's summary; its attempts are stored as attempt rows."""
+    return ModeRow(run_id=run_id, lease_id=lease_id, **mode.model_dump(exclude={"attempts"}))
