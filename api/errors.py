@@ -13,6 +13,8 @@ auth dependencies, and the handlers that turn them into HTTP.
   |  + LeaseExpired        409  the lease lapsed (no heartbeat in time) but nobody else claimed
   |                             the run: a heartbeat renews it, then the event may be sent again
   + ResultRejected         422  a result that does not belong to the run it is posted to
+  + InvalidResult          422  a result the tuner could not have produced (its body also
+  |                             lists `violations`: [{field, message}])
   + DatabaseUnavailable    503  the database refused, timed out or hung (retry later)
 
 Every such response has the body `{"code": ..., "detail": ...}` (`autotune.protocol.ErrorBody`),
@@ -34,6 +36,7 @@ from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException
 
 from api.db import UNREACHABLE_ERRORS
+from autotune.result_check import Violation
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,9 @@ class ApiError(Exception):
     def __init__(self, detail: str) -> None:
         super().__init__(detail)
         self.detail = detail
+
+    def body(self) -> dict[str, Any]:
+        return {"code": self.code, "detail": self.detail}
 
 
 class Unauthenticated(ApiError):
@@ -95,6 +101,19 @@ class ResultRejected(ApiError):
     code = "result_rejected"
 
 
+class InvalidResult(ApiError):
+    status_code = 422
+    code = "invalid_result"
+
+    def __init__(self, violations: list[Violation]) -> None:
+        super().__init__("; ".join(str(v) for v in violations))
+        self.violations = violations
+
+    def body(self) -> dict[str, Any]:
+        listed = [{"field": v.field, "message": v.message} for v in self.violations]
+        return {**super().body(), "violations": listed}
+
+
 class DatabaseUnavailable(ApiError):
     status_code = 503
     code = "database_unavailable"
@@ -117,7 +136,7 @@ _HTTP_CODES = {
 def error_response(error: ApiError) -> JSONResponse:
     challenge = _CHALLENGES.get(error.code)
     return JSONResponse(
-        {"code": error.code, "detail": error.detail},
+        error.body(),
         status_code=error.status_code,
         headers={"WWW-Authenticate": challenge} if challenge else None,
     )

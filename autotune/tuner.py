@@ -19,6 +19,7 @@ from autotune.candidates import Candidate, enumerate_candidates, explain_infeasi
 from autotune.device import Device
 from autotune.exports import build_exports
 from autotune.probe import AttemptCallback, probe_session
+from autotune.result_check import check_result
 from autotune.schemas import (
     Infeasible,
     ProbeResult,
@@ -112,7 +113,11 @@ def tune_session(
     on_attempt: AttemptCallback | None = None,
     on_trial: TrialCallback | None = None,
 ) -> TuneResult:
-    """`tune` on any trial runner (in this process, or a child process per trial)."""
+    """`tune` on any trial runner (in this process, or a child process per trial).
+
+    Raises:
+        AssertionError: the result breaks an invariant of `autotune.result_check` (a bug).
+    """
     spec = session.spec
     training = spec.training
     target_global_batch = training.required_target_global_batch()
@@ -130,13 +135,15 @@ def tune_session(
         ]
     if not candidates:
         infeasible = explain_infeasible(target_global_batch, training.world_size, limits)
-        return TuneResult(
-            spec=spec,
-            device=device_info,
-            probe=probe_result,
-            trials=[],
-            recommendation=None,
-            infeasible=infeasible,
+        return _checked(
+            TuneResult(
+                spec=spec,
+                device=device_info,
+                probe=probe_result,
+                trials=[],
+                recommendation=None,
+                infeasible=infeasible,
+            )
         )
 
     study_name = study_name or f"autotune-{uuid.uuid4().hex[:12]}"
@@ -159,32 +166,47 @@ def tune_session(
     recommendation = _recommend(trials, spec, capacity_bytes=device_info.capacity_bytes)
     if recommendation is None:
         # Every measured candidate ran out of memory with its accumulation steps.
-        return TuneResult(
+        return _checked(
+            TuneResult(
+                spec=spec,
+                device=device_info,
+                probe=probe_result,
+                trials=trials,
+                recommendation=None,
+                infeasible=Infeasible(
+                    reason="every measured configuration ran out of memory once gradients were "
+                    "accumulated over its micro-batches; lower the headroom-adjusted micro-batch "
+                    "or the target"
+                ),
+                study_name=study_name,
+            )
+        )
+    return _checked(
+        TuneResult(
             spec=spec,
             device=device_info,
             probe=probe_result,
             trials=trials,
-            recommendation=None,
-            infeasible=Infeasible(
-                reason="every measured configuration ran out of memory once gradients were "
-                "accumulated over its micro-batches; lower the headroom-adjusted micro-batch "
-                "or the target"
+            recommendation=recommendation,
+            exports=build_exports(
+                recommendation,
+                token_model=session.tokens_per_sample is not None,
+                transformers_version=_installed_transformers_version(),
             ),
             study_name=study_name,
         )
-    return TuneResult(
-        spec=spec,
-        device=device_info,
-        probe=probe_result,
-        trials=trials,
-        recommendation=recommendation,
-        exports=build_exports(
-            recommendation,
-            token_model=session.tokens_per_sample is not None,
-            transformers_version=_installed_transformers_version(),
-        ),
-        study_name=study_name,
     )
+
+
+def _checked(result: TuneResult) -> TuneResult:
+    """`result`, once `autotune.result_check` finds nothing wrong with it: the server refuses a
+    result that breaks an invariant, so a violation here is the tuner's bug, named at once."""
+    violations = check_result(result.spec, result)
+    if violations:
+        raise AssertionError(
+            "tuner bug: its result breaks " + "; ".join(str(v) for v in violations)
+        )
+    return result
 
 
 def _probe_accumulation(

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Response
 
 from api import leases, results, runstore
 from api.deps import ContextDep, WorkerAuth
+from api.errors import InvalidResult
 from api.routes.runs import RunId
 from autotune.protocol import (
     AttemptEvent,
@@ -26,6 +27,7 @@ from autotune.protocol import (
     Run,
     TrialEvent,
 )
+from autotune.result_check import check_result
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "No bearer token."},
@@ -105,11 +107,18 @@ def post_trial(run_id: RunId, event: TrialEvent, context: ContextDep) -> EventAc
     "/runs/{run_id}/result",
     responses={
         **_LEASED,
-        422: {"description": "Invalid body, or a result for another spec or device."},
+        422: {
+            "description": "Invalid body, a result for another spec or device, or one that "
+            "breaks an invariant of the tuner (`invalid_result`)."
+        },
     },
 )
 def submit_result(run_id: RunId, submission: ResultSubmission, context: ContextDep) -> Run:
-    """Finish the run with its result."""
+    """Finish the run with its result, if the tuner could have produced it; a result that
+    breaks an invariant is refused (422 `invalid_result`) and the lease stays valid."""
+    violations = check_result(submission.result.spec, submission.result)
+    if violations:
+        raise InvalidResult(violations)
     with context.db.write() as session:
         results.complete_run(session, run_id=run_id, submission=submission, now=context.clock())
     with context.db.read() as session:

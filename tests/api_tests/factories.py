@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from autotune.exports import build_exports
 from autotune.protocol import CudaTarget, EmulatedTarget
 from autotune.schemas import (
     DeviceInfo,
     DeviceKind,
-    Exports,
     ModelSpec,
     ModeProbe,
     Phase,
@@ -23,8 +23,11 @@ from autotune.schemas import (
 GIB = 2**30
 
 
-def tiny_spec(seq_len: int = 64) -> Spec:
-    return Spec(model=ModelSpec(preset="gpt2-tiny"), training=TrainingSpec(seq_len=seq_len))
+def tiny_spec(seq_len: int = 64, target_global_batch: int = 32) -> Spec:
+    return Spec(
+        model=ModelSpec(preset="gpt2-tiny"),
+        training=TrainingSpec(seq_len=seq_len, target_global_batch=target_global_batch),
+    )
 
 
 def emulated(memory_bytes: int = 4 * GIB) -> EmulatedTarget:
@@ -80,7 +83,8 @@ def trial(number: int, micro_batch: int = 8, accumulation_steps: int = 4) -> Tri
         checkpointing=False,
         state=TrialState.COMPLETE,
         samples_per_s=100.0 + number,
-        step_time_s=0.32,
+        tokens_per_s=(100.0 + number) * 64,
+        step_time_s=micro_batch * accumulation_steps / (100.0 + number),
         step_time_spread=0.05,
         timed_steps=3,
         peak_bytes=80_000_000,
@@ -88,45 +92,43 @@ def trial(number: int, micro_batch: int = 8, accumulation_steps: int = 4) -> Tri
 
 
 def tune_result(spec: Spec, device: DeviceInfo, *, study_name: str | None = None) -> TuneResult:
-    """A plausible finished result: max micro-batch 8 without checkpointing, 16 with."""
+    """A finished result for a `tiny_spec` (target 32) that passes every check of
+    `autotune.result_check`: max micro-batch 8 without checkpointing, 16 with; two trials, the
+    faster of which (8 x 4) is the recommendation."""
     modes = [
         ModeProbe(
             checkpointing=False,
             max_micro_batch=8,
             recommended_micro_batch=8,
             capped=False,
-            attempts=[attempt(1, True), attempt(16, False), attempt(8, True)],
+            attempts=[attempt(1, True), attempt(16, False), attempt(8, True), attempt(9, False)],
+            accumulating_micro_batch=8,
         ),
         ModeProbe(
             checkpointing=True,
             max_micro_batch=16,
             recommended_micro_batch=16,
             capped=False,
-            attempts=[attempt(16, True), attempt(32, False)],
+            attempts=[attempt(16, True), attempt(17, False)],
         ),
     ]
+    recommendation = Recommendation(
+        micro_batch=8,
+        accumulation_steps=4,
+        checkpointing=False,
+        world_size=1,
+        global_batch=32,
+        samples_per_s=101.0,
+        tokens_per_s=6464.0,
+        peak_bytes=80_000_000,
+        capacity_bytes=device.capacity_bytes,
+    )
     return TuneResult(
         spec=spec,
         device=device,
         probe=ProbeResult(device=device, modes=modes),
-        trials=[trial(0), trial(1, micro_batch=4, accumulation_steps=8)],
-        recommendation=Recommendation(
-            micro_batch=8,
-            accumulation_steps=4,
-            checkpointing=False,
-            world_size=1,
-            global_batch=32,
-            samples_per_s=101.0,
-            tokens_per_s=6464.0,
-            peak_bytes=80_000_000,
-            capacity_bytes=device.capacity_bytes,
-        ),
-        exports=Exports(
-            hf={"per_device_train_batch_size": 8, "gradient_accumulation_steps": 4},
-            axolotl={"micro_batch_size": 8, "gradient_accumulation_steps": 4},
-            deepspeed={"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4},
-            lightning={"accumulate_grad_batches": 4},
-            pytorch_loop="for step in range(4): ...",
-        ),
+        trials=[trial(0, micro_batch=4, accumulation_steps=8), trial(1)],
+        recommendation=recommendation,
+        exports=build_exports(recommendation, token_model=True, transformers_version=None),
         study_name=study_name,
     )

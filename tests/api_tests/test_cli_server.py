@@ -42,7 +42,9 @@ def test_submit_wait_list_and_show(
 ) -> None:
     monkeypatch.setenv("COLUMNS", "160")  # Rich tables: no folding, so the text can be found
     spec_path = tmp_path / "spec.yaml"
-    spec_path.write_text("model:\n  preset: gpt2-tiny\ntraining:\n  seq_len: 64\n")
+    spec_path.write_text(
+        "model:\n  preset: gpt2-tiny\ntraining:\n  seq_len: 64\n  target_global_batch: 32\n"
+    )
     common = ["--server", live_server.url, "--token", CLIENT_TOKEN]
 
     assert main(["submit", str(spec_path), "--device", "cpu:4GiB", "--json", *common]) == 0

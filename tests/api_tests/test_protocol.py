@@ -124,7 +124,12 @@ def test_fingerprint_is_canonical() -> None:
     spec = tiny_spec()
     spelled_out = Spec.model_validate(
         {
-            "training": {"headroom": 0.05, "seq_len": 64, "optimizer": "adamw"},
+            "training": {
+                "headroom": 0.05,
+                "seq_len": 64,
+                "optimizer": "adamw",
+                "target_global_batch": 32,
+            },
             "model": {"preset": "gpt2-tiny", "hf_id": None},
         }
     )

@@ -63,7 +63,12 @@ def test_finished_run_answers_the_same_fingerprint_from_cache(
     body = {
         "spec": {
             "model": {"preset": "gpt2-tiny"},
-            "training": {"seq_len": 64, "precision": "fp32", "world_size": 1},
+            "training": {
+                "seq_len": 64,
+                "precision": "fp32",
+                "world_size": 1,
+                "target_global_batch": 32,
+            },
         },
         "device": {"kind": "emulated", "memory_bytes": 4 * GIB},
     }
@@ -119,7 +124,7 @@ def test_read_shows_everything(user: ServerClient, worker: ServerClient) -> None
     assert run.recommendation is not None and run.recommendation.global_batch == 32
     assert run.exports is not None and run.exports.hf["gradient_accumulation_steps"] == 4
     assert [m.max_micro_batch for m in run.modes] == [8, 16]
-    assert len(run.trials) == 2 and len(run.attempts) == 5
+    assert len(run.trials) == 2 and len(run.attempts) == 6
     assert run.worker_id == "w1" and run.worker_device is not None
     assert run.queued_s is not None and run.run_s is not None
     assert run.error is None and run.failures == []

@@ -141,7 +141,7 @@ def test_result_finishes_the_run_and_replaces_streamed_records(
     assert run.exports == result.exports
     assert run.modes == result.probe.modes  # each mode with exactly its attempts, in order
     assert [t.trial for t in run.trials] == result.trials
-    assert len(run.attempts) == 5
+    assert len(run.attempts) == 6
     assert run.worker_device == emulated_device()
     assert run.torch_version == "2.13"
     assert run.finished_at is not None and run.run_s is not None
