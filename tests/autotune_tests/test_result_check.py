@@ -267,11 +267,15 @@ def test_each_broken_invariant_is_named(mutate: Callable[[Data], object], field:
     assert field in [v.field for v in violations], violations
 
 
-def test_a_spec_without_target_has_no_tuning_result() -> None:
+def test_a_spec_without_target_is_answered_by_the_probe_alone() -> None:
     spec = Spec.model_validate({"model": {"preset": "gpt2-tiny"}, "training": {"seq_len": 64}})
-    result = tune_result(spec, emulated_device())
-    fields = [v.field for v in check_result(spec, result)]
-    assert "spec.training.target_global_batch" in fields
+    tuned = tune_result(spec, emulated_device())
+    fields = [v.field for v in check_result(spec, tuned)]
+    assert {"trials", "recommendation", "exports"} <= set(fields)
+    probe_only = tuned.model_copy(
+        update={"trials": [], "recommendation": None, "infeasible": None, "exports": None}
+    )
+    assert check_result(spec, probe_only) == []
 
 
 def test_a_result_for_a_spec_that_was_not_tuned_is_named() -> None:
