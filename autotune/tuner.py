@@ -125,6 +125,7 @@ def tune_session(
     probe_result = probe_session(session, on_attempt=on_attempt)
     limits = {mode.checkpointing: mode.recommended_micro_batch for mode in probe_result.modes}
     candidates = enumerate_candidates(target_global_batch, training.world_size, limits)
+    infeasible = None
     if any(c.accumulation_steps > 1 for c in candidates):
         probe_result = _probe_accumulation(session, probe_result, candidates)
         accumulating = {m.checkpointing: m.accumulating_micro_batch for m in probe_result.modes}
@@ -133,8 +134,12 @@ def tune_session(
             for c in candidates
             if c.accumulation_steps == 1 or c.micro_batch <= (accumulating[c.checkpointing] or 0)
         ]
+        if not candidates:
+            infeasible = _accumulation_does_not_fit(training.world_size, limits)
     if not candidates:
-        infeasible = explain_infeasible(target_global_batch, training.world_size, limits)
+        infeasible = infeasible or explain_infeasible(
+            target_global_batch, training.world_size, limits
+        )
         return _checked(
             TuneResult(
                 spec=spec,
@@ -207,6 +212,19 @@ def _checked(result: TuneResult) -> TuneResult:
             "tuner bug: its result breaks " + "; ".join(str(v) for v in violations)
         )
     return result
+
+
+def _accumulation_does_not_fit(world_size: int, max_micro_batch: dict[bool, int]) -> Infeasible:
+    """The target needs accumulation, and not even micro-batch 1 fits with the gradients of an
+    earlier micro-batch held (1 divides every target, so any accumulating limit >= 1 would have
+    left a candidate): only G = 1 batches, world_size * b for a fitting b, are reachable."""
+    largest_fitting = max(max_micro_batch.values(), default=0)
+    return Infeasible(
+        reason="the target needs gradient accumulation, and with the gradients of an earlier "
+        "micro-batch held not even a micro-batch of 1 fits; without accumulation the largest "
+        f"fitting micro-batch is {largest_fitting} per rank",
+        nearest_below=world_size * largest_fitting,
+    )
 
 
 def _probe_accumulation(

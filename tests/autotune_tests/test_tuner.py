@@ -125,6 +125,28 @@ def test_nothing_fits_is_explained(tmp_path: Path) -> None:
     assert "not even a micro-batch of 1 fits" in result.infeasible.reason
 
 
+def test_a_target_that_needs_accumulation_that_does_not_fit_is_explained(tmp_path: Path) -> None:
+    # At 108 MiB micro-batch 1 fits alone, but not with an earlier micro-batch's gradients held,
+    # so the target 4 (4 x 1, accumulated) cannot be reached; this raised ValueError before.
+    spec = Spec.model_validate(
+        {
+            "model": {"preset": "gpt2-tiny"},
+            "training": {"seq_len": 8, "max_micro_batch": 1, "target_global_batch": 4},
+        }
+    )
+    result = tune(spec, EmulatedDevice(108 * MiB), storage_url=sqlite_url(tmp_path))
+    assert [
+        (m.recommended_micro_batch, m.accumulating_micro_batch) for m in result.probe.modes
+    ] == [
+        (1, 0),
+        (1, 0),
+    ]
+    assert result.recommendation is None and result.trials == []
+    assert result.infeasible is not None
+    assert "needs gradient accumulation" in result.infeasible.reason
+    assert (result.infeasible.nearest_below, result.infeasible.nearest_above) == (1, None)
+
+
 def test_priority_and_budget() -> None:
     candidates = [Candidate(b, 32 // b, False) for b in (1, 2, 4, 8)] + [
         Candidate(b, 32 // b, True) for b in (1, 2, 4, 8, 16)
