@@ -22,9 +22,9 @@ endif
 env: $(VENV)/.installed
 
 # `make run DEMO_STOP=1` stops the server after the result; DEMO_ARGS passes more flags
-# (python -m autotune.demo --help), e.g. DEMO_ARGS="--memory 2GiB --start-method forkserver".
+# (python -m autotune.cli.demo --help), e.g. DEMO_ARGS="--memory 2GiB --start-method forkserver".
 run: env
-	$(PY) -m autotune.demo $(DEMO_ARGS)
+	$(PY) -m autotune.cli.demo $(DEMO_ARGS)
 
 lint: env
 	$(PY) -m ruff check .

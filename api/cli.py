@@ -18,9 +18,9 @@ import os
 import secrets
 import sys
 
-from autotune.cli_options import Subcommands, port_number, positive_int
-from autotune.defaults import DEFAULT_DATA_DIR, EXIT_OK, SERVER_DATABASE_FILE
-from autotune.errors import AutotuneError
+from autotune.cli.options import Subcommands, port_number, positive_int
+from autotune.core.defaults import DEFAULT_DATA_DIR, EXIT_OK, SERVER_DATABASE_FILE
+from autotune.core.errors import AutotuneError
 
 
 class DatabaseUnreachable(AutotuneError):

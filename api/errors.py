@@ -17,11 +17,11 @@ auth dependencies, and the handlers that turn them into HTTP.
   |                             lists `violations`: [{field, message}])
   + DatabaseUnavailable    503  the database refused, timed out or hung (retry later)
 
-Every such response has the body `{"code": ..., "detail": ...}` (`autotune.protocol.ErrorBody`),
-and so do Starlette's own 404/405/413 (unknown path, wrong method, body over `max_body_size`).
-A request that fails validation is a 422 `{"code": "invalid", "detail": [{loc, msg, type}]}`:
-FastAPI's shape without the offending input, which may not even be encodable as JSON (NaN) or
-UTF-8 (a lone surrogate), and need not be reflected back anyway.
+Every such response has the body `{"code": ..., "detail": ...}`
+(`autotune.remote.protocol.ErrorBody`), and so do Starlette's own 404/405/413 (unknown path, wrong
+method, body over `max_body_size`). A request that fails validation is a 422 `{"code": "invalid",
+"detail": [{loc, msg, type}]}`: FastAPI's shape without the offending input, which may not even be
+encodable as JSON (NaN) or UTF-8 (a lone surrogate), and need not be reflected back anyway.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException
 
 from api.db import UNREACHABLE_ERRORS
-from autotune.result_check import Violation
+from autotune.core.result_check import Violation
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,8 @@ from api.errors import LeaseExpired, RunCancelled, StaleLease
 from api.rowmodels import target_of
 from api.runstore import is_postgres, lock_run
 from api.tables import FailureRow, RunRow, WorkerRow
-from autotune.protocol import (
+from autotune.core.schemas import DeviceInfo, DeviceKind, Spec
+from autotune.remote.protocol import (
     Claim,
     ClaimRequest,
     FailureReport,
@@ -38,7 +39,6 @@ from autotune.protocol import (
     RunStatus,
     cuda_memory_bounds,
 )
-from autotune.schemas import DeviceInfo, DeviceKind, Spec
 
 _ERROR_TEXT_CHARS = 2000
 

@@ -1,8 +1,8 @@
 """Recording a tuning run that ran locally (`autotune tune`) in the project's database, so that
 the server shows it next to the runs its workers did. Torch-free like the rest of `api/`.
 
-`DatabaseRecorder` is the server package's `autotune.recorder.RunRecorder`, registered under the
-`autotune.recorders` entry points: `autotune tune` finds it there without importing `api`.
+`DatabaseRecorder` is the server package's `autotune.core.recorder.RunRecorder`, registered under
+the `autotune.recorders` entry points: `autotune tune` finds it there without importing `api`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from datetime import UTC, datetime
 from api import results
 from api.db import Database, migrate
 from autotune import __version__
-from autotune.protocol import CudaTarget, DeviceTarget, EmulatedTarget, RunCreate
-from autotune.schemas import DeviceInfo, DeviceKind, TuneResult
+from autotune.core.schemas import DeviceInfo, DeviceKind, TuneResult
+from autotune.remote.protocol import CudaTarget, DeviceTarget, EmulatedTarget, RunCreate
 
 
 def target_for(device: DeviceInfo) -> DeviceTarget:
@@ -40,7 +40,7 @@ def record_local_run(database_url: str, result: TuneResult) -> int:
 
 
 class DatabaseRecorder:
-    """`autotune.recorder.RunRecorder` that stores runs in the server's database."""
+    """`autotune.core.recorder.RunRecorder` that stores runs in the server's database."""
 
     def record_run(self, database_url: str, result: TuneResult) -> int:
         return record_local_run(database_url, result)

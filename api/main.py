@@ -21,7 +21,7 @@ from api.routes import health, runs, worker
 from api.runcache import FinishedRunCache
 from api.runwatch import RunWatch
 from api.settings import Settings
-from autotune.protocol import API_PREFIX
+from autotune.remote.protocol import API_PREFIX
 
 logger = logging.getLogger(__name__)
 

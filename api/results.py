@@ -17,7 +17,8 @@ from api.leases import held_run, renew
 from api.rowmodels import attempt_row, mode_row, target_of, trial_row
 from api.runstore import create_run
 from api.tables import AttemptRow, ModeRow, RecommendationRow, RunRow, TrialRow
-from autotune.protocol import (
+from autotune.core.schemas import TuneResult
+from autotune.remote.protocol import (
     AttemptEvent,
     EventAck,
     ResultSubmission,
@@ -25,7 +26,6 @@ from autotune.protocol import (
     RunStatus,
     TrialEvent,
 )
-from autotune.schemas import TuneResult
 
 
 def record_attempt(

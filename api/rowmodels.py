@@ -1,4 +1,5 @@
-"""The one converter between ORM rows (`api.tables`) and protocol models (`autotune.protocol`).
+"""The one converter between ORM rows (`api.tables`) and protocol models
+(`autotune.remote.protocol`).
 
 Fields are copied by name by pydantic, never one by one by hand: rows become models through
 `model_validate(..., from_attributes=True)`, models become rows through `model_dump()`. A
@@ -13,7 +14,8 @@ from datetime import datetime
 from typing import Any
 
 from api.tables import AttemptRow, ModeRow, RunRow, TrialRow
-from autotune.protocol import (
+from autotune.core.schemas import ModeProbe, StepOutcome, Trial
+from autotune.remote.protocol import (
     API_PREFIX,
     AttemptRecord,
     CudaTarget,
@@ -21,7 +23,6 @@ from autotune.protocol import (
     Run,
     RunSummary,
 )
-from autotune.schemas import ModeProbe, ProbeAttempt, Trial
 
 Target = EmulatedTarget | CudaTarget
 
@@ -72,7 +73,7 @@ def run_of(
         AttemptRecord.model_validate(_With(a, attempt=a), from_attributes=True) for a in attempts
     ]
     # A mode's attempts are those of the lease that produced the mode, in order.
-    final_attempts: dict[tuple[str, bool], list[ProbeAttempt]] = {}
+    final_attempts: dict[tuple[str, bool], list[StepOutcome]] = {}
     for a, record in zip(attempts, attempt_records, strict=True):
         final_attempts.setdefault((a.lease_id, a.checkpointing), []).append(record.attempt)
     view = _With(
@@ -104,7 +105,7 @@ def summary_of(run: RunRow, recommendation: Any) -> RunSummary:
 
 
 def attempt_row(
-    row: RunRow, *, sequence: int, checkpointing: bool, attempt: ProbeAttempt, now: datetime
+    row: RunRow, *, sequence: int, checkpointing: bool, attempt: StepOutcome, now: datetime
 ) -> AttemptRow:
     """A probe attempt under the run's current lease."""
     assert row.lease_id is not None

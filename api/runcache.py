@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from autotune.protocol import RunStatus
+from autotune.remote.protocol import RunStatus
 
 CachedRun = tuple[RunStatus, bytes]
 

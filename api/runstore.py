@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from api.errors import RunNotCancellable, RunNotFound
 from api.rowmodels import run_of, summary_of
 from api.tables import AttemptRow, FailureRow, ModeRow, RecommendationRow, RunRow, TrialRow
-from autotune.protocol import CudaTarget, Run, RunCreate, RunPage, RunStatus, fingerprint
+from autotune.remote.protocol import CudaTarget, Run, RunCreate, RunPage, RunStatus, fingerprint
 
 
 def is_postgres(session: Session) -> bool:

@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from api.db import Database
 from api.leases import expire_leases
 from api.tables import RunRow
-from autotune.protocol import RunStatus
+from autotune.remote.protocol import RunStatus
 
 logger = logging.getLogger(__name__)
 

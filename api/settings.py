@@ -12,7 +12,7 @@ from typing import Annotated
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from autotune.defaults import DEFAULT_DATA_DIR, SERVER_DATABASE_FILE, server_database_url
+from autotune.core.defaults import DEFAULT_DATA_DIR, SERVER_DATABASE_FILE, server_database_url
 
 
 class Settings(BaseSettings):

@@ -51,7 +51,7 @@ class UTCDateTime(TypeDecorator[datetime]):
 BigInt = BigInteger().with_variant(Integer(), "sqlite")
 
 
-class Base(DeclarativeBase):
+class TableBase(DeclarativeBase):
     type_annotation_map = {
         int: BigInt,
         datetime: UTCDateTime(),
@@ -60,7 +60,7 @@ class Base(DeclarativeBase):
     }
 
 
-class WorkerRow(Base):
+class WorkerRow(TableBase):
     """A probe worker, as last seen claiming or heartbeating."""
 
     __tablename__ = "autotune_workers"
@@ -75,7 +75,7 @@ class WorkerRow(Base):
 _UNFINISHED = "status IN ('queued', 'running')"
 
 
-class RunRow(Base):
+class RunRow(TableBase):
     """One submission: the spec, the device target, its queue state and its outcome."""
 
     __tablename__ = "autotune_runs"
@@ -123,7 +123,7 @@ class RunRow(Base):
     error: Mapped[str | None] = mapped_column(Text)
 
 
-class RecommendationRow(Base):
+class RecommendationRow(TableBase):
     """The chosen configuration of a succeeded run, as columns so runs can be queried by it."""
 
     __tablename__ = "autotune_recommendations"
@@ -142,7 +142,7 @@ class RecommendationRow(Base):
     capacity_bytes: Mapped[int]
 
 
-class ModeRow(Base):
+class ModeRow(TableBase):
     """The final probe summary of one checkpointing mode; its attempts are AttemptRows."""
 
     __tablename__ = "autotune_probe_modes"
@@ -159,7 +159,7 @@ class ModeRow(Base):
     accumulating_micro_batch: Mapped[int | None]
 
 
-class AttemptRow(Base):
+class AttemptRow(TableBase):
     """One probe attempt; (run, lease, sequence) is unique so a retried post stores nothing."""
 
     __tablename__ = "autotune_probe_attempts"
@@ -181,7 +181,7 @@ class AttemptRow(Base):
     created_at: Mapped[datetime]
 
 
-class TrialRow(Base):
+class TrialRow(TableBase):
     """One throughput trial; (run, lease, number) is unique so a retried post stores nothing."""
 
     __tablename__ = "autotune_trials"
@@ -208,7 +208,7 @@ class TrialRow(Base):
     created_at: Mapped[datetime]
 
 
-class FailureRow(Base):
+class FailureRow(TableBase):
     """Why one claim ended without a result: a reported error or an expired lease."""
 
     __tablename__ = "autotune_run_failures"

@@ -6,8 +6,8 @@ This package root stays torch-free; torch-backed modules (`zoo`, `workload`, `st
 
 from __future__ import annotations
 
-from autotune.errors import AutotuneError, ModelBuildError, SpecError
-from autotune.schemas import ModelSpec, Spec, TrainingSpec
+from autotune.core.errors import AutotuneError, ModelBuildError, SpecError
+from autotune.core.schemas import ModelSpec, Spec, TrainingSpec
 
 __all__ = [
     "AutotuneError",

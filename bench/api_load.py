@@ -41,7 +41,7 @@ import httpx2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autotune.client import ServerClient  # noqa: E402
+from autotune.remote.client import ServerClient  # noqa: E402
 from tests.api_tests.factories import emulated, emulated_device, tiny_spec, tune_result  # noqa: E402
 from tests.conftest import CLIENT_TOKEN, WORKER_TOKEN, start_server, stop_server  # noqa: E402
 

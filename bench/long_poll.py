@@ -34,7 +34,7 @@ from sqlalchemy.exc import OperationalError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autotune.client import ServerClient  # noqa: E402
+from autotune.remote.client import ServerClient  # noqa: E402
 from tests.api_tests.factories import emulated, tiny_spec  # noqa: E402
 from tests.conftest import CLIENT_TOKEN, POSTGRES_URL, start_server, stop_server  # noqa: E402
 

@@ -41,12 +41,15 @@ class Target:
 
 
 TARGETS = {
-    "search": Target("autotune/search.py", ("tests/autotune_tests/test_search.py",)),
+    "search": Target("autotune/core/search.py", ("tests/autotune_tests/core/test_search.py",)),
     "tracker": Target(
-        "autotune/tracker.py",
-        ("tests/autotune_tests/test_tracker.py", "tests/autotune_tests/test_device.py"),
+        "autotune/engine/tracker.py",
+        (
+            "tests/autotune_tests/engine/test_tracker.py",
+            "tests/autotune_tests/engine/test_device.py",
+        ),
     ),
-    "step": Target("autotune/step.py", ("tests/autotune_tests/test_step.py",)),
+    "step": Target("autotune/engine/step.py", ("tests/autotune_tests/engine/test_step.py",)),
     # The lease state machine: claim, heartbeat, the holder check, failure and expiry.
     "leases": Target(
         "api/crud.py",

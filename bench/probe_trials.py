@@ -1,7 +1,7 @@
 """How many real trials the probe's search needs, next to two classic baselines.
 
 For every preset of the zoo, several capacities of the emulated GPU and both checkpointing modes,
-this runs the probe's search (`autotune.search.find_max_micro_batch`), plain bisection over
+this runs the probe's search (`autotune.core.search.find_max_micro_batch`), plain bisection over
 [1, cap] and doubling-then-bisection (Lightning's `power` then `binsearch`) on the *same* fits
 function: real training steps on the emulated GPU, memoised per micro-batch so every algorithm
 sees identical outcomes and each distinct size costs one real step. It checks that all three
@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from autotune.device import EmulatedDevice
-from autotune.presets import PRESETS
-from autotune.schemas import Spec
-from autotune.search import Observation, find_max_micro_batch
-from autotune.session import ProbeSession
+from autotune.core.presets import PRESETS
+from autotune.core.schemas import Spec
+from autotune.core.search import StepOutcome, find_max_micro_batch
+from autotune.engine.device import EmulatedDevice
+from autotune.engine.runner import InProcessRunner
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CAP = 1024
@@ -68,18 +68,17 @@ def doubling_then_bisection(fits: Callable[[int], bool], cap: int) -> int:
 class MemoisedTrials:
     """Real trials at each micro-batch, run once and replayed; counts what each caller asks."""
 
-    def __init__(self, session: ProbeSession, checkpointing: bool) -> None:
+    def __init__(self, session: InProcessRunner, checkpointing: bool) -> None:
         self.session = session
         self.checkpointing = checkpointing
-        self.cache: dict[int, Observation] = {}
+        self.cache: dict[int, StepOutcome] = {}
         self.asked: set[int] = set()
 
-    def observe(self, micro_batch: int) -> Observation:
+    def observe(self, micro_batch: int) -> StepOutcome:
         self.asked.add(micro_batch)
         if micro_batch not in self.cache:
-            outcome = self.session.trial(micro_batch, checkpointing=self.checkpointing)
-            self.cache[micro_batch] = Observation(
-                fits=outcome.fits, peak_bytes=outcome.peak_bytes, series=outcome.series
+            self.cache[micro_batch] = self.session.trial(
+                micro_batch, checkpointing=self.checkpointing
             )
         return self.cache[micro_batch]
 
@@ -96,7 +95,7 @@ class MemoisedTrials:
 
 
 def capacity_for(spec: Spec, target_max: int) -> int:
-    session = ProbeSession(spec, EmulatedDevice(1 << 40))
+    session = InProcessRunner(spec, EmulatedDevice(1 << 40))
     assert session.warm_up().fits
     peak8 = session.trial(8).peak_bytes
     per_sample_bytes = (session.trial(16).peak_bytes - peak8) / 8
@@ -107,7 +106,7 @@ def capacity_for(spec: Spec, target_max: int) -> int:
 
 
 def bench_case(spec: Spec, capacity_bytes: int) -> list[dict[str, object]]:
-    session = ProbeSession(spec, EmulatedDevice(capacity_bytes))
+    session = InProcessRunner(spec, EmulatedDevice(capacity_bytes))
     assert session.warm_up().fits
     rows: list[dict[str, object]] = []
     known_fitting = 0
@@ -131,7 +130,7 @@ def bench_case(spec: Spec, capacity_bytes: int) -> list[dict[str, object]]:
                 "checkpointing": checkpointing,
                 "max_micro_batch": ours.max_micro_batch,
                 "trials": ours_trials,
-                "sizes_tried": [b for b, _ in ours.attempts],
+                "sizes_tried": [a.micro_batch for a in ours.attempts],
                 "bisection_trials": bisect_trials,
                 "doubling_trials": doubling_trials,
                 "bound": math.ceil(math.log2(CAP)) + 2,

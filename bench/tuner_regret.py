@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from autotune.candidates import Candidate, enumerate_candidates
-from autotune.device import EmulatedDevice, TrialOutcome
-from autotune.schemas import DeviceInfo, Spec, TrialState
-from autotune.session import ProbeSession
-from autotune.throughput import Measurement
-from autotune.tuner import tune_session
+from autotune.core.candidates import Candidate, enumerate_candidates
+from autotune.core.schemas import DeviceInfo, Spec, TrialState
+from autotune.core.throughput import Measurement
+from autotune.engine.device import EmulatedDevice, StepOutcome
+from autotune.engine.runner import InProcessRunner
+from autotune.engine.tuner import tune_session
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MiB = 2**20
@@ -49,7 +49,7 @@ SECONDS_PER_TRIAL = 1.0
 class TimedRunner:
     """Delegates to a session and adds up the time spent in measurements."""
 
-    def __init__(self, session: ProbeSession) -> None:
+    def __init__(self, session: InProcessRunner) -> None:
         self.session = session
         self.measure_s = 0.0
         self.measured: list[tuple[int, int, bool]] = []
@@ -70,12 +70,12 @@ class TimedRunner:
     def tokens_per_sample(self) -> int | None:
         return self.session.tokens_per_sample
 
-    def warm_up(self, *, checkpointing: bool) -> TrialOutcome:
+    def warm_up(self, *, checkpointing: bool) -> StepOutcome:
         return self.session.warm_up(checkpointing=checkpointing)
 
     def trial(
         self, micro_batch: int, accumulation_steps: int = 1, *, checkpointing: bool
-    ) -> TrialOutcome:
+    ) -> StepOutcome:
         return self.session.trial(micro_batch, accumulation_steps, checkpointing=checkpointing)
 
     def measure(
@@ -101,7 +101,7 @@ class TimedRunner:
 
 def bench_case(name: str, training: dict[str, object], capacity_bytes: int) -> dict[str, object]:
     spec = Spec.model_validate({"model": {"preset": name}, "training": training})
-    runner = TimedRunner(ProbeSession(spec, EmulatedDevice(capacity_bytes)))
+    runner = TimedRunner(InProcessRunner(spec, EmulatedDevice(capacity_bytes)))
     with tempfile.TemporaryDirectory() as scratch:
         started = time.perf_counter()
         result = tune_session(

@@ -43,7 +43,7 @@ COPY autotune ./autotune
 COPY api ./api
 COPY probes ./probes
 RUN pip install --no-cache-dir --no-deps -c /tmp/constraints.txt . \
-    && python -c "import torch, autotune.cli; assert torch.version.cuda, 'torch lost its CUDA build'" \
+    && python -c "import torch, autotune.cli.main; assert torch.version.cuda, 'torch lost its CUDA build'" \
     && cd / && rm -rf /src /tmp/constraints.txt
 
 USER autotune

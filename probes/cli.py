@@ -23,15 +23,15 @@ import socket
 from pathlib import Path
 from types import FrameType
 
-from autotune.cli_options import (
+from autotune.cli.options import (
     Subcommands,
     add_device_args,
     add_server_args,
     non_negative_seconds,
     positive_seconds,
 )
-from autotune.defaults import DEFAULT_DATA_DIR, EXIT_FAILURE, EXIT_OK, worker_study_url
-from autotune.errors import SpecError
+from autotune.core.defaults import DEFAULT_DATA_DIR, EXIT_FAILURE, EXIT_OK, worker_study_url
+from autotune.core.errors import SpecError
 
 
 def default_worker_id() -> str:
@@ -56,7 +56,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, early_signals: list[int]) -> int:
-    from autotune.client import ServerClient
+    from autotune.remote.client import ServerClient
     from probes.inventory import default_device_name, read_inventory
     from probes.worker import RunOutcome, Worker, WorkerConfig
 
@@ -89,7 +89,7 @@ def _serve(args: argparse.Namespace, early_signals: list[int]) -> int:
 
 
 def _module_prefix(text: str) -> str:
-    from autotune.factoryaccess import parse_prefix
+    from autotune.core.factoryaccess import parse_prefix
 
     try:
         return parse_prefix(text)

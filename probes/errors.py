@@ -1,4 +1,4 @@
-"""The errors of the probe worker, under `autotune.errors.AutotuneError`.
+"""The errors of the probe worker, under `autotune.core.errors.AutotuneError`.
 
 * AutotuneError
   + TrialCrashed       a trial's child process died by a signal, exited without an answer, or
@@ -14,7 +14,7 @@ are re-raised in the parent as themselves.
 
 from __future__ import annotations
 
-from autotune.errors import AutotuneError
+from autotune.core.errors import AutotuneError
 
 
 class TrialCrashed(AutotuneError):

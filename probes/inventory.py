@@ -2,8 +2,8 @@
 
 * "cpu": one emulated GPU of `--memory` bytes (no torch work needed to describe it);
 * "cuda": every GPU torch sees; "cuda:N": that one. Each is read in a child process through
-  `autotune.device.CudaDevice` (NVML: name, UUID, total memory, driver and CUDA versions; plus
-  the torch version), so that no CUDA context lives on in the worker itself.
+  `autotune.engine.device.CudaDevice` (NVML: name, UUID, total memory, driver and CUDA versions;
+  plus the torch version), so that no CUDA context lives on in the worker itself.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from autotune.bytesize import format_bytes
-from autotune.schemas import DeviceInfo, DeviceKind
+from autotune.core.bytesize import format_bytes
+from autotune.core.schemas import DeviceInfo, DeviceKind
 from probes.isolation import read_devices
 
 logger = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ INVENTORY_TIMEOUT_S = 120.0
 @dataclass(frozen=True)
 class WorkerDevice:
     """A device this worker can run trials on: what it tells the server, and the
-    `autotune.device.open_device` arguments a trial's child process opens it with."""
+    `autotune.engine.device.open_device` arguments a trial's child process opens it with."""
 
     info: DeviceInfo
     device_name: str
@@ -32,7 +32,7 @@ class WorkerDevice:
 
 def default_device_name() -> str:
     """ "cuda" when NVML lists a GPU, else "cpu" (without touching CUDA here)."""
-    from autotune.inventory import read_gpus
+    from autotune.engine.nvml import read_gpus
 
     return "cuda" if read_gpus() else "cpu"
 
@@ -45,7 +45,7 @@ def read_inventory(device_name: str, memory_bytes: int | None) -> list[WorkerDev
         DeviceError: CUDA was asked for and is unavailable.
     """
     if device_name == "cpu":
-        from autotune.device import open_device  # refuses "cpu" without a memory size
+        from autotune.engine.device import open_device  # refuses "cpu" without a memory size
 
         info = open_device("cpu", memory_bytes).info
         devices = [WorkerDevice(info, "cpu", memory_bytes)]

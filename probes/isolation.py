@@ -3,16 +3,16 @@
 Importing this module does not import torch (the CLI registers `autotune worker` from it);
 the children do, and so does the worker once it tunes.
 
-`ChildProcessRunner` is the worker's `autotune.session.TrialRunner`. Each of its calls starts a
-new `spawn` process that builds a `ProbeSession` (model, optimizer, device) from the spec,
-warms it up so that the trial runs in steady state (optimizer state allocated, as in one
-long-lived session), runs the one trial or measurement and sends the result back through a
-pipe. So an out-of-memory that leaves the allocator fragmented, a wedged CUDA context, a
-segfault or a hang in one trial can never reach the worker or the next trial.
+`ChildProcessRunner` is the worker's `autotune.engine.runner.TrialRunner`. Each of its calls starts
+a new `spawn` process that builds a `InProcessRunner` (model, optimizer, device) from the spec,
+warms it up so that the trial runs in steady state (optimizer state allocated, as in one long-lived
+session), runs the one trial or measurement and sends the result back through a pipe. So an
+out-of-memory that leaves the allocator fragmented, a wedged CUDA context, a segfault or a hang in
+one trial can never reach the worker or the next trial.
 
 What comes back:
 * a result: out-of-memory is still `fits=False` (or a None measurement), decided in the child
-  by `autotune.device` as in one process;
+  by `autotune.engine.device` as in one process;
 * an exception raised in the child: autotune's own errors as themselves, anything else as
   `TrialError` with the child's type name, message and traceback;
 * no answer (death by a signal, an exit without answering, the time limit): `TrialCrashed`.
@@ -42,15 +42,12 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from autotune.errors import AutotuneError
-from autotune.schemas import DeviceInfo, Spec
-from autotune.throughput import Measurement
+from autotune.core.errors import AutotuneError
+from autotune.core.schemas import DeviceInfo, Spec, StepOutcome
+from autotune.core.throughput import Measurement
 from probes.errors import TrialCrashed, TrialError
-
-if TYPE_CHECKING:
-    from autotune.device import TrialOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +59,7 @@ StartMethod = Literal["spawn", "forkserver"]
 START_METHODS: tuple[StartMethod, ...] = ("spawn", "forkserver")
 # What a forkserver imports once, so that its children start in milliseconds instead of
 # seconds (torch, and torch._dynamo, which the first optimizer built imports: 2 s each).
-FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "autotune.session", "probes.isolation"]
+FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "autotune.engine.runner", "probes.isolation"]
 
 DEFAULT_TIMEOUT_S = 600.0
 # A child that answered but does not exit (e.g. stuck tearing down a CUDA context) is killed
@@ -79,7 +76,7 @@ class ChildRequest:
     a trial or measurement (None: no warm-up, as in a session that never warmed up).
     `worker_pid` is the worker's process id; `spawned` says whether it is the parent too.
     `allowed_factories`: the worker's `--allow-factory` prefixes; a factory outside them is
-    refused in the child too, before anything is imported (`autotune.factoryaccess`)."""
+    refused in the child too, before anything is imported (`autotune.core.factoryaccess`)."""
 
     operation: Operation
     device_name: str
@@ -178,7 +175,7 @@ def _become_expendable(worker_pid: int, spawned: bool) -> None:
 
 def _open_devices(device_name: str, memory_bytes: int | None) -> list[DeviceInfo]:
     """ "cuda" is every visible GPU; anything else the one device it names."""
-    from autotune.device import open_device
+    from autotune.engine.device import open_device
 
     if device_name == "cuda":
         import torch
@@ -192,11 +189,11 @@ def _open_devices(device_name: str, memory_bytes: int | None) -> list[DeviceInfo
 def _perform(request: ChildRequest) -> object:
     if request.operation == "devices":
         return _open_devices(request.device_name, request.memory_bytes)
-    from autotune.device import open_device
-    from autotune.session import ProbeSession
+    from autotune.engine.device import open_device
+    from autotune.engine.runner import InProcessRunner
 
     spec = Spec.model_validate_json(request.spec_json)
-    session = ProbeSession(
+    session = InProcessRunner(
         spec,
         open_device(request.device_name, request.memory_bytes),
         allowed_factory_prefixes=request.allowed_factories,
@@ -387,7 +384,7 @@ def read_devices(
     free memory must not live on in the worker, where it would take memory from every trial.
 
     Raises:
-        SpecError, DeviceError: as `autotune.device.open_device`.
+        SpecError, DeviceError: as `autotune.engine.device.open_device`.
     """
     request = ChildRequest(
         operation="devices",
@@ -406,7 +403,7 @@ class ChildProcessRunner:
 
     Args:
         spec: What to train.
-        device_name: "cpu" (emulated) or "cuda:N"; as `autotune.device.open_device`.
+        device_name: "cpu" (emulated) or "cuda:N"; as `autotune.engine.device.open_device`.
         memory_bytes: The emulated capacity, or a cap on a GPU's.
         timeout_s: Time limit of one child (start-up, model build, warm-up and the trial).
         interrupt: Checked while children run; whatever it raises stops the run.
@@ -494,27 +491,23 @@ class ChildProcessRunner:
     def tokens_per_sample(self) -> int | None:
         return self.describe().tokens_per_sample
 
-    def warm_up(self, *, checkpointing: bool) -> TrialOutcome:
-        from autotune.device import TrialOutcome
-
+    def warm_up(self, *, checkpointing: bool) -> StepOutcome:
         outcome = self._run("warm_up", checkpointing=checkpointing)
-        assert isinstance(outcome, TrialOutcome)
+        assert isinstance(outcome, StepOutcome)
         if outcome.fits:
             self._warm_mode = checkpointing
         return outcome
 
     def trial(
         self, micro_batch: int, accumulation_steps: int = 1, *, checkpointing: bool
-    ) -> TrialOutcome:
-        from autotune.device import TrialOutcome
-
+    ) -> StepOutcome:
         outcome = self._run(
             "trial",
             micro_batch=micro_batch,
             accumulation_steps=accumulation_steps,
             checkpointing=checkpointing,
         )
-        assert isinstance(outcome, TrialOutcome)
+        assert isinstance(outcome, StepOutcome)
         return outcome
 
     def measure(

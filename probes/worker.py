@@ -45,7 +45,12 @@ from enum import StrEnum
 from types import FrameType
 from typing import TypeVar
 
-from autotune.client import (
+from autotune.core.errors import FactoryRefused, ModelBuildError, SpecError
+from autotune.core.factoryaccess import check_factory_allowed
+from autotune.core.schemas import StepOutcome, Trial, TrialState, TuneResult
+from autotune.engine.probe import probe_session
+from autotune.engine.tuner import tune_session
+from autotune.remote.client import (
     LeaseExpired,
     LeaseLost,
     RequestRejected,
@@ -53,12 +58,7 @@ from autotune.client import (
     ServerError,
     ServerUnavailable,
 )
-from autotune.errors import FactoryRefused, ModelBuildError, SpecError
-from autotune.factoryaccess import check_factory_allowed
-from autotune.probe import probe_session
-from autotune.protocol import Claim
-from autotune.schemas import ProbeAttempt, Trial, TrialState, TuneResult
-from autotune.tuner import tune_session
+from autotune.remote.protocol import Claim
 from probes.errors import TrialCrashed, TrialError, WorkerShutdown
 from probes.inventory import WorkerDevice
 from probes.isolation import DEFAULT_TIMEOUT_S, ChildProcessRunner, StartMethod
@@ -93,7 +93,7 @@ class WorkerConfig:
     seconds_per_trial: float = 1.0
     shutdown_grace_s: float = 10.0
     start_method: StartMethod = "spawn"
-    # Module prefixes whose factory specs this worker may import (`autotune.factoryaccess`).
+    # Module prefixes whose factory specs this worker may import (`autotune.core.factoryaccess`).
     allowed_factories: tuple[str, ...] = ()
 
 
@@ -178,7 +178,7 @@ class _Progress:
         self.sequence = 0
         self.trial_numbers: list[int] = []
 
-    def attempt(self, checkpointing: bool, attempt: ProbeAttempt) -> None:
+    def attempt(self, checkpointing: bool, attempt: StepOutcome) -> None:
         sequence = self.sequence
         self.sequence += 1
         self._post(

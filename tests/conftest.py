@@ -28,7 +28,7 @@ from starlette.testclient import TestClient
 
 from api.main import create_app
 from api.settings import Settings
-from autotune.client import ServerClient
+from autotune.remote.client import ServerClient
 
 CLIENT_TOKEN = "client-token-for-tests"
 WORKER_TOKEN = "worker-token-for-tests"

@@ -143,22 +143,22 @@ def test_the_reader_finds_imports_in_functions_strings_and_type_checking_blocks(
         "    from api.main import create_app\n"
         "    importlib.import_module('probes.cli_worker')\n"
         "    __import__('torch')\n"
-        "COMMANDS = [('api.cli', 'register'), ('autotune.cli_tune:register', None)]\n"
+        "COMMANDS = [('api.cli', 'register'), ('autotune.cli.tune:register', None)]\n"
     )
-    found = {(i.imported, i.at_import_time) for i in imports_of(source, "autotune.cli")}
+    found = {(i.imported, i.at_import_time) for i in imports_of(source, "autotune.cli.main")}
     assert found == {
         ("__future__", True),
         ("importlib", True),
         ("typing", True),
-        ("autotune", True),
-        ("autotune.sibling", True),
+        ("autotune.cli", True),
+        ("autotune.cli.sibling", True),
         ("api.db", False),
         ("uvicorn", False),
         ("api.main", False),
         ("probes.cli_worker", False),
         ("torch", False),
         ("api.cli", False),
-        ("autotune.cli_tune", False),
+        ("autotune.cli.tune", False),
     }
 
 

@@ -11,13 +11,13 @@ from sqlalchemy import create_engine
 from sqlalchemy.engine import Connection
 
 from api.db import VERSION_TABLE
-from api.tables import Base
+from api.tables import TableBase
 
 
 def _run(connection: Connection) -> None:
     context.configure(
         connection=connection,
-        target_metadata=Base.metadata,
+        target_metadata=TableBase.metadata,
         version_table=VERSION_TABLE,
         # SQLite can only change tables by copying them; batch mode does that.
         render_as_batch=connection.dialect.name == "sqlite",

@@ -10,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.deps import ContextDep
 from api.errors import DatabaseUnavailable
-from autotune.protocol import ErrorBody, Health
+from autotune.remote.protocol import ErrorBody, Health
 
 _UNAVAILABLE: dict[int | str, dict[str, Any]] = {
     503: {"model": ErrorBody, "description": "The database refused, failed or did not answer."}

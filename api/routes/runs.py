@@ -13,7 +13,7 @@ from api import leases, runstore
 from api.deps import AppContext, ClientAuth, ContextDep, ReaderAuth
 from api.rowmodels import run_url
 from api.runcache import CachedRun
-from autotune.protocol import (
+from autotune.remote.protocol import (
     MAX_INT,
     MAX_PAGE_LIMIT,
     ErrorBody,

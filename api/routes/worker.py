@@ -14,7 +14,8 @@ from api import leases, results, runstore
 from api.deps import ContextDep, WorkerAuth
 from api.errors import InvalidResult
 from api.routes.runs import RunId
-from autotune.protocol import (
+from autotune.core.result_check import check_result
+from autotune.remote.protocol import (
     AttemptEvent,
     Claim,
     ClaimRequest,
@@ -27,7 +28,6 @@ from autotune.protocol import (
     Run,
     TrialEvent,
 )
-from autotune.result_check import check_result
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "No bearer token."},

@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
-from autotune.exports import build_exports
-from autotune.protocol import CudaTarget, EmulatedTarget
-from autotune.schemas import (
+from autotune.core.exports import build_exports
+from autotune.core.schemas import (
     DeviceInfo,
     DeviceKind,
     ModelSpec,
     ModeProbe,
     Phase,
-    ProbeAttempt,
     ProbeResult,
     Recommendation,
     Spec,
+    StepOutcome,
     TrainingSpec,
     Trial,
     TrialState,
     TuneResult,
 )
+from autotune.remote.protocol import CudaTarget, EmulatedTarget
 
 GIB = 2**30
 
@@ -65,8 +65,8 @@ def a100() -> CudaTarget:
     return CudaTarget(name="NVIDIA A100-SXM4-80GB", memory_bytes=80 * GIB)
 
 
-def attempt(micro_batch: int, fits: bool) -> ProbeAttempt:
-    return ProbeAttempt(
+def attempt(micro_batch: int, fits: bool) -> StepOutcome:
+    return StepOutcome(
         micro_batch=micro_batch,
         fits=fits,
         peak_bytes=micro_batch * 10_000_000,
@@ -93,7 +93,7 @@ def trial(number: int, micro_batch: int = 8, accumulation_steps: int = 4) -> Tri
 
 def tune_result(spec: Spec, device: DeviceInfo, *, study_name: str | None = None) -> TuneResult:
     """A finished result for a `tiny_spec` (target 32) that passes every check of
-    `autotune.result_check`: max micro-batch 8 without checkpointing, 16 with; two trials, the
+    `autotune.core.result_check`: max micro-batch 8 without checkpointing, 16 with; two trials, the
     faster of which (8 x 4) is the recommendation."""
     modes = [
         ModeProbe(

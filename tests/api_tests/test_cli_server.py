@@ -12,11 +12,11 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from autotune.cli import main
-from autotune.cli_client import parse_device
-from autotune.client import ServerClient
-from autotune.errors import SpecError
-from autotune.protocol import CudaTarget, EmulatedTarget
+from autotune.cli.main import main
+from autotune.cli.runs import parse_device
+from autotune.core.errors import SpecError
+from autotune.remote.client import ServerClient
+from autotune.remote.protocol import CudaTarget, EmulatedTarget
 from tests.api_tests.factories import GIB, emulated_device, tiny_spec, tune_result
 from tests.conftest import CLIENT_TOKEN, WORKER_TOKEN, LiveServer, free_port, wait_for_health
 
@@ -90,7 +90,7 @@ def _serve(tmp_path: Path, *args: str, **env: str) -> tuple[str, subprocess.Pope
     log_path = tmp_path / "serve.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "autotune.cli", "serve", "--port", str(port), *args],
+            [sys.executable, "-m", "autotune.cli.main", "serve", "--port", str(port), *args],
             cwd=tmp_path,
             env={**clean, **env},
             stdout=log,

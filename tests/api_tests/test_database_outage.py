@@ -19,7 +19,7 @@ from sqlalchemy import make_url, text
 from sqlalchemy.exc import OperationalError
 
 from api.db import Database
-from autotune.client import ServerClient
+from autotune.remote.client import ServerClient
 from tests.api_tests.tcp_proxy import Mode, TcpProxy
 from tests.conftest import LiveServer, free_port, start_server, stop_server
 
@@ -102,7 +102,7 @@ def _serve(database_url: str, tmp_path: Path) -> tuple[int, str, float]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
     started = time.monotonic()
     process = subprocess.run(
-        [sys.executable, "-m", "autotune.cli", "serve", "--port", str(free_port())]
+        [sys.executable, "-m", "autotune.cli.main", "serve", "--port", str(free_port())]
         + ["--db", database_url],
         cwd=tmp_path,
         env=env,

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from autotune.client import ServerClient
+from autotune.remote.client import ServerClient
 from tests.api_tests.factories import emulated, emulated_device, tiny_spec, trial, tune_result
 from tests.conftest import CLIENT_TOKEN, WORKER_TOKEN
 

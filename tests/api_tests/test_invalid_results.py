@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from autotune.client import ServerClient
-from autotune.protocol import RunStatus
+from autotune.remote.client import ServerClient
+from autotune.remote.protocol import RunStatus
 from tests.api_tests.factories import GIB, emulated, emulated_device, tiny_spec, tune_result
 from tests.conftest import WORKER_TOKEN
 

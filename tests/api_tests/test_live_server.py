@@ -14,8 +14,8 @@ import httpx2
 import pytest
 from sqlalchemy import create_engine, text
 
-from autotune.client import ServerClient, ServerUnavailable
-from autotune.protocol import RunStatus
+from autotune.remote.client import ServerClient, ServerUnavailable
+from autotune.remote.protocol import RunStatus
 from tests.api_tests.factories import GIB, emulated, emulated_device, tiny_spec, tune_result
 from tests.conftest import (
     CLIENT_TOKEN,

@@ -6,11 +6,11 @@ from __future__ import annotations
 import optuna
 
 from api.local import record_local_run, target_for
-from autotune.client import ServerClient
-from autotune.device import EmulatedDevice
-from autotune.protocol import RunStatus
-from autotune.schemas import Spec
-from autotune.tuner import tune
+from autotune.core.schemas import Spec
+from autotune.engine.device import EmulatedDevice
+from autotune.engine.tuner import tune
+from autotune.remote.client import ServerClient
+from autotune.remote.protocol import RunStatus
 
 CAPACITY_BYTES = 120 * 2**20
 

@@ -12,7 +12,7 @@ from sqlalchemy import inspect, text
 from sqlalchemy.exc import IntegrityError
 
 from api.db import VERSION_TABLE, Database, alembic_config, migrate
-from api.tables import Base
+from api.tables import TableBase
 
 OUR_TABLES = {
     "autotune_alembic_version",
@@ -34,7 +34,7 @@ def test_migrated_schema_equals_the_models(db_url: str) -> None:
         context = MigrationContext.configure(
             connection, opts={"compare_type": True, "version_table": VERSION_TABLE}
         )
-        assert compare_metadata(context, Base.metadata) == []
+        assert compare_metadata(context, TableBase.metadata) == []
         assert connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).all() == [
             (ScriptDirectory.from_config(alembic_config()).get_current_head(),)
         ]

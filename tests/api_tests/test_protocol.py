@@ -7,7 +7,8 @@ from datetime import UTC, datetime
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from autotune.protocol import (
+from autotune.core.schemas import ModelSpec, Spec, TrainingSpec
+from autotune.remote.protocol import (
     AttemptEvent,
     AttemptRecord,
     Claim,
@@ -30,7 +31,6 @@ from autotune.protocol import (
     cuda_memory_bounds,
     fingerprint,
 )
-from autotune.schemas import ModelSpec, Spec, TrainingSpec
 from tests.api_tests.factories import (
     GIB,
     a100,

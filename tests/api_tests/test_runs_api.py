@@ -11,8 +11,8 @@ from starlette.testclient import TestClient
 
 from api.main import create_app
 from api.settings import Settings
-from autotune.client import Conflict, InvalidRequest, NotFound, ServerClient
-from autotune.protocol import RunStatus
+from autotune.remote.client import Conflict, InvalidRequest, NotFound, ServerClient
+from autotune.remote.protocol import RunStatus
 from tests.api_tests.factories import GIB, a100, emulated, emulated_device, tiny_spec, tune_result
 from tests.conftest import CLIENT_TOKEN, FakeClock
 

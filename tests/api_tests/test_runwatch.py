@@ -13,7 +13,7 @@ from sqlalchemy import event
 from api import runstore
 from api.db import Database, migrate
 from api.runwatch import RunWatch
-from autotune.protocol import RunCreate
+from autotune.remote.protocol import RunCreate
 from tests.api_tests.factories import emulated, tiny_spec
 
 POLL_S = 0.05

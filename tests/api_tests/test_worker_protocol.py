@@ -7,8 +7,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from api.settings import Settings
-from autotune.client import LeaseLost, ServerClient
-from autotune.protocol import CudaTarget, RunStatus
+from autotune.remote.client import LeaseLost, ServerClient
+from autotune.remote.protocol import CudaTarget, RunStatus
 from tests.api_tests.factories import (
     GIB,
     a100,

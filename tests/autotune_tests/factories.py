@@ -9,16 +9,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from autotune.presets import DecoderPreset
-from autotune.schemas import TrainingSpec
-from autotune.workload import (
+from autotune.core.presets import DecoderPreset
+from autotune.core.schemas import TrainingSpec
+from autotune.engine.workload import (
     IGNORE_INDEX,
     Batch,
     Workload,
     causal_lm_loss_sum,
     count_label_tokens,
 )
-from autotune.zoo import build_model
+from autotune.engine.zoo import build_model
 
 TINY_VOCAB = 64
 TINY_GPT2 = DecoderPreset("gpt2", n_layer=2, n_head=2, d_model=32, vocab_size=64, max_seq_len=64)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from autotune.schemas import TrainingSpec
-from autotune.workload import Workload
+from autotune.core.schemas import TrainingSpec
+from autotune.engine.workload import Workload
 
 
 class _Raising(nn.Module):

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from autotune.schemas import ModelSpec, Spec, TrainingSpec
-from autotune.workload import Workload
+from autotune.core.schemas import ModelSpec, Spec, TrainingSpec
+from autotune.engine.workload import Workload
 
 HIDDEN = 4096
 CLASSES = 10

@@ -110,7 +110,7 @@ def start_worker(
     argv = [
         sys.executable,
         "-m",
-        "autotune.cli",
+        "autotune.cli.main",
         "worker",
         "--server",
         server_url,

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from autotune.cli import main
+from autotune.cli.main import main
 
 GIB = 2**30
 
@@ -69,7 +69,7 @@ def test_registering_the_command_does_not_import_torch() -> None:
     worker once it tunes) need torch."""
     code = (
         "import sys\n"
-        "from autotune.cli import build_parser\n"
+        "from autotune.cli.main import build_parser\n"
         "parser = build_parser()\n"
         "parser.parse_args(['worker', '--device', 'cpu', '--memory', '1GiB'])\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"

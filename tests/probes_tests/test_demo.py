@@ -1,4 +1,4 @@
-"""`make run` (python -m autotune.demo) as a user runs it: a child process that starts a
+"""`make run` (python -m autotune.cli.demo) as a user runs it: a child process that starts a
 server and a worker, submits a spec, prints the result and, with --stop, stops everything."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _demo(
         [
             sys.executable,
             "-m",
-            "autotune.demo",
+            "autotune.cli.demo",
             "--spec",
             str(spec_path),
             "--memory",

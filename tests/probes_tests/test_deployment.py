@@ -34,7 +34,7 @@ import pytest
 import yaml
 
 from api.settings import Settings
-from autotune.cli import build_parser
+from autotune.cli.main import build_parser
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -406,7 +406,7 @@ def test_static_checks_find_broken_files(tmp_path: Path) -> None:
 
 def test_dockerignore_rules_match_like_docker() -> None:
     rules = "*\n!autotune/\n**/__pycache__\n!README.md\nREADME*.md\n"
-    assert not is_ignored("autotune/cli.py", rules)
+    assert not is_ignored("autotune/cli/main.py", rules)
     assert is_ignored("autotune/sub/__pycache__/x.pyc", rules)
     assert is_ignored(".venv/bin/python", rules)
     assert is_ignored("README.md", rules)  # the last matching rule wins
@@ -599,7 +599,7 @@ class NotInTheImage:
         return None
 
 sys.meta_path.insert(0, NotInTheImage())
-from autotune.cli import main
+from autotune.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 

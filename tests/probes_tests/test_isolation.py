@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from autotune.device import open_device
-from autotune.errors import FactoryRefused, ModelBuildError
-from autotune.probe import probe_session
-from autotune.schemas import ModelSpec, Spec, TrainingSpec
-from autotune.session import ProbeSession
-from autotune.tuner import tune_session
+from autotune.core.errors import FactoryRefused, ModelBuildError
+from autotune.core.schemas import ModelSpec, Spec, TrainingSpec
+from autotune.engine.device import open_device
+from autotune.engine.probe import probe_session
+from autotune.engine.runner import InProcessRunner
+from autotune.engine.tuner import tune_session
 from probes.errors import TrialCrashed, TrialError, WorkerShutdown
 from probes.isolation import ChildProcessRunner, StartMethod
 from tests.probes_tests.factories import wide_spec
@@ -72,7 +72,7 @@ def test_child_trials_equal_the_same_trials_in_one_process() -> None:
     runner = ChildProcessRunner(
         spec, "cpu", CAPACITY_BYTES, start_method="forkserver", allowed_factories=TESTS
     )
-    session = ProbeSession(spec, open_device("cpu", CAPACITY_BYTES))
+    session = InProcessRunner(spec, open_device("cpu", CAPACITY_BYTES))
 
     assert runner.device_info == session.device_info
     assert runner.supports_checkpointing is False
@@ -98,7 +98,7 @@ def test_spawned_children_answer_crash_and_leave_the_next_trial_unharmed() -> No
     runner = ChildProcessRunner(
         spec, "cpu", CAPACITY_BYTES, start_method="spawn", allowed_factories=TESTS
     )
-    session = ProbeSession(spec, open_device("cpu", CAPACITY_BYTES))
+    session = InProcessRunner(spec, open_device("cpu", CAPACITY_BYTES))
     assert runner.warm_up(checkpointing=False) == session.warm_up(checkpointing=False)
     assert runner.trial(3, 2, checkpointing=False) == session.trial(3, 2, checkpointing=False)
     with pytest.raises(TrialCrashed, match="killed by SIGABRT"):
@@ -118,7 +118,7 @@ def test_probe_in_children_finds_what_one_process_finds() -> None:
         spec, "cpu", capacity_bytes, start_method="forkserver", allowed_factories=TESTS
     )
     in_children = probe_session(runner)
-    in_process = probe_session(ProbeSession(spec, open_device("cpu", capacity_bytes)))
+    in_process = probe_session(InProcessRunner(spec, open_device("cpu", capacity_bytes)))
     assert in_children == in_process
     assert [m.checkpointing for m in in_children.modes] == [False, True]
     assert 0 < in_children.modes[0].max_micro_batch < 4096

@@ -15,9 +15,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from autotune.client import LeaseExpired, LeaseLost, ServerClient
-from autotune.protocol import Claim, EmulatedTarget
-from autotune.schemas import Trial, TrialState
+from autotune.core.schemas import Trial, TrialState
+from autotune.remote.client import LeaseExpired, LeaseLost, ServerClient
+from autotune.remote.protocol import Claim, EmulatedTarget
 from probes.worker import _LeaseKeeper
 from tests.probes_tests.factories import wide_spec
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import optuna
 import pytest
 
-from autotune.client import LeaseLost, ServerClient
-from autotune.protocol import EmulatedTarget, Run, RunStatus
-from autotune.schemas import Phase, ProbeAttempt, Spec, Trial, TrialState
+from autotune.core.schemas import Phase, Spec, StepOutcome, Trial, TrialState
+from autotune.remote.client import LeaseLost, ServerClient
+from autotune.remote.protocol import EmulatedTarget, Run, RunStatus
 from tests.conftest import (
     CLIENT_TOKEN,
     WORKER_TOKEN,
@@ -227,7 +227,7 @@ def test_a_killed_workers_run_is_released_and_finished_by_the_other(fleet: Fleet
     # A late post under the killed lease is refused and changes nothing.
     assert fleet.server is not None
     with ServerClient(fleet.server.url, token=WORKER_TOKEN) as late:
-        attempt = ProbeAttempt(
+        attempt = StepOutcome(
             micro_batch=7, fits=True, peak_bytes=1, phase_peak_bytes={Phase.FORWARD: 1}
         )
         with pytest.raises(LeaseLost) as refused:

@@ -1,0 +1,217 @@
+"""The `autotune` command line: the entry point of every command, so the only place (with the
+commands' own modules) that reads arguments and settings.
+
+    autotune probe SPEC [--device cpu|cuda|cuda:N] [--memory SIZE] [--json]
+    autotune step SPEC --micro-batch B [--checkpointing] [--device ...] [--memory SIZE] [--json]
+
+The other commands belong to the part that implements them and are found through the
+`autotune.commands` entry points (see `autotune.core.plugins` and pyproject.toml): `tune`, `submit`
+and `runs` here, `serve` in `api.cli`, `worker` in `probes.cli`. A command whose extra is not
+installed still parses; running it says which extra to install and exits with code 2.
+
+Bad input exits with code 2 and one line naming the problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+from rich.console import Console
+from rich.table import Table
+
+from autotune.cli.options import (
+    CommandParser,
+    Subcommands,
+    add_device_args,
+    open_device,
+    positive_int,
+)
+from autotune.core.bytesize import format_bytes
+from autotune.core.defaults import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE
+from autotune.core.errors import AutotuneError, DeviceError, ModelBuildError, SpecError
+from autotune.core.plugins import (
+    COMMAND_GROUP,
+    Plugin,
+    install_hint,
+    is_missing_dependency,
+    plugins,
+)
+from autotune.core.schemas import ProbeResult, StepOutcome
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def progress_printer(console: Console) -> Callable[[bool, StepOutcome], None]:
+    def show(checkpointing: bool, attempt: StepOutcome) -> None:
+        verdict = "[green]fits[/green]" if attempt.fits else "[red]OOM[/red] "
+        where = f" in {attempt.oom_phase.value}" if attempt.oom_phase else ""
+        mode = "on " if checkpointing else "off"
+        console.print(
+            f"  checkpointing {mode}  micro-batch {attempt.micro_batch:>5}"
+            f"  {verdict}  peak {format_bytes(attempt.peak_bytes)}{where}"
+        )
+
+    return show
+
+
+def _cmd_probe(args: argparse.Namespace) -> int:
+    from autotune.core.specfile import load_spec
+    from autotune.engine.probe import probe
+
+    spec = load_spec(args.spec)
+    device = open_device(args)
+    err = Console(stderr=True)
+    err.print(
+        f"probing [bold]{spec.model.label}[/bold] on {device.info.name} "
+        f"(capacity {format_bytes(device.info.capacity_bytes)})"
+    )
+    result = probe(spec, device, on_attempt=progress_printer(err))
+    if args.json:
+        sys.stdout.write(result.model_dump_json() + "\n")
+    else:
+        print_probe_table(Console(), result, headroom=spec.training.headroom)
+    return 0
+
+
+def print_probe_table(console: Console, result: ProbeResult, *, headroom: float) -> None:
+    table = Table(
+        title=f"{result.device.name}: capacity {format_bytes(result.device.capacity_bytes)}"
+    )
+    table.add_column("checkpointing")
+    table.add_column("max micro-batch", justify="right")
+    table.add_column(f"recommended ({headroom:.0%} headroom)", justify="right")
+    table.add_column("peak at max", justify="right")
+    table.add_column("trials", justify="right")
+    for mode in result.modes:
+        at_max = [a for a in mode.attempts if a.micro_batch == mode.max_micro_batch and a.fits]
+        peak = format_bytes(at_max[0].peak_bytes) if at_max else "-"
+        table.add_row(
+            "on" if mode.checkpointing else "off",
+            f"{mode.max_micro_batch}{' (cap)' if mode.capped else ''}",
+            str(mode.recommended_micro_batch),
+            peak,
+            str(len(mode.attempts)),
+        )
+    console.print(table)
+
+
+def _cmd_step(args: argparse.Namespace) -> int:
+    from autotune.core.specfile import load_spec
+    from autotune.engine.probe import run_step
+
+    spec = load_spec(args.spec)
+    device = open_device(args)
+    result: StepOutcome = run_step(
+        spec, device, micro_batch=args.micro_batch, checkpointing=args.checkpointing
+    )
+    if args.json:
+        sys.stdout.write(json.dumps({"fits": result.fits, "peak_bytes": result.peak_bytes}) + "\n")
+    else:
+        verdict = "fits" if result.fits else f"out of memory (in {result.oom_phase})"
+        Console().print(
+            f"micro-batch {args.micro_batch}: {verdict}, peak {format_bytes(result.peak_bytes)}"
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = CommandParser(prog="autotune", description=__doc__.split("\n\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what happens")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
+
+    probe = commands.add_parser(
+        "probe", help="exact max micro-batch, without and with checkpointing"
+    )
+    probe.add_argument("spec", help="spec file (YAML or JSON)")
+    add_device_args(probe)
+    probe.add_argument("--json", action="store_true", help="print one JSON object")
+    probe.set_defaults(func=_cmd_probe, extra="probe")
+
+    step = commands.add_parser("step", help="run one training step at one micro-batch")
+    step.add_argument("spec", help="spec file (YAML or JSON)")
+    step.add_argument("--micro-batch", type=positive_int, required=True)
+    step.add_argument("--checkpointing", action="store_true")
+    add_device_args(step)
+    step.add_argument("--json", action="store_true", help="print one JSON object")
+    step.set_defaults(func=_cmd_step, extra="probe")
+
+    for plugin in plugins(COMMAND_GROUP):
+        _register_plugin(commands, plugin)
+    return parser
+
+
+def _register_plugin(commands: Subcommands, plugin: Plugin) -> None:
+    """Add the commands of one entry point, each marked with the extra it needs. A module that
+    cannot be imported still gets its command, which reports the problem when it is run."""
+    before = set(commands.choices)
+    try:
+        register = plugin.load()
+        if not callable(register):
+            raise TypeError(f"{plugin.entry_point.value}: not a register(commands) function")
+        register(commands)
+    except Exception as error:  # noqa: BLE001 - reported when the command is run
+        if plugin.name in commands.choices:
+            raise  # half registered: a bug in the command's module, shown at once
+        _add_unavailable_command(commands, plugin, error)
+        return
+    for name in set(commands.choices) - before:
+        commands.choices[name].set_defaults(extra=plugin.extra)
+
+
+def _add_unavailable_command(commands: Subcommands, plugin: Plugin, error: Exception) -> None:
+    hint = install_hint(plugin.extra)
+    help_text = f"(not installed: {hint})" if is_missing_dependency(error) else "(broken)"
+    # Takes any arguments, so that running the command explains itself instead of parsing.
+    placeholder = commands.add_parser(
+        plugin.name, help=help_text, add_help=False, prefix_chars="\0"
+    )
+    placeholder.add_argument("arguments", nargs=argparse.REMAINDER)
+
+    def explain(args: argparse.Namespace) -> int:
+        raise error
+
+    placeholder.set_defaults(func=explain, extra=plugin.extra)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    handler: Handler = args.func
+    try:
+        return handler(args)
+    except (SpecError, ModelBuildError, DeviceError) as error:
+        sys.stderr.write(f"autotune: error: {error}\n")
+        return EXIT_USAGE
+    except AutotuneError as error:
+        sys.stderr.write(f"autotune: error: {error}\n")
+        return EXIT_FAILURE
+    except ModuleNotFoundError as error:
+        # A command of an extra that is not installed (or only partly: no torch for the worker).
+        if not is_missing_dependency(error):
+            raise
+        extra = getattr(args, "extra", None)
+        needs = f"the {extra!r} extra" if extra else "a package that is not installed"
+        sys.stderr.write(
+            f"autotune {args.command}: needs {needs} ({error}): {install_hint(extra)}\n"
+        )
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        sys.stderr.write("autotune: interrupted\n")
+        return EXIT_INTERRUPTED
+
+
+def run() -> NoReturn:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

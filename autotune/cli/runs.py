@@ -1,0 +1,236 @@
+"""The client's commands: `autotune submit` and `autotune runs list|show`, talking to a server
+over HTTP with only the core installed (no torch, no server package).
+
+    autotune submit SPEC --server URL [--device cpu:4GiB | "cuda:NAME:80GiB"] [--wait]
+    autotune runs list [--status S] [--model M] [--device D] --server URL
+    autotune runs show ID --server URL
+
+Registered through the `autotune.commands` entry points (`register_submit`, `register_runs`).
+Tokens: `--token` or AUTOTUNE_TOKEN; the server URL: `--server` or AUTOTUNE_SERVER.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import datetime
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from autotune.cli.options import (
+    Subcommands,
+    add_server_args,
+    non_negative_int,
+    positive_int,
+    positive_seconds,
+)
+from autotune.core.bytesize import format_bytes, parse_bytes
+from autotune.core.defaults import EXIT_FAILURE, EXIT_OK
+from autotune.core.errors import SpecError
+from autotune.core.presets import PRESETS
+from autotune.core.schemas import ModelSpec, Spec
+from autotune.remote.client import ServerClient
+from autotune.remote.protocol import CudaTarget, EmulatedTarget, Run, RunPage, RunStatus
+
+# ---------------------------------------------------------------------------------------------
+# submit
+
+
+def parse_device(text: str) -> EmulatedTarget | CudaTarget:
+    """`cpu:4GiB` / `emulated:4GiB` (the emulated GPU) or `cuda:NAME:80GiB` (a GPU model)."""
+    kind, _, rest = text.partition(":")
+    try:
+        if kind in ("cpu", "emulated") and rest:
+            return EmulatedTarget(memory_bytes=parse_bytes(rest))
+        name, _, memory = rest.rpartition(":")
+        if kind == "cuda" and name and memory:
+            return CudaTarget(name=name, memory_bytes=parse_bytes(memory))
+    except ValueError as error:
+        raise SpecError(f"--device: {error}") from None
+    raise SpecError(f"--device: expected cpu:SIZE or cuda:NAME:SIZE, got {text!r}")
+
+
+def _local_gpu_target() -> CudaTarget:
+    from autotune.engine.nvml import read_gpus
+
+    gpus = read_gpus()
+    if not gpus:
+        raise SpecError("--device: no local GPU to default to; give cpu:SIZE or cuda:NAME:SIZE")
+    return CudaTarget(name=gpus[0].name, memory_bytes=gpus[0].total_memory_bytes)
+
+
+def _load_spec(text: str) -> Spec:
+    if text in PRESETS and not os.path.exists(text):
+        return Spec(model=ModelSpec(preset=text))
+    from autotune.core.specfile import load_spec
+
+    return load_spec(text)
+
+
+def _client(args: argparse.Namespace) -> ServerClient:
+    return ServerClient(args.server, token=args.token)
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    spec = _load_spec(args.spec)
+    device = parse_device(args.device) if args.device else _local_gpu_target()
+    with _client(args) as client:
+        submitted = client.submit_run(spec, device)
+        run = submitted.run
+        if run is None and args.wait:
+            run = client.wait_for_run(submitted.id, timeout_s=args.timeout)
+    out = Console()
+    if args.json:
+        payload = run.model_dump(mode="json") if run else submitted.model_dump(mode="json")
+        sys.stdout.write(json.dumps(payload) + "\n")
+    elif run is None:
+        out.print(f"run {submitted.id} {submitted.status.value}: {args.server}{submitted.url}")
+    else:
+        if submitted.cached:
+            out.print(f"run {run.id}: cached result")
+        _print_run(out, run)
+    if run is not None and run.status in (RunStatus.FAILED, RunStatus.CANCELLED):
+        return EXIT_FAILURE
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------
+# runs list / show
+
+
+def _when(moment: datetime | None) -> str:
+    return moment.strftime("%Y-%m-%d %H:%M:%S") if moment else "-"
+
+
+def _print_page(console: Console, page: RunPage) -> None:
+    first = page.offset + 1 if page.items else 0
+    table = Table(title=f"runs {first}-{page.offset + len(page.items)} of {page.total}")
+    # Short columns never wrap; long labels (model, device) fold on narrow terminals.
+    table.add_column("id", justify="right", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    table.add_column("model", overflow="fold", min_width=5)
+    table.add_column("device", overflow="fold", min_width=5)
+    table.add_column("created", no_wrap=True)
+    table.add_column("micro x acc", no_wrap=True)
+    table.add_column("samples/s", justify="right", no_wrap=True)
+    for item in page.items:
+        config = "-"
+        if item.micro_batch is not None:
+            config = f"{item.micro_batch} x {item.accumulation_steps}"
+            config += " ckpt" if item.checkpointing else ""
+        table.add_row(
+            str(item.id),
+            item.status.value,
+            item.model,
+            item.device,
+            item.created_at.strftime("%m-%d %H:%M"),
+            config,
+            f"{item.samples_per_s:.1f}" if item.samples_per_s is not None else "-",
+        )
+    console.print(table)
+
+
+def _print_run(console: Console, run: Run) -> None:
+    table = Table(title=f"run {run.id}: {run.model} on {run.device.label}", show_header=False)
+    table.add_column("field")
+    table.add_column("value")
+    rows: list[tuple[str, Any]] = [
+        ("status", run.status.value),
+        ("created", _when(run.created_at)),
+        ("finished", _when(run.finished_at)),
+        ("claims", run.claim_count),
+        ("worker", run.worker_id or "-"),
+        ("torch", run.torch_version or "-"),
+        ("attempts / trials", f"{len(run.attempts)} / {len(run.trials)}"),
+    ]
+    rec = run.recommendation
+    if rec is not None:
+        rows += [
+            ("micro-batch", rec.micro_batch),
+            ("accumulation steps", rec.accumulation_steps),
+            ("checkpointing", "on" if rec.checkpointing else "off"),
+            ("global batch", rec.global_batch),
+            ("samples/s", f"{rec.samples_per_s:.1f}"),
+            ("peak", f"{format_bytes(rec.peak_bytes)} of {format_bytes(rec.capacity_bytes)}"),
+        ]
+    if run.infeasible is not None:
+        rows.append(("infeasible", run.infeasible.reason))
+    if run.error:
+        rows.append(("error", run.error))
+    for name, value in rows:
+        table.add_row(name, str(value))
+    console.print(table)
+
+
+def _cmd_runs_list(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        page = client.list_runs(
+            status=RunStatus(args.status) if args.status else None,
+            model=args.model,
+            device=args.device,
+            limit=args.limit,
+            offset=args.offset,
+        )
+    if args.json:
+        sys.stdout.write(page.model_dump_json() + "\n")
+    else:
+        _print_page(Console(), page)
+    return 0
+
+
+def _cmd_runs_show(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        run = client.get_run(args.id)
+    if args.json:
+        sys.stdout.write(run.model_dump_json() + "\n")
+    else:
+        _print_run(Console(), run)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# registration
+
+
+def _add_client_args(parser: argparse.ArgumentParser) -> None:
+    add_server_args(parser, token_help="a client token of the server")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def register_submit(commands: Subcommands) -> None:
+    """`autotune submit`."""
+    submit = commands.add_parser("submit", help="submit a spec to a server")
+    submit.add_argument("spec", help="spec file (YAML or JSON) or a preset name")
+    submit.add_argument(
+        "--device",
+        default=None,
+        help='cpu:SIZE (emulated GPU) or "cuda:NAME:SIZE"; default: this machine\'s first GPU',
+    )
+    submit.add_argument("--wait", action="store_true", help="wait for the result")
+    submit.add_argument(
+        "--timeout", type=positive_seconds, default=3600.0, help="seconds to --wait"
+    )
+    _add_client_args(submit)
+    submit.set_defaults(func=_cmd_submit)
+
+
+def register_runs(commands: Subcommands) -> None:
+    """`autotune runs list` and `autotune runs show`."""
+    runs = commands.add_parser("runs", help="browse a server's runs")
+    runs_commands = runs.add_subparsers(dest="runs_command", required=True)
+    listing = runs_commands.add_parser("list", help="runs, newest first")
+    listing.add_argument("--status", choices=[s.value for s in RunStatus])
+    listing.add_argument("--model", help="model label, e.g. gpt2-tiny")
+    listing.add_argument("--device", help="device label, e.g. emulated:4294967296")
+    listing.add_argument("--limit", type=positive_int, default=50)
+    listing.add_argument("--offset", type=non_negative_int, default=0)
+    _add_client_args(listing)
+    listing.set_defaults(func=_cmd_runs_list)
+    show = runs_commands.add_parser("show", help="one run in full")
+    show.add_argument("id", type=positive_int)
+    _add_client_args(show)
+    show.set_defaults(func=_cmd_runs_show)

@@ -1,0 +1,199 @@
+"""The `autotune tune` command: probe, search and print the recommendation with export snippets.
+
+    autotune tune SPEC [--device cpu|cuda|cuda:N] [--memory SIZE] [--json] [--db URL]
+                       [--trials N] [--seed S]
+
+The Optuna study lives in the database at `--db` (default: AUTOTUNE_DATABASE_URL, else the
+embedded SQLite file data/autotune.db), so `optuna-dashboard <url>` can open it, and the run is
+recorded there for the server to show, by each installed `autotune.core.recorder.RunRecorder` (the
+server package's, where the `api` extra is installed). Registered through the
+`autotune.commands` entry points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from rich.console import Console
+from rich.syntax import Syntax
+from rich.table import Table
+
+from autotune.cli.options import (
+    Subcommands,
+    add_device_args,
+    open_device,
+    positive_int,
+    positive_seconds,
+)
+from autotune.core.bytesize import format_bytes
+from autotune.core.defaults import ENV_DATABASE_URL, EXIT_FAILURE, EXIT_OK, server_database_url
+from autotune.core.recorder import installed_recorders
+from autotune.core.schemas import Trial, TrialState, TuneResult
+
+
+def default_database_url() -> str:
+    """AUTOTUNE_DATABASE_URL, else the embedded SQLite file the server uses by default."""
+    return os.environ.get(ENV_DATABASE_URL) or server_database_url()
+
+
+def trial_printer(console: Console) -> Callable[[Trial], None]:
+    def show(trial: Trial) -> None:
+        mode = "on " if trial.checkpointing else "off"
+        head = (
+            f"  trial {trial.number:>3}: micro-batch {trial.micro_batch:>4} x "
+            f"{trial.accumulation_steps:>3} steps, checkpointing {mode}"
+        )
+        if trial.state is TrialState.COMPLETE and trial.samples_per_s is not None:
+            spread = f" ±{trial.step_time_spread / 2:.0%}" if trial.step_time_spread else ""
+            console.print(f"{head}  [green]{trial.samples_per_s:,.1f} samples/s[/green]{spread}")
+        else:
+            console.print(f"{head}  [red]{trial.state.value}[/red]")
+
+    return show
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from autotune.cli.main import progress_printer
+    from autotune.core.specfile import load_spec
+    from autotune.engine.tuner import tune
+
+    spec = load_spec(args.spec)
+    target_global_batch = spec.training.required_target_global_batch()
+    device = open_device(args)
+    storage_url = args.db or default_database_url()
+    err = Console(stderr=True)
+    err.print(
+        f"tuning [bold]{spec.model.label}[/bold] for global batch "
+        f"{target_global_batch} on {device.info.name} "
+        f"(capacity {format_bytes(device.info.capacity_bytes)})"
+    )
+    result = tune(
+        spec,
+        device,
+        storage_url=storage_url,
+        n_trials=args.trials,
+        seed=args.seed,
+        target_seconds=args.seconds_per_trial,
+        on_attempt=progress_printer(err),
+        on_trial=trial_printer(err),
+    )
+    _record_locally(result, storage_url, err)
+    if args.json:
+        sys.stdout.write(tune_json(result) + "\n")
+    else:
+        print_tune_result(Console(), result)
+        if result.study_name is not None:
+            err.print(
+                f"Optuna study [bold]{result.study_name}[/bold]: optuna-dashboard {storage_url}"
+            )
+    return EXIT_OK if result.recommendation is not None else EXIT_FAILURE
+
+
+def tune_json(result: TuneResult) -> str:
+    """The `--json` document: recommendation, exports, trials and probe (plus why not, if no
+    configuration hits the target)."""
+    document = {
+        "recommendation": result.recommendation,
+        "exports": result.exports,
+        "trials": result.trials,
+        "probe": result.probe,
+        "infeasible": result.infeasible,
+        "study_name": result.study_name,
+    }
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(dict[str, Any]).dump_json(document).decode()
+
+
+def _record_locally(result: TuneResult, storage_url: str, console: Console) -> None:
+    """Store the run in the local database, by every installed recorder (none without the
+    server package)."""
+    for recorder in installed_recorders():
+        run_id = recorder.record_run(storage_url, result)
+        console.print(f"recorded as run {run_id} in {storage_url}")
+
+
+def print_tune_result(console: Console, result: TuneResult) -> None:
+    from autotune.core.exports import render_exports
+
+    probe = Table(title="Probe: largest micro-batch that fits")
+    for column in ("checkpointing", "max", "within headroom", "when accumulating", "trials"):
+        probe.add_column(column, justify="right")
+    for mode in result.probe.modes:
+        probe.add_row(
+            "on" if mode.checkpointing else "off",
+            str(mode.max_micro_batch),
+            str(mode.recommended_micro_batch),
+            "-" if mode.accumulating_micro_batch is None else str(mode.accumulating_micro_batch),
+            str(len(mode.attempts)),
+        )
+    console.print(probe)
+
+    trials = Table(title="Measured configurations")
+    for column in ("micro-batch", "accumulation", "checkpointing", "samples/s", "peak"):
+        trials.add_column(column, justify="right")
+    for trial in sorted(result.trials, key=lambda t: -(t.samples_per_s or 0.0)):
+        trials.add_row(
+            str(trial.micro_batch),
+            str(trial.accumulation_steps),
+            "on" if trial.checkpointing else "off",
+            f"{trial.samples_per_s:,.1f}" if trial.samples_per_s else trial.state.value,
+            format_bytes(trial.peak_bytes) if trial.peak_bytes else "-",
+        )
+    console.print(trials)
+
+    rec = result.recommendation
+    if rec is None:
+        assert result.infeasible is not None
+        console.print(f"[red]No configuration hits the target:[/red] {result.infeasible.reason}")
+        nearest = [
+            f"{label} {value}"
+            for label, value in (
+                ("nearest below", result.infeasible.nearest_below),
+                ("nearest above", result.infeasible.nearest_above),
+            )
+            if value is not None
+        ]
+        if nearest:
+            console.print("Achievable global batches: " + ", ".join(nearest))
+        return
+    console.print(
+        f"[bold green]Recommendation:[/bold green] micro-batch {rec.micro_batch} x "
+        f"{rec.accumulation_steps} accumulation steps x {rec.world_size} rank(s) = global batch "
+        f"{rec.global_batch}, checkpointing {'on' if rec.checkpointing else 'off'}: "
+        f"{rec.samples_per_s:,.1f} samples/s, peak {format_bytes(rec.peak_bytes)} of "
+        f"{format_bytes(rec.capacity_bytes)}"
+    )
+    if result.exports is None:
+        return
+    languages = {"hf": "python", "axolotl": "yaml", "deepspeed": "json", "lightning": "python"}
+    for name, text in render_exports(result.exports).items():
+        if name == "pytorch_loop":
+            console.print("[bold]plain PyTorch loop:[/bold] see --json exports.pytorch_loop")
+            continue
+        console.print(f"[bold]{name}[/bold]")
+        console.print(Syntax(text, languages.get(name, "text"), theme="ansi_dark"))
+
+
+def register(commands: Subcommands) -> None:
+    """`autotune tune`."""
+    tune = commands.add_parser(
+        "tune", help="the micro-batch x accumulation x checkpointing with the best samples/s"
+    )
+    tune.add_argument("spec", help="spec file (YAML or JSON) with training.target_global_batch")
+    add_device_args(tune)
+    tune.add_argument("--json", action="store_true", help="print one JSON object")
+    tune.add_argument("--db", default=None, metavar="URL", help="database URL (Optuna + runs)")
+    tune.add_argument("--trials", type=positive_int, default=None, help="measurement budget")
+    tune.add_argument("--seed", type=int, default=0, help="sampler seed")
+    tune.add_argument(
+        "--seconds-per-trial",
+        type=positive_seconds,
+        default=1.0,
+        help="how long each measurement's timed steps take (default 1.0)",
+    )
+    tune.set_defaults(func=_cmd_tune)

@@ -1,0 +1,33 @@
+"""The autotune exception tree. Every error a user can cause has its own class and message.
+
+* AutotuneError
+  + SpecError            the spec (or a CLI argument) is invalid; names the field
+  + ModelBuildError      the model could not be built (bad factory, hub unreachable, ...)
+  |  + FactoryRefused     a worker was not started to allow this factory's module
+  + DeviceError          the requested device does not exist or cannot be read
+
+Out-of-memory is *not* an error here: `autotune.engine.device` turns it into `fits=False`.
+"""
+
+from __future__ import annotations
+
+
+class AutotuneError(Exception):
+    """Root of every error autotune raises on purpose."""
+
+
+class SpecError(AutotuneError):
+    """The spec or an argument is invalid. The message names the offending field."""
+
+
+class ModelBuildError(AutotuneError):
+    """The model described by a valid spec could not be built."""
+
+
+class FactoryRefused(ModelBuildError):
+    """A factory outside the process's allow-list (`autotune.core.factoryaccess`); nothing was
+    imported. Another worker, started with `--allow-factory`, may run it."""
+
+
+class DeviceError(AutotuneError):
+    """The requested device is unavailable or its memory cannot be read."""

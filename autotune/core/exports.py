@@ -1,0 +1,260 @@
+"""Paste-ready settings for a recommendation, in each ecosystem's own key names.
+
+Pure and torch-free: `build_exports` turns a `Recommendation` into plain dicts (Hugging Face
+`TrainingArguments` kwargs, Axolotl YAML keys, DeepSpeed JSON keys, Lightning arguments) plus
+the source of a complete plain-PyTorch training loop (filled in from the templates in
+`autotune/templates/`, which it reads as text, never imports); `render_exports` turns those into
+text.
+
+Version rule for Hugging Face: transformers 5 renamed the `TrainingArguments` flag
+`gradient_checkpointing` to `activation_checkpointing` (the old name still works in 5.x but
+warns that v6 removes it). `hf` uses `activation_checkpointing` when the given transformers
+version is 5 or later and `gradient_checkpointing` for 4.x. When the version is unknown (None)
+it uses `gradient_checkpointing`, the one name every release before v6 accepts. The rendered
+text states which rule applied.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.resources
+import json
+import re
+import sys
+from typing import Any
+
+import yaml
+
+from autotune.core.schemas import Exports, Recommendation
+
+_ACTIVATION_CHECKPOINTING_SINCE_MAJOR = 5
+
+
+def _transformers_major(version: str) -> int:
+    match = re.match(r"\s*v?(\d+)\.", version)
+    if match is None:
+        raise ValueError(f"not a transformers version: {version!r}")
+    return int(match.group(1))
+
+
+def hf_checkpointing_key(transformers_version: str | None) -> str:
+    """The `TrainingArguments` flag that turns on activation checkpointing for this version."""
+    if transformers_version is None:
+        return "gradient_checkpointing"
+    if _transformers_major(transformers_version) >= _ACTIVATION_CHECKPOINTING_SINCE_MAJOR:
+        return "activation_checkpointing"
+    return "gradient_checkpointing"
+
+
+def build_exports(
+    rec: Recommendation, *, token_model: bool, transformers_version: str | None
+) -> Exports:
+    """Settings that reproduce `rec` in Hugging Face, Axolotl, DeepSpeed, Lightning and plain
+    PyTorch.
+
+    Args:
+        rec: The recommended configuration.
+        token_model: True for language models: the PyTorch loop then normalises the loss by
+            label tokens of the whole step, else by samples.
+        transformers_version: The user's transformers version, or None when unknown; picks the
+            Hugging Face checkpointing key (see the module docstring).
+
+    Raises:
+        ValueError: when `rec.global_batch` is not micro-batch * accumulation * world size.
+    """
+    b, accumulation, world = rec.micro_batch, rec.accumulation_steps, rec.world_size
+    if b * accumulation * world != rec.global_batch:
+        raise ValueError(
+            f"inconsistent recommendation: {b} * {accumulation} * {world} != {rec.global_batch}"
+        )
+    hf = {
+        "per_device_train_batch_size": b,
+        "gradient_accumulation_steps": accumulation,
+        hf_checkpointing_key(transformers_version): rec.checkpointing,
+    }
+    axolotl = {
+        "micro_batch_size": b,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_checkpointing": rec.checkpointing,
+    }
+    deepspeed = {
+        "train_batch_size": rec.global_batch,
+        "train_micro_batch_size_per_gpu": b,
+        "gradient_accumulation_steps": accumulation,
+    }
+    # Lightning splits these over three objects: the Trainer owns accumulation, the datamodule
+    # owns the batch size, and checkpointing has no Trainer flag, so it lives in the module.
+    lightning = {
+        "trainer": {"accumulate_grad_batches": accumulation},
+        "datamodule": {"batch_size": b},
+        "module": {"gradient_checkpointing": rec.checkpointing},
+    }
+    return Exports(
+        hf=hf,
+        axolotl=axolotl,
+        deepspeed=deepspeed,
+        lightning=lightning,
+        pytorch_loop=_pytorch_loop(rec, token_model=token_model),
+    )
+
+
+def render_exports(exports: Exports) -> dict[str, str]:
+    """Paste-ready text per target: `hf` and `lightning` as Python, `axolotl` as YAML,
+    `deepspeed` as JSON, `pytorch_loop` as is."""
+    batch = _batch_comment(exports.deepspeed)
+    return {
+        "hf": _render_hf(exports.hf, batch),
+        "axolotl": f"# Axolotl config (merge into your YAML)\n{batch}"
+        + yaml.safe_dump(exports.axolotl, sort_keys=False),
+        "deepspeed": json.dumps(exports.deepspeed, indent=2) + "\n",
+        "lightning": _render_lightning(exports.lightning, batch),
+        "pytorch_loop": exports.pytorch_loop,
+    }
+
+
+def _batch_comment(deepspeed: dict[str, Any]) -> str:
+    """The batch arithmetic as a comment line; the rank count follows from DeepSpeed's
+    invariant train_batch_size == micro * accumulation * ranks."""
+    micro = deepspeed["train_micro_batch_size_per_gpu"]
+    accumulation = deepspeed["gradient_accumulation_steps"]
+    ranks = deepspeed["train_batch_size"] // (micro * accumulation)
+    return (
+        f"# global batch {deepspeed['train_batch_size']} = {micro} per rank x {accumulation} "
+        f"accumulation steps x {ranks} rank(s)\n"
+    )
+
+
+def _render_hf(hf: dict[str, Any], batch: str) -> str:
+    if "activation_checkpointing" in hf:
+        rule = "activation_checkpointing: the flag's name since transformers 5"
+    else:
+        rule = "gradient_checkpointing: the flag's name before transformers 5 (5.x: deprecated)"
+    kwargs = "".join(f"    {key}={value!r},\n" for key, value in hf.items())
+    return (
+        f"# Hugging Face TrainingArguments; {rule}.\n{batch}"
+        "from transformers import TrainingArguments\n\n"
+        f"args = TrainingArguments(\n{kwargs}    # ... your other arguments\n)\n"
+    )
+
+
+def _render_lightning(lightning: dict[str, Any], batch: str) -> str:
+    trainer_kwargs = ", ".join(f"{k}={v!r}" for k, v in lightning["trainer"].items())
+    datamodule_kwargs = ", ".join(f"{k}={v!r}" for k, v in lightning["datamodule"].items())
+    if lightning["module"]["gradient_checkpointing"]:
+        checkpointing = (
+            "# Activation checkpointing: ON. Lightning has no Trainer flag for it; enable it in\n"
+            "# your LightningModule, e.g. for a Hugging Face model:\n"
+            "#     def configure_model(self):\n"
+            "#         self.model.gradient_checkpointing_enable(\n"
+            '#             gradient_checkpointing_kwargs={"use_reentrant": False}\n'
+            "#         )\n"
+        )
+    else:
+        checkpointing = "# Activation checkpointing: off (Lightning has no Trainer flag for it).\n"
+    return (
+        "# Lightning: the Trainer owns accumulation; batch_size is per rank, in your datamodule.\n"
+        f"{batch}import lightning as L\n\n"
+        f"trainer = L.Trainer({trainer_kwargs})\n"
+        f"datamodule = YourDataModule({datamodule_kwargs})\n" + checkpointing
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The plain PyTorch loop: autotune/templates/train_loop.py with the task's source inlined
+# (sample_task.py or token_task.py), a docstring that states the recommendation, and its numbers.
+
+_TEMPLATES = "autotune.templates"
+_TASK_MARKER = "# autotune-template: task\n"
+
+
+def _template(name: str) -> str:
+    return importlib.resources.files(_TEMPLATES).joinpath(name).read_text(encoding="utf-8")
+
+
+def _split_module(source: str) -> tuple[list[str], str]:
+    """A template's top-level imports (one statement per line, our own templates' imports left
+    out) and its source after the last import."""
+    tree = ast.parse(source)
+    imports = [node for node in tree.body if isinstance(node, ast.Import | ast.ImportFrom)]
+    statements = [
+        ast.unparse(node)
+        for node in imports
+        if not (isinstance(node, ast.ImportFrom) and (node.module or "").startswith(_TEMPLATES))
+    ]
+    last_line = max(node.end_lineno or node.lineno for node in imports)
+    rest = "".join(source.splitlines(keepends=True)[last_line:])
+    return statements, rest.lstrip("\n")
+
+
+def _import_block(statements: list[str]) -> str:
+    """The statements in isort's order: standard library first, then the rest; plain imports
+    before from-imports, each group by module."""
+
+    def module(statement: str) -> str:
+        return statement.split()[1]
+
+    def key(statement: str) -> tuple[bool, str]:
+        return statement.startswith("from "), module(statement).lower()
+
+    unique = set(statements)
+    stdlib = sorted(
+        (s for s in unique if module(s).split(".")[0] in sys.stdlib_module_names), key=key
+    )
+    others = sorted(unique - set(stdlib), key=key)
+    return "\n\n".join("\n".join(group) for group in (stdlib, others) if group) + "\n"
+
+
+def _set_constant(source: str, name: str, value: str) -> str:
+    source, count = re.subn(rf"^{name} = .*$", f"{name} = {value}", source, flags=re.MULTILINE)
+    if count != 1:
+        raise AssertionError(f"template train_loop.py: {count} definitions of {name}")
+    return source
+
+
+def _pytorch_loop(rec: Recommendation, *, token_model: bool) -> str:
+    if token_model:
+        normaliser = (
+            "Loss: summed token cross-entropy of the whole optimizer step divided by the number\n"
+            "of label tokens (labels != -100) in all of its micro-batches on all ranks, so\n"
+            "every token weighs the same whatever the split and the padding. Batches are dicts:\n"
+            '"labels" holds the input ids with -100 at padding (Hugging Face convention; the\n'
+            "loop shifts them), every other key is passed to the model as a keyword."
+        )
+    else:
+        normaliser = (
+            "Loss: summed cross-entropy of the whole optimizer step divided by the number of\n"
+            "samples in all of its micro-batches on all ranks. Batches are (inputs, labels)."
+        )
+    if rec.world_size > 1:
+        ranks = (
+            f"\nOn {rec.world_size} ranks: launch with torchrun (one process per GPU); the label\n"
+            "count is all-reduced across ranks before the first backward, and the loss is\n"
+            f"multiplied by {rec.world_size} to undo DDP's averaging of gradients over ranks.\n"
+        )
+    else:
+        ranks = ""
+    header = (
+        '"""Plain PyTorch training loop generated by autotune.\n\n'
+        f"Micro-batch {rec.micro_batch} per rank, {rec.accumulation_steps} accumulation steps, "
+        f"{rec.world_size} rank(s):\n"
+        f"{rec.global_batch} samples per optimizer step; activation checkpointing "
+        f"{'on' if rec.checkpointing else 'off'}.\n"
+        f"{normaliser}\n{ranks}"
+        'Run it as is for a demo on random data; replace DemoModel and the data with yours.\n"""\n'
+    )
+    loop_imports, loop = _split_module(_template("train_loop.py"))
+    task_imports, task = _split_module(
+        _template("token_task.py" if token_model else "sample_task.py")
+    )
+    if loop.count(_TASK_MARKER) != 1:
+        raise AssertionError(f"template train_loop.py: no single {_TASK_MARKER!r}")
+    loop = loop.replace(_TASK_MARKER, task)
+    for name, value in (
+        ("MICRO_BATCH", str(rec.micro_batch)),
+        ("ACCUMULATION_STEPS", str(rec.accumulation_steps)),
+        ("WORLD_SIZE", str(rec.world_size)),
+        ("GLOBAL_BATCH", f"MICRO_BATCH * ACCUMULATION_STEPS * WORLD_SIZE  # {rec.global_batch}"),
+        ("CHECKPOINTING", str(rec.checkpointing)),
+    ):
+        loop = _set_constant(loop, name, value)
+    return f"{header}\n{_import_block(loop_imports + task_imports)}\n{loop}"

@@ -1,0 +1,319 @@
+"""The invariants of a tuning result: what `autotune.engine.tuner` guarantees about every
+`TuneResult` it returns, checked on a result that came from anywhere.
+
+Pure and torch-free: the server runs it on every posted result (a worker token must not be able
+to store, and serve to every later submitter as cached, a result the tuner could not have
+produced), and the tuner runs it on its own output, where a violation is a bug.
+
+Each invariant is written next to the code that guarantees it:
+
+* the spec: the run's own. Without a target nothing is tuned (`probes.worker` answers with the
+  probe alone): no trials, no recommendation, no explanation, no exports;
+* the device: the probe ran on the result's device (`tuner.tune_session`);
+* the probe, per mode (`probe.probe_session`, `search.find_max_micro_batch`): modes are plain,
+  then checkpointed; every attempt is a distinct size in [1, cap]; the max is certified from both
+  sides (an attempt at the max fits, one at max + 1 does not unless the max is the cap); fitting
+  attempts stay within capacity; 0 <= recommended <= max; the accumulating max, when set, is at
+  most the recommended one (`tuner._probe_accumulation`);
+* the trials (`study.run_study`, `throughput.measure_throughput`): increasing numbers, distinct
+  candidates, each an exact candidate of `candidates.enumerate_candidates` under the probe's
+  limits; a complete trial has finite positive samples/s equal to micro x accumulation / step
+  time and a peak within capacity; an out-of-memory trial has no throughput;
+* the answer (`tuner._recommend`): a recommendation iff some trial completed, equal to the
+  fastest trial of the pool it is chosen from, for the spec's world size, hitting the target,
+  with exports that say the same; otherwise an explanation, and no candidate left unmeasured.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from autotune.core.candidates import enumerate_candidates
+from autotune.core.schemas import ModeProbe, Spec, Trial, TrialState, TuneResult
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken invariant: the result's field (a path like `trials[2].micro_batch`) and why."""
+
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+def check_result(spec: Spec, result: TuneResult) -> list[Violation]:
+    """Every invariant `result` violates as an answer to `spec` (empty: a valid result)."""
+    check = _Check(spec, result)
+    check.spec_and_device()
+    if not result.probe.modes:
+        check.fail("probe.modes", "the probe searched no mode")
+    for index, mode in enumerate(result.probe.modes):
+        check.mode(index, mode)
+    check.trials()
+    check.answer()
+    return check.violations
+
+
+def _finite_positive(value: float | None) -> bool:
+    return value is not None and math.isfinite(value) and value > 0
+
+
+def _at(data: dict[str, Any], *path: str) -> object:
+    value: object = data
+    for key in path:
+        if not isinstance(value, dict) or key not in value:
+            return None
+        value = value[key]
+    return value
+
+
+class _Check:
+    """One check's state: the result, what it is checked against, and what failed so far."""
+
+    def __init__(self, spec: Spec, result: TuneResult) -> None:
+        self.spec = spec
+        self.result = result
+        self.capacity_bytes = result.device.capacity_bytes
+        training = spec.training
+        self.budget_bytes = int(self.capacity_bytes * (1.0 - training.headroom))
+        self.modes = {mode.checkpointing: mode for mode in result.probe.modes}
+        self.violations: list[Violation] = []
+
+    def fail(self, field: str, message: str) -> None:
+        self.violations.append(Violation(field, message))
+
+    def spec_and_device(self) -> None:
+        if self.result.spec != self.spec:
+            self.fail("spec", "differs from the spec that was tuned")
+        if self.result.probe.device != self.result.device:
+            self.fail("probe.device", "differs from the result's device")
+
+    def mode(self, index: int, mode: ModeProbe) -> None:
+        field = f"probe.modes[{index}]"
+        cap = self.spec.training.max_micro_batch
+        if index > 1 or mode.checkpointing is not (index == 1):
+            self.fail(f"{field}.checkpointing", "modes are plain, then checkpointed, once each")
+        if not 0 <= mode.max_micro_batch <= cap:
+            self.fail(f"{field}.max_micro_batch", f"outside [0, the spec's cap {cap}]")
+        if mode.capped != (mode.max_micro_batch == cap):
+            self.fail(f"{field}.capped", "true exactly when the max is the spec's cap")
+        if not 0 <= mode.recommended_micro_batch <= mode.max_micro_batch:
+            self.fail(f"{field}.recommended_micro_batch", "outside [0, max_micro_batch]")
+        accumulating = mode.accumulating_micro_batch
+        if accumulating is not None and not 0 <= accumulating <= mode.recommended_micro_batch:
+            self.fail(f"{field}.accumulating_micro_batch", "outside [0, recommended_micro_batch]")
+
+        verdicts: dict[int, bool] = {}
+        for number, attempt in enumerate(mode.attempts):
+            at = f"{field}.attempts[{number}]"
+            if attempt.micro_batch in verdicts:
+                self.fail(f"{at}.micro_batch", "tried twice in one mode")
+            verdicts[attempt.micro_batch] = attempt.fits
+            if attempt.micro_batch > cap:
+                self.fail(f"{at}.micro_batch", f"above the spec's cap {cap}")
+            if attempt.fits and attempt.micro_batch > mode.max_micro_batch:
+                self.fail(f"{at}.fits", "a fitting micro-batch above max_micro_batch")
+            if not attempt.fits and attempt.micro_batch <= mode.max_micro_batch:
+                self.fail(f"{at}.fits", "an out-of-memory micro-batch at or below the max")
+            if attempt.fits and attempt.peak_bytes > self.capacity_bytes:
+                self.fail(f"{at}.peak_bytes", "a fitting step above the device's capacity")
+            if attempt.fits and attempt.oom_phase is not None:
+                self.fail(f"{at}.oom_phase", "set on a step that fits")
+        top = mode.max_micro_batch
+        if top >= 1 and verdicts.get(top) is not True:
+            self.fail(f"{field}.max_micro_batch", "no attempt at the max that fits")
+        if not mode.capped and verdicts.get(top + 1) is not False:
+            self.fail(f"{field}.max_micro_batch", "no attempt at max + 1 that runs out of memory")
+
+    def _accumulating_limit(self, checkpointing: bool) -> int:
+        accumulating = self.modes[checkpointing].accumulating_micro_batch
+        return accumulating or 0
+
+    def trials(self) -> None:
+        training = self.spec.training
+        target = training.target_global_batch
+        seen: set[tuple[bool, int]] = set()
+        previous_number = -1
+        for index, trial in enumerate(self.result.trials):
+            at = f"trials[{index}]"
+            if trial.number <= previous_number:
+                self.fail(f"{at}.number", "trial numbers must increase")
+            previous_number = trial.number
+            key = (trial.checkpointing, trial.micro_batch)
+            if key in seen:
+                self.fail(f"{at}.micro_batch", "this candidate was already measured")
+            seen.add(key)
+            product = trial.micro_batch * trial.accumulation_steps * training.world_size
+            if target is not None and product != target:
+                self.fail(
+                    f"{at}.accumulation_steps",
+                    f"{trial.micro_batch} x {trial.accumulation_steps} x world size "
+                    f"{training.world_size} = {product}, not the target {target}",
+                )
+            mode = self.modes.get(trial.checkpointing)
+            if mode is None:
+                self.fail(f"{at}.checkpointing", "a mode the probe did not search")
+            elif trial.micro_batch > mode.recommended_micro_batch:
+                self.fail(
+                    f"{at}.micro_batch",
+                    f"above the probe's recommended {mode.recommended_micro_batch} for its mode",
+                )
+            elif trial.accumulation_steps > 1 and trial.micro_batch > self._accumulating_limit(
+                trial.checkpointing
+            ):
+                self.fail(f"{at}.micro_batch", "above the probe's max when accumulating")
+            self._measurement(at, trial)
+
+    def _measurement(self, at: str, trial: Trial) -> None:
+        if trial.state is TrialState.FAILED:
+            self.fail(f"{at}.state", "a result holds only complete and out-of-memory trials")
+        if trial.state is not TrialState.COMPLETE:
+            if trial.samples_per_s is not None or trial.tokens_per_s is not None:
+                self.fail(f"{at}.samples_per_s", "a throughput on a trial that did not complete")
+            return
+        if not _finite_positive(trial.samples_per_s):
+            self.fail(f"{at}.samples_per_s", "must be a finite number > 0")
+        if trial.tokens_per_s is not None and not _finite_positive(trial.tokens_per_s):
+            self.fail(f"{at}.tokens_per_s", "must be a finite number > 0")
+        if not _finite_positive(trial.step_time_s):
+            self.fail(f"{at}.step_time_s", "must be a finite number > 0")
+        elif _finite_positive(trial.samples_per_s):
+            assert trial.samples_per_s is not None and trial.step_time_s is not None
+            measured = trial.micro_batch * trial.accumulation_steps / trial.step_time_s
+            if not math.isclose(trial.samples_per_s, measured, rel_tol=1e-6):
+                self.fail(f"{at}.samples_per_s", "is not micro x accumulation / step_time_s")
+        if trial.peak_bytes is None or not 0 <= trial.peak_bytes <= self.capacity_bytes:
+            self.fail(f"{at}.peak_bytes", "a complete trial's peak must be in [0, capacity]")
+
+    def _pool(self) -> list[Trial]:
+        """What `tuner._recommend` chooses from: complete trials within the headroom budget,
+        else every complete trial."""
+        complete = [
+            t for t in self.result.trials if t.state is TrialState.COMPLETE and t.samples_per_s
+        ]
+        within = [
+            t for t in complete if t.peak_bytes is not None and t.peak_bytes <= self.budget_bytes
+        ]
+        return within or complete
+
+    def answer(self) -> None:
+        result = self.result
+        if self.spec.training.target_global_batch is None:
+            self._probe_only()
+            return
+        rec = result.recommendation
+        pool = self._pool()
+        if rec is None:
+            self._no_recommendation(bool(pool))
+            return
+        if result.infeasible is not None:
+            self.fail("infeasible", "set although there is a recommendation")
+        training = self.spec.training
+        if rec.world_size != training.world_size:
+            self.fail("recommendation.world_size", f"not the spec's {training.world_size}")
+        product = rec.micro_batch * rec.accumulation_steps * rec.world_size
+        if rec.global_batch != product:
+            self.fail(
+                "recommendation.global_batch", f"not micro x accumulation x world = {product}"
+            )
+        if rec.global_batch != training.target_global_batch:
+            self.fail("recommendation.global_batch", "not the spec's target_global_batch")
+        if rec.capacity_bytes != self.capacity_bytes:
+            self.fail("recommendation.capacity_bytes", "not the device's capacity")
+        if not 0 <= rec.peak_bytes <= self.capacity_bytes:
+            self.fail("recommendation.peak_bytes", "outside [0, capacity]")
+        if not _finite_positive(rec.samples_per_s):
+            self.fail("recommendation.samples_per_s", "must be a finite number > 0")
+        measured = [
+            t
+            for t in pool
+            if (t.micro_batch, t.accumulation_steps, t.checkpointing)
+            == (rec.micro_batch, rec.accumulation_steps, rec.checkpointing)
+        ]
+        if not measured:
+            self.fail("recommendation", "not a measured configuration it could be chosen from")
+        else:
+            trial = measured[0]
+            if (trial.samples_per_s, trial.tokens_per_s, trial.peak_bytes) != (
+                rec.samples_per_s,
+                rec.tokens_per_s,
+                rec.peak_bytes,
+            ):
+                self.fail("recommendation", "its numbers differ from its trial's")
+            fastest = max(t.samples_per_s or 0.0 for t in pool)
+            if (trial.samples_per_s or 0.0) < fastest:
+                self.fail("recommendation", f"not the fastest ({fastest} samples/s was measured)")
+        self._exports()
+
+    def _exports(self) -> None:
+        rec = self.result.recommendation
+        exports = self.result.exports
+        assert rec is not None
+        if exports is None:
+            self.fail("exports", "missing although there is a recommendation")
+            return
+        expected: dict[tuple[str, ...], object] = {
+            ("hf", "per_device_train_batch_size"): rec.micro_batch,
+            ("hf", "gradient_accumulation_steps"): rec.accumulation_steps,
+            ("axolotl", "micro_batch_size"): rec.micro_batch,
+            ("axolotl", "gradient_accumulation_steps"): rec.accumulation_steps,
+            ("axolotl", "gradient_checkpointing"): rec.checkpointing,
+            ("deepspeed", "train_batch_size"): rec.global_batch,
+            ("deepspeed", "train_micro_batch_size_per_gpu"): rec.micro_batch,
+            ("deepspeed", "gradient_accumulation_steps"): rec.accumulation_steps,
+            ("lightning", "trainer", "accumulate_grad_batches"): rec.accumulation_steps,
+            ("lightning", "datamodule", "batch_size"): rec.micro_batch,
+            ("lightning", "module", "gradient_checkpointing"): rec.checkpointing,
+        }
+        data = exports.model_dump()
+        for path, value in expected.items():
+            found = _at(data, *path)
+            # bool is an int: compare types too, so that `True` does not pass for 1.
+            if type(found) is not type(value) or found != value:
+                self.fail(
+                    "exports." + ".".join(path), f"is {found!r}, the recommendation says {value!r}"
+                )
+
+    def _probe_only(self) -> None:
+        # A spec without a target is answered by the probe alone: anything more was not asked
+        # for, so it cannot have come from a worker.
+        result = self.result
+        for field, value in (
+            ("trials", result.trials),
+            ("recommendation", result.recommendation),
+            ("infeasible", result.infeasible),
+            ("exports", result.exports),
+        ):
+            if value:
+                self.fail(field, "set although the spec has no target_global_batch to tune for")
+
+    def _no_recommendation(self, some_trial_completed: bool) -> None:
+        result = self.result
+        if result.infeasible is None:
+            self.fail("infeasible", "no recommendation and no explanation why")
+        if result.exports is not None:
+            self.fail("exports", "set although there is no recommendation")
+        if some_trial_completed:
+            self.fail("recommendation", "missing although a measured configuration completed")
+        if result.trials:
+            return
+        target = self.spec.training.target_global_batch
+        if target is None:
+            return
+        limits = {m.checkpointing: m.recommended_micro_batch for m in result.probe.modes}
+        candidates = [
+            c
+            for c in enumerate_candidates(target, self.spec.training.world_size, limits)
+            if c.accumulation_steps == 1
+            or c.micro_batch <= self._accumulating_limit(c.checkpointing)
+        ]
+        if candidates:
+            self.fail(
+                "recommendation",
+                f"missing although {len(candidates)} configurations hit the target within the "
+                "probe's limits and none was measured",
+            )

@@ -1,0 +1,326 @@
+"""Pydantic models shared by the CLI, the core library, the API server and the probe workers.
+
+Torch-free on purpose: `api/` imports this module and must install and start without torch.
+Every payload that crosses a process or network boundary is one of these models.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from autotune.core.errors import SpecError
+from autotune.core.hubid import HUB_ID_MAX, hub_id_problem
+from autotune.core.presets import PRESETS, CNNPreset, DecoderPreset
+
+# Column sizes in api/tables.py: a longer value would pass SQLite and fail PostgreSQL, so the
+# schemas refuse it first and both databases answer the same 422.
+MODEL_LABEL_MAX = 300  # autotune_runs.model
+STUDY_NAME_MAX = 100  # autotune_runs.study_name
+TORCH_VERSION_MAX = 32  # autotune_runs.torch_version
+DEVICE_NAME_MAX = 200  # autotune_runs.target_name
+_MODEL_TYPE_MAX = MODEL_LABEL_MAX - len("hf:")
+
+
+class FrozenModel(BaseModel):
+    """Frozen and strict about unknown fields, so a typo in a spec is an error, not a no-op."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The spec: what to train, and how.
+
+
+class Precision(StrEnum):
+    FP32 = "fp32"
+    BF16 = "bf16"  # autocast to bfloat16, fp32 master weights
+    FP16 = "fp16"  # autocast to float16 with a gradient scaler
+
+
+class OptimizerName(StrEnum):
+    ADAMW = "adamw"
+    SGD = "sgd"  # with momentum, so it keeps one state tensor per parameter like real runs
+    ADAFACTOR = "adafactor"
+
+
+_FACTORY_PATTERN = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
+
+
+class ModelSpec(FrozenModel):
+    """Exactly one of `preset`, `hf_config`, `hf_id` or `factory`."""
+
+    preset: str | None = Field(default=None, description="Name of a built-in model.")
+    hf_config: dict[str, Any] | None = Field(
+        default=None,
+        description='A transformers config as a dict, e.g. {"model_type": "llama", ...}; '
+        "built with random weights, nothing downloaded.",
+    )
+    hf_id: str | None = Field(
+        default=None,
+        max_length=HUB_ID_MAX,
+        description="A Hugging Face hub id, 'name' or 'namespace/name' (needs the hub or its "
+        "local cache; never a local directory).",
+    )
+    factory: str | None = Field(
+        default=None,
+        max_length=MODEL_LABEL_MAX,
+        description='"package.module:function" returning an autotune.engine.workload.Workload.',
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> ModelSpec:
+        given = [
+            name for name in ("preset", "hf_config", "hf_id", "factory") if getattr(self, name)
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                "give exactly one of preset, hf_config, hf_id, factory"
+                + (f" (got {', '.join(given)})" if given else "")
+            )
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(
+                f"preset: unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}"
+            )
+        if self.hf_config is not None and not isinstance(self.hf_config.get("model_type"), str):
+            raise ValueError('hf_config: needs a "model_type" string, e.g. "llama"')
+        if self.hf_config is not None and len(self.hf_config["model_type"]) > _MODEL_TYPE_MAX:
+            raise ValueError(f"hf_config.model_type: at most {_MODEL_TYPE_MAX} characters")
+        if self.hf_config is not None and "auto_map" in self.hf_config:
+            raise ValueError("hf_config.auto_map: names remote code, which autotune never runs")
+        if self.hf_id is not None and (problem := hub_id_problem(self.hf_id)) is not None:
+            raise ValueError(f"hf_id: not a Hugging Face hub id: {problem}")
+        if self.factory is not None and not _FACTORY_PATTERN.match(self.factory):
+            raise ValueError(f'factory: expected "package.module:function", got {self.factory!r}')
+        return self
+
+    @property
+    def is_token_model(self) -> bool | None:
+        """True for language models, False for fixed-shape inputs, None when only the
+        user's factory knows."""
+        if self.preset is not None:
+            return PRESETS[self.preset].kind == "decoder"
+        if self.factory is not None:
+            return None
+        return True
+
+    @property
+    def label(self) -> str:
+        """A short human name for listings."""
+        if self.preset is not None:
+            return self.preset
+        if self.hf_id is not None:
+            return self.hf_id
+        if self.factory is not None:
+            return self.factory
+        assert self.hf_config is not None
+        return f"hf:{self.hf_config['model_type']}"
+
+
+class TrainingSpec(FrozenModel):
+    seq_len: int | None = Field(default=None, ge=1, description="Tokens per sample.")
+    input_shape: tuple[int, ...] | None = Field(
+        default=None, description="Shape of one sample for non-token models, e.g. [3, 32, 32]."
+    )
+    precision: Precision = Precision.FP32
+    optimizer: OptimizerName = OptimizerName.ADAMW
+    target_global_batch: int | None = Field(
+        default=None, ge=1, description="Samples per optimizer step across all ranks."
+    )
+    world_size: int = Field(default=1, ge=1, description="Data-parallel ranks.")
+    headroom: float = Field(
+        default=0.05, ge=0.0, lt=1.0, description="Fraction of capacity to leave free."
+    )
+    max_micro_batch: int = Field(default=1024, ge=1, description="Search cap.")
+
+    @model_validator(mode="after")
+    def _shape(self) -> TrainingSpec:
+        if self.seq_len is not None and self.input_shape is not None:
+            raise ValueError("give seq_len (token models) or input_shape, not both")
+        if self.input_shape is not None and (
+            not self.input_shape or any(d < 1 for d in self.input_shape)
+        ):
+            raise ValueError("input_shape: every dimension must be >= 1")
+        return self
+
+    def required_target_global_batch(self) -> int:
+        """The target global batch, which tuning needs (probing does not).
+
+        Raises:
+            SpecError: the spec sets none.
+        """
+        if self.target_global_batch is None:
+            raise SpecError("training.target_global_batch: required for tuning")
+        return self.target_global_batch
+
+
+class Spec(FrozenModel):
+    """One training set-up to probe or tune: a model and how it is trained."""
+
+    model: ModelSpec
+    training: TrainingSpec = TrainingSpec()
+
+    @model_validator(mode="after")
+    def _inputs_match_model(self) -> Spec:
+        token_model = self.model.is_token_model
+        if token_model is True and self.training.input_shape is not None:
+            raise ValueError("training.input_shape: this is a token model; give seq_len instead")
+        if token_model is False and self.training.seq_len is not None:
+            raise ValueError(
+                "training.seq_len: this model takes fixed-shape inputs; give input_shape instead"
+            )
+        if self.model.preset is None and token_model and self.training.seq_len is None:
+            raise ValueError("training.seq_len: required for Hugging Face models")
+        preset = PRESETS.get(self.model.preset) if self.model.preset is not None else None
+        seq_len, input_shape = self.training.seq_len, self.training.input_shape
+        # Shapes the preset cannot take are refused here, not when a worker builds the model.
+        if isinstance(preset, DecoderPreset) and seq_len is not None:
+            if seq_len > preset.max_seq_len:
+                raise ValueError(
+                    f"training.seq_len: {seq_len} exceeds the max_seq_len {preset.max_seq_len} "
+                    f"of preset {self.model.preset!r}"
+                )
+        if isinstance(preset, CNNPreset) and input_shape is not None and len(input_shape) != 3:
+            raise ValueError(
+                f"training.input_shape: the cnn preset needs [C, H, W], got {list(input_shape)}"
+            )
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices and probe results.
+
+
+class DeviceKind(StrEnum):
+    CUDA = "cuda"
+    EMULATED = "emulated"  # a CPU run with a live-byte tracker enforcing a capacity
+
+
+class DeviceInfo(FrozenModel):
+    """Identity and memory of the device a result was measured on."""
+
+    kind: DeviceKind
+    name: str = Field(max_length=DEVICE_NAME_MAX)
+    index: int | None = None
+    uuid: str | None = Field(default=None, max_length=200)
+    total_memory_bytes: int = Field(ge=0)
+    capacity_bytes: int = Field(ge=0, description="What a training step may use.")
+    driver_version: str | None = Field(default=None, max_length=100)
+    cuda_version: str | None = Field(default=None, max_length=100)
+    torch_version: str | None = Field(default=None, max_length=TORCH_VERSION_MAX)
+
+
+class Phase(StrEnum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+class StepOutcome(FrozenModel):
+    """What one complete training step (forward, backward, optimizer step) at one micro-batch
+    showed. The one record of a step's memory outcome: the device fills it, the search reads it,
+    the probe reports it and the server stores it."""
+
+    micro_batch: int = Field(ge=1)
+    fits: bool
+    peak_bytes: int = Field(ge=0, description="Peak of what ran (before the OOM, if any).")
+    phase_peak_bytes: dict[Phase, int] = Field(default_factory=dict)
+    oom_phase: Phase | None = None
+    # Live bytes after every op of a complete tracked step, for the search's per-op fit. It stays
+    # in the process that measured it (and its parent, which unpickles it): never serialised.
+    series: tuple[int, ...] | None = Field(default=None, exclude=True, repr=False)
+
+
+class ModeProbe(FrozenModel):
+    """The search result for one checkpointing mode."""
+
+    checkpointing: bool
+    max_micro_batch: int = Field(ge=0, description="Exact largest micro-batch that fits.")
+    recommended_micro_batch: int = Field(
+        ge=0, description="Largest micro-batch whose peak leaves the spec's headroom free."
+    )
+    capped: bool = Field(description="True when max_micro_batch is the search cap.")
+    attempts: list[StepOutcome]
+    accumulating_micro_batch: int | None = Field(
+        default=None,
+        description="Largest micro-batch within the headroom when gradients accumulate over "
+        "two or more micro-batches (earlier gradients stay alive); set by the tuner.",
+    )
+
+
+class ProbeResult(FrozenModel):
+    device: DeviceInfo
+    modes: list[ModeProbe]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tuning results.
+
+
+class TrialState(StrEnum):
+    COMPLETE = "complete"
+    OOM = "oom"  # infeasible: recorded, not a crash
+    FAILED = "failed"  # any other error (only the worker's child processes produce this)
+
+
+class Trial(FrozenModel):
+    """One throughput measurement of (micro_batch, accumulation_steps, checkpointing)."""
+
+    number: int = Field(ge=0)
+    micro_batch: int = Field(ge=1)
+    accumulation_steps: int = Field(ge=1)
+    checkpointing: bool
+    state: TrialState
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    step_time_s: float | None = Field(default=None, description="Median optimizer-step time.")
+    step_time_spread: float | None = Field(
+        default=None, description="(max - min) / median of the timed steps."
+    )
+    timed_steps: int = 0
+    peak_bytes: int | None = None
+    error: str | None = None
+
+
+class Recommendation(FrozenModel):
+    micro_batch: int = Field(ge=1)
+    accumulation_steps: int = Field(ge=1)
+    checkpointing: bool
+    world_size: int = Field(ge=1)
+    global_batch: int = Field(ge=1)
+    samples_per_s: float
+    tokens_per_s: float | None = None
+    peak_bytes: int
+    capacity_bytes: int
+
+
+class Infeasible(FrozenModel):
+    """Why no configuration hits the target batch exactly, and what would."""
+
+    reason: str
+    nearest_below: int | None = Field(default=None, description="Largest achievable < target.")
+    nearest_above: int | None = Field(default=None, description="Smallest achievable > target.")
+
+
+class Exports(FrozenModel):
+    """Ready-to-paste settings, with each ecosystem's own key names."""
+
+    hf: dict[str, Any]
+    axolotl: dict[str, Any]
+    deepspeed: dict[str, Any]
+    lightning: dict[str, Any]
+    pytorch_loop: str
+
+
+class TuneResult(FrozenModel):
+    spec: Spec
+    device: DeviceInfo
+    probe: ProbeResult
+    trials: list[Trial]
+    recommendation: Recommendation | None
+    infeasible: Infeasible | None = None
+    exports: Exports | None = None
+    study_name: str | None = Field(default=None, max_length=STUDY_NAME_MAX)

@@ -1,0 +1,346 @@
+"""The pure search for the largest micro-batch that fits: which sizes to try, and in what order.
+
+Owns `find_max_micro_batch` and the per-op memory model (`PeakModel`) that guides it. No torch
+here: a trial is an opaque `fits(micro_batch) -> StepOutcome` callback, which on a real GPU costs
+seconds to minutes, so the search is tested with fake devices and serves any backend.
+
+Algorithm (the memory model and the proof: docs/design.md#search, docs/design.md#per-op-fit):
+
+1. Fit points: try b=2, then b=3; with a hint `known_fitting` >= 2, try it and the size after it
+   instead. A hint is only a guess and is verified like any other size; if it does not fit, start
+   again from 2 and 3 below it. The second point is only tried when the first fits with a
+   live-bytes series and the capacity is known, since a model needs two series. If 2 does not
+   fit, try 1; if the second point does not fit, the first is the answer. b=1 is never a fit
+   point: it runs a different op sequence and its peak sits elsewhere (a 25-49 % error).
+2. Predict: live bytes after each op are affine in b, so two traces with the same op sequence
+   give every op's line, and the peak at any b is the max over ops (`PeakModel`). Predict p, the
+   largest b whose predicted peak fits, clamped into the bracket already known. Verify p (unless
+   already seen fitting) and p + 1 (unless p is the cap). p fits and p + 1 does not: done,
+   certified from both sides, in 4 calls.
+3. Refit once after an underestimate (p and p + 1 both fit): fit again on the widest pair of
+   complete traces with the same op count (a wide span averages allocator rounding, which the
+   newest two neighbours would amplify) and verify its prediction the same way. When p + 1 runs
+   an op sequence no other trace has (a kernel that changes with b), try p + 2 first: it is the
+   nearest candidate and the new sequence's second trace.
+4. Fall back when there is no model (no series, unknown capacity, op counts that differ) or the
+   predictions missed: gallop (steps 1, 2, 4, ... away from a missed prediction, toward where
+   the miss points; doubling from the largest fitting size when there was no prediction), then
+   bisect between the tightest known bounds once both sides are seen.
+
+Call budget: ceil(log2(cap)) + 2. Every fallback call is clamped into the window where both
+outcomes still leave a bisection that ends within the budget, so a search without a model never
+exceeds it. A prediction is a bet the budget has no room for (the two fit points already use its
+slack): each missed prediction round adds 2 calls to the budget (4 for an overestimate, whose
+near misses come from allocator rounding), the extra trace of step 3 and a wrong hint 1 each,
+which keeps room to look right next to a near miss first. Worst case: ceil(log2(cap)) + 2 + 7
+(+ 1 with a wrong hint); a right prediction finishes in 4.
+
+Invariants: no size is tried twice or above the cap, and the answer is certified: it fitted and
+the next size did not, unless it is the cap.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from autotune.core.schemas import StepOutcome
+
+logger = logging.getLogger(__name__)
+
+# What `PeakModel.max_micro_batch` returns when no op grows with the micro-batch.
+UNBOUNDED_MICRO_BATCH = sys.maxsize
+
+# Predictions after the first one; each miss can cost 2 calls beyond the budget.
+_MAX_REFITS = 1
+
+
+@dataclass(frozen=True)
+class PeakModel:
+    """Per-op affine model fitted on two complete traces at micro-batches b1 < b2, both >= 2
+    (identical op sequence): live_t(b) = a_t + b * k_t, peak(b) = max_t live_t(b). Exact
+    integer/rational arithmetic (no floats).
+
+    Stored as live_t(b) = base_bytes[t] + (b - b1) * delta_bytes[t] / span_micro_batches, so
+    non-integer slopes (b2 - b1 > 1) stay exact.
+    """
+
+    base_micro_batch: int
+    span_micro_batches: int
+    base_bytes: tuple[int, ...]
+    delta_bytes: tuple[int, ...]
+
+    @classmethod
+    def fit(
+        cls, b1: int, series1: Sequence[int], b2: int, series2: Sequence[int]
+    ) -> PeakModel | None:
+        """Fit on traces at `b1` < `b2`; None if the op sequences differ in length, are empty or
+        `b1` < 2 (b=1 runs a different op sequence, so it is no fit point)."""
+        if b2 <= b1:
+            raise ValueError(f"need b1 < b2, got b1={b1}, b2={b2}")
+        if b1 < 2 or len(series1) != len(series2) or not series1:
+            return None
+        return cls(
+            base_micro_batch=b1,
+            span_micro_batches=b2 - b1,
+            base_bytes=tuple(series1),
+            delta_bytes=tuple(s2 - s1 for s1, s2 in zip(series1, series2, strict=True)),
+        )
+
+    def peak_bytes(self, micro_batch: int) -> int:
+        """Ceil of the predicted peak live bytes at `micro_batch`."""
+        if micro_batch < 0:
+            raise ValueError(f"micro_batch must be >= 0, got {micro_batch}")
+        steps = micro_batch - self.base_micro_batch
+        span = self.span_micro_batches
+        # Numerators over the common denominator `span`; the max commutes with the division.
+        pairs = zip(self.base_bytes, self.delta_bytes, strict=True)
+        top = max(base * span + steps * delta for base, delta in pairs)
+        return -(-top // span)
+
+    def max_micro_batch(self, budget_bytes: int) -> int:
+        """Largest b >= 0 with `peak_bytes(b) <= budget_bytes` (0 if none; no cap applied).
+
+        Solved per op in closed form: since the budget is an integer, ceil(peak) <= budget iff
+        every op satisfies (b - b1) * delta_t <= (budget - base_t) * span. Growing ops bound b from
+        above, shrinking ones from below; the feasible set is an interval because the peak is a
+        max of affine functions (convex). Returns `UNBOUNDED_MICRO_BATCH` when no op grows.
+        """
+        b1, span = self.base_micro_batch, self.span_micro_batches
+        upper = UNBOUNDED_MICRO_BATCH
+        lower = 0
+        for base, delta in zip(self.base_bytes, self.delta_bytes, strict=True):
+            slack = (budget_bytes - base) * span
+            if delta > 0:
+                upper = min(upper, b1 + slack // delta)
+            elif delta < 0:
+                lower = max(lower, b1 - (slack // -delta))  # ceil(slack / delta)
+            elif slack < 0:
+                return 0
+        return upper if upper >= lower else 0
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The certified answer and how it was found."""
+
+    max_micro_batch: int  # 0 when micro-batch 1 does not fit
+    attempts: tuple[StepOutcome, ...]  # in the order tried
+    peak_model: PeakModel | None  # the last model fitted, if any
+    capped: bool  # max_micro_batch == cap and cap fits
+
+
+class _Gallop(Enum):
+    UP = "up"  # step up from the largest fitting size
+    DOWN = "down"  # step down from the smallest failing size
+    BISECT = "bisect"  # both sides seen: halve the bracket
+
+
+def _ceil_log2(n: int) -> int:
+    """Calls a bisection needs to pin one of `n` candidates (0 for n <= 1)."""
+    return (n - 1).bit_length() if n > 1 else 0
+
+
+class _Search:
+    """One search's state: the bracket (lo fits, hi does not), the trials and the budget."""
+
+    def __init__(self, fits: Callable[[int], StepOutcome], cap: int, capacity_bytes: int | None):
+        self._fits = fits
+        self.capacity_bytes = capacity_bytes
+        self.lo = 0  # largest size seen fitting (0: none yet)
+        self.hi = cap + 1  # smallest size seen failing (cap + 1: none yet)
+        self.attempts: list[StepOutcome] = []
+        self.budget_calls = _ceil_log2(cap) + 2
+        self.model: PeakModel | None = None
+        self.fitted_on: tuple[int, int] | None = None
+        self.gallop = _Gallop.UP
+        self.step = 0  # 0: double from lo, as there is no prediction to stay close to
+
+    @property
+    def done(self) -> bool:
+        return self.hi - self.lo == 1
+
+    def trial(self, micro_batch: int) -> StepOutcome:
+        """Run one trial strictly inside the bracket, which is why no size is tried twice."""
+        if not self.lo < micro_batch < self.hi:
+            raise AssertionError(f"search bug: {micro_batch} outside ({self.lo}, {self.hi})")
+        observation = self._fits(micro_batch)
+        if observation.micro_batch != micro_batch:
+            raise AssertionError(
+                f"fits({micro_batch}) reported micro-batch {observation.micro_batch}"
+            )
+        self.attempts.append(observation)
+        if observation.fits:
+            self.lo = micro_batch
+        else:
+            self.hi = micro_batch
+        logger.debug(
+            "micro-batch %d: %s, peak %d bytes",
+            micro_batch,
+            "fits" if observation.fits else "OOM",
+            observation.peak_bytes,
+        )
+        return observation
+
+    def try_fit_points(self, first: int) -> None:
+        """Try `first` and, if it fits with a series and a model is possible, `first + 1`."""
+        if self.done or not self.lo < first < self.hi:
+            return
+        observation = self.trial(first)
+        if (
+            observation.fits
+            and observation.series is not None
+            and self.capacity_bytes is not None
+            and not self.done
+        ):
+            self.trial(first + 1)
+
+    def refit(self) -> PeakModel | None:
+        """A model on the widest pair of complete traces (b >= 2) with the newest one's op count,
+        or None when there is no such pair or it is the pair already used."""
+        traces = sorted(
+            (obs.micro_batch, obs.series)
+            for obs in self.attempts
+            if obs.fits and obs.series is not None and obs.micro_batch >= 2
+        )
+        if not traces:
+            return None
+        newest_b, newest_series = traces[-1]
+        same_ops = [(b, s) for b, s in traces[:-1] if len(s) == len(newest_series)]
+        if not same_ops or (same_ops[0][0], newest_b) == self.fitted_on:
+            return None
+        oldest_b, oldest_series = same_ops[0]
+        model = PeakModel.fit(oldest_b, oldest_series, newest_b, newest_series)
+        if model is not None:
+            self.model, self.fitted_on = model, (oldest_b, newest_b)
+        return model
+
+    def follow_prediction(self, model: PeakModel, capacity_bytes: int) -> None:
+        """Verify the predicted p (p fits, p + 1 does not), else aim the gallop at the miss."""
+        predicted = model.max_micro_batch(capacity_bytes)
+        target = min(max(predicted, self.lo), self.hi - 1)
+        logger.debug("model predicts %d, trying %d", predicted, target)
+        overestimate = target > self.lo and not self.trial(target).fits
+        if overestimate:
+            # Overestimate: the answer is most likely just below the failed size.
+            self.gallop, self.step = _Gallop.DOWN, 1
+        elif not self.done and self.trial(self.lo + 1).fits:
+            # Underestimate: the answer is most likely just above.
+            self.gallop, self.step = _Gallop.UP, 1
+            if not self.done and not self._has_partner(self.lo):
+                # The op sequence changed past the fit points, so nothing can be refitted yet.
+                # The next size is both the nearest candidate and the new sequence's 2nd trace.
+                self.trial(self.lo + 1)
+                self.budget_calls += 1
+        if not self.done:
+            # The bet lost. It is budgeted as the 2 calls a hit takes even when the miss took 1,
+            # so the fallback can afford to look right next to the miss first. An overestimate
+            # gets 2 more: allocator rounding of small tensors makes the b=2,3 slope slightly
+            # off, and extrapolated far (b ~ 700 on the MLP preset) the miss is a few sizes
+            # wide, which a short gallop down finds where a clamped bisection would start over.
+            self.budget_calls += 4 if overestimate else 2
+
+    def _has_partner(self, micro_batch: int) -> bool:
+        """Whether another complete trace (b >= 2) has the same op count as `micro_batch`'s."""
+        lengths = {
+            obs.micro_batch: len(obs.series)
+            for obs in self.attempts
+            if obs.fits and obs.series is not None and obs.micro_batch >= 2
+        }
+        own = lengths.pop(micro_batch, None)
+        return own is None or own in lengths.values()
+
+    def guard(self, target: int) -> int:
+        """Clamp `target` into the window where both outcomes keep the budget reachable."""
+        remaining_calls = self.budget_calls - len(self.attempts)
+        half_bracket = 1 << max(remaining_calls - 1, 0)
+        low = max(self.lo + 1, self.hi - half_bracket)  # if it fits, hi - it is left
+        high = min(self.hi - 1, self.lo + half_bracket)  # if it fails, it - lo is left
+        return min(max(target, low), high)
+
+    def gallop_or_bisect(self) -> None:
+        """One fallback trial: a gallop step while its direction holds, else a bisection."""
+        if self.gallop is _Gallop.UP:
+            target = self.lo + (self.step or self.lo or 1)
+        elif self.gallop is _Gallop.DOWN:
+            target = self.hi - self.step
+        else:
+            target = (self.lo + self.hi) // 2
+        fitted = self.trial(self.guard(target)).fits
+        if self.gallop is _Gallop.UP and fitted:
+            self.step *= 2
+        elif self.gallop is _Gallop.DOWN and not fitted:
+            self.step *= 2
+        else:
+            self.gallop = _Gallop.BISECT
+
+
+def find_max_micro_batch(
+    fits: Callable[[int], StepOutcome],
+    *,
+    cap: int,
+    capacity_bytes: int | None,
+    known_fitting: int = 0,
+) -> SearchResult:
+    """Find the exact largest micro-batch <= `cap` whose training step fits, in few trials.
+
+    Args:
+        fits: runs one training step at a micro-batch and reports what happened; memory must be
+            monotone in the micro-batch.
+        cap: the largest micro-batch worth trying; never exceeded.
+        capacity_bytes: the live bytes a step may reach; needed to predict from the traces.
+            None: the trials are the only evidence.
+        known_fitting: a micro-batch expected to fit (e.g. the other checkpointing mode's max);
+            a first guess, tried like any other size.
+
+    Returns:
+        The certified answer, every trial in order and the last `PeakModel` fitted.
+
+    Raises:
+        ValueError: `cap` < 1, `known_fitting` < 0 or `capacity_bytes` < 0.
+
+    >>> def device(micro_batch: int) -> StepOutcome:  # a constant op and one growing op
+    ...     series = (1_000, 600 + 100 * micro_batch)
+    ...     fits = max(series) <= 3_000
+    ...     return StepOutcome(
+    ...         micro_batch=micro_batch, fits=fits, peak_bytes=max(series),
+    ...         series=series if fits else None)
+    >>> result = find_max_micro_batch(device, cap=64, capacity_bytes=3_000)
+    >>> result.max_micro_batch, [a.micro_batch for a in result.attempts]
+    (24, [2, 3, 24, 25])
+    """
+    if cap < 1:
+        raise ValueError(f"cap must be >= 1, got {cap}")
+    if known_fitting < 0:
+        raise ValueError(f"known_fitting must be >= 0, got {known_fitting}")
+    if capacity_bytes is not None and capacity_bytes < 0:
+        raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+    search = _Search(fits, cap, capacity_bytes)
+
+    hint = min(known_fitting, cap)
+    if hint >= 2:
+        search.try_fit_points(hint)
+        if search.hi == hint:
+            logger.info("hint %d does not fit; starting again from 2", hint)
+            search.budget_calls += 1  # a lost bet, like a wrong prediction
+    search.try_fit_points(min(2, cap))
+
+    if capacity_bytes is not None:
+        for _ in range(1 + _MAX_REFITS):
+            model = None if search.done else search.refit()
+            if model is None:
+                break
+            search.follow_prediction(model, capacity_bytes)
+    while not search.done:
+        search.gallop_or_bisect()
+
+    logger.info("max micro-batch %d after %d trials", search.lo, len(search.attempts))
+    return SearchResult(
+        max_micro_batch=search.lo,
+        attempts=tuple(search.attempts),
+        peak_model=search.model,
+        capped=search.lo == cap,
+    )

@@ -1,0 +1,178 @@
+"""The micro-batch probe: for one spec on one device, the exact largest micro-batch whose full
+training step fits, without and with gradient checkpointing.
+
+It wires the pure search (`autotune.core.search`) to real trials: each `fits(b)` runs one complete
+optimizer step on a `TrialRunner` (`autotune.engine.runner`): in this process, or in a child
+process per trial on a probe worker. Out-of-memory arrives as `fits=False`; nothing here catches
+it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from autotune.core.errors import SpecError
+from autotune.core.schemas import ModeProbe, ProbeResult, Spec, StepOutcome
+from autotune.core.search import PeakModel, SearchResult, find_max_micro_batch
+from autotune.engine.device import Device
+from autotune.engine.runner import InProcessRunner, TrialRunner
+
+logger = logging.getLogger(__name__)
+
+AttemptCallback = Callable[[bool, StepOutcome], None]
+"""Called with (checkpointing, attempt) as soon as a trial finishes, for progress displays."""
+
+
+def recommended_micro_batch(search: SearchResult, *, capacity_bytes: int, headroom: float) -> int:
+    """Largest micro-batch <= the raw max whose peak leaves `headroom` of capacity free.
+
+    Uses the fitted per-op model when there is one (exact on the emulated device); otherwise
+    the largest measured size whose peak is within budget.
+    """
+    budget_bytes = int(capacity_bytes * (1.0 - headroom))
+    if search.max_micro_batch == 0:
+        return 0
+    model = search.peak_model
+    if model is not None and _model_agrees(model, search, capacity_bytes):
+        return min(search.max_micro_batch, model.max_micro_batch(budget_bytes))
+    within = [a.micro_batch for a in search.attempts if a.fits and a.peak_bytes <= budget_bytes]
+    return max(within, default=0)
+
+
+def _model_agrees(model: PeakModel, search: SearchResult, capacity_bytes: int) -> bool:
+    """Trust the fitted model only where every real trial agrees with it: same verdict, and
+    (for micro-batches >= 2, where the op sequence is the fitted one) the same peak within 1 %
+    (512-byte rounding of small tensors makes the fit approximate on tiny models)."""
+    for attempt in search.attempts:
+        predicted_bytes = model.peak_bytes(attempt.micro_batch)
+        if (predicted_bytes <= capacity_bytes) != attempt.fits:
+            return False
+        if attempt.fits and attempt.micro_batch >= 2:
+            if abs(predicted_bytes - attempt.peak_bytes) > attempt.peak_bytes // 100:
+                return False
+    return True
+
+
+def probe_mode(
+    session: TrialRunner,
+    *,
+    checkpointing: bool,
+    known_fitting: int = 0,
+    on_attempt: AttemptCallback | None = None,
+) -> ModeProbe:
+    """Search one checkpointing mode. `known_fitting` is a hint to verify, not a fact."""
+
+    def fits(micro_batch: int) -> StepOutcome:
+        outcome = session.trial(micro_batch, checkpointing=checkpointing)
+        if on_attempt is not None:
+            on_attempt(checkpointing, outcome)
+        return outcome
+
+    training = session.spec.training
+    capacity_bytes = session.device_info.capacity_bytes
+    search = find_max_micro_batch(
+        fits,
+        cap=training.max_micro_batch,
+        capacity_bytes=capacity_bytes,
+        known_fitting=known_fitting,
+    )
+    logger.info(
+        "checkpointing=%s: max micro-batch %d after %d trials",
+        checkpointing,
+        search.max_micro_batch,
+        len(search.attempts),
+    )
+    return ModeProbe(
+        checkpointing=checkpointing,
+        max_micro_batch=search.max_micro_batch,
+        recommended_micro_batch=recommended_micro_batch(
+            search, capacity_bytes=capacity_bytes, headroom=training.headroom
+        ),
+        capped=search.capped,
+        attempts=list(search.attempts),
+    )
+
+
+def probe(spec: Spec, device: Device, *, on_attempt: AttemptCallback | None = None) -> ProbeResult:
+    """Find the exact max micro-batch without and with gradient checkpointing.
+
+    A model that does not support checkpointing (a factory without `set_checkpointing`) is
+    probed in the plain mode only.
+
+    Raises:
+        ModelBuildError: the model cannot be built.
+        Any non-OOM error of the training step, unchanged.
+    """
+    return probe_session(InProcessRunner(spec, device), on_attempt=on_attempt)
+
+
+def probe_session(
+    session: TrialRunner, *, on_attempt: AttemptCallback | None = None
+) -> ProbeResult:
+    """`probe` on an existing session, which stays usable (warm, in steady state) afterwards."""
+    device_info = session.device_info
+    modes_to_probe = [False, True] if session.supports_checkpointing else [False]
+    if not session.supports_checkpointing:
+        logger.warning("this model cannot toggle gradient checkpointing; probing without only")
+
+    failed_warm_ups = _warm_up(session, modes_to_probe)
+    if len(failed_warm_ups) == len(modes_to_probe):
+        # Not even micro-batch 1 fits, in any mode: report how far each got.
+        return ProbeResult(
+            device=device_info,
+            modes=[
+                ModeProbe(
+                    checkpointing=checkpointing,
+                    max_micro_batch=0,
+                    recommended_micro_batch=0,
+                    capped=False,
+                    attempts=[outcome],
+                )
+                for checkpointing, outcome in failed_warm_ups
+            ],
+        )
+
+    modes: list[ModeProbe] = []
+    known_fitting = 0
+    for checkpointing in modes_to_probe:
+        mode = probe_mode(
+            session,
+            checkpointing=checkpointing,
+            known_fitting=known_fitting,
+            on_attempt=on_attempt,
+        )
+        modes.append(mode)
+        # Checkpointing only ever removes saved activations, so the plain max is a good first
+        # guess for the checkpointed search; the search still verifies it.
+        known_fitting = max(known_fitting, mode.max_micro_batch)
+    return ProbeResult(device=device_info, modes=modes)
+
+
+def _warm_up(session: TrialRunner, modes: list[bool]) -> list[tuple[bool, StepOutcome]]:
+    """Warm up in the first mode where micro-batch 1 fits; returns the modes that failed first."""
+    failed: list[tuple[bool, StepOutcome]] = []
+    for checkpointing in modes:
+        outcome = session.warm_up(checkpointing=checkpointing)
+        if outcome.fits:
+            break
+        failed.append((checkpointing, outcome))
+    return failed
+
+
+def run_step(spec: Spec, device: Device, *, micro_batch: int, checkpointing: bool) -> StepOutcome:
+    """One trial of a full training step at `micro_batch`, after a warm-up at micro-batch 1.
+
+    Raises:
+        SpecError: checkpointing was asked for a model that cannot do it.
+    """
+    session = InProcessRunner(spec, device)
+    if checkpointing and not session.supports_checkpointing:
+        raise SpecError("--checkpointing: this model cannot toggle gradient checkpointing")
+    outcome = session.warm_up(checkpointing=checkpointing)
+    if outcome.fits and micro_batch != 1:
+        outcome = session.trial(micro_batch, checkpointing=checkpointing)
+    return outcome
+
+
+__all__ = ["probe", "probe_mode", "probe_session", "run_step"]

@@ -1,0 +1,158 @@
+"""Trial runners: where the probe's and the tuner's real training steps run.
+
+`TrialRunner` is the contract the probe and the tuner program against. `InProcessRunner` runs
+trials in this process on one model, optimizer and device, kept in steady state: a warm-up step
+creates the optimizer state, gradients are freed after each step, and an out-of-memory inside
+`optimizer.step()` is undone from a snapshot so parameters are never left half-updated. The
+probe worker runs each trial in a fresh child process behind the same contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Protocol
+
+from autotune.core.schemas import DeviceInfo, Phase, Spec, StepOutcome
+from autotune.core.throughput import Measurement, measure_throughput
+from autotune.engine.device import Device
+from autotune.engine.step import TrainingStep
+from autotune.engine.workload import build_workload
+
+
+class TrialRunner(Protocol):
+    """Runs complete training steps of one spec on one device.
+
+    Every method returns out-of-memory as `fits=False` (or a None measurement) and raises
+    anything else."""
+
+    @property
+    def spec(self) -> Spec: ...
+
+    @property
+    def device_info(self) -> DeviceInfo: ...
+
+    @property
+    def supports_checkpointing(self) -> bool: ...
+
+    @property
+    def tokens_per_sample(self) -> int | None: ...
+
+    def warm_up(self, *, checkpointing: bool) -> StepOutcome:
+        """One step at micro-batch 1 so the optimizer state exists before any trial."""
+        ...
+
+    def trial(
+        self, micro_batch: int, accumulation_steps: int = 1, *, checkpointing: bool
+    ) -> StepOutcome:
+        """One complete optimizer step, tracked (peak, per-op series)."""
+        ...
+
+    def measure(
+        self,
+        micro_batch: int,
+        accumulation_steps: int,
+        *,
+        checkpointing: bool,
+        target_seconds: float,
+    ) -> Measurement | None:
+        """Throughput of one configuration with its tracked peak; None when it does not fit."""
+        ...
+
+
+class InProcessRunner:
+    """A `TrialRunner` in this process: one model, optimizer and device."""
+
+    def __init__(
+        self,
+        spec: Spec,
+        device: Device,
+        *,
+        allowed_factory_prefixes: Sequence[str] | None = None,
+    ) -> None:
+        """`allowed_factory_prefixes`: see `autotune.engine.workload.build_factory`."""
+        self.spec = spec
+        self.device = device
+        self.workload = build_workload(spec, allowed_factory_prefixes=allowed_factory_prefixes)
+        self.step = TrainingStep(self.workload, spec.training, device.torch_device)
+        self._snapshot: object | None = None
+
+    @property
+    def device_info(self) -> DeviceInfo:
+        return self.device.info
+
+    @property
+    def supports_checkpointing(self) -> bool:
+        return self.workload.set_checkpointing is not None
+
+    @property
+    def tokens_per_sample(self) -> int | None:
+        return self.workload.tokens_per_sample
+
+    def warm_up(self, *, checkpointing: bool = False) -> StepOutcome:
+        """Returns the outcome: when even this does not fit, nothing will."""
+        outcome = self.trial(1, checkpointing=checkpointing)
+        if outcome.fits:
+            self._snapshot = self.step.snapshot()
+        return outcome
+
+    def trial(
+        self, micro_batch: int, accumulation_steps: int = 1, *, checkpointing: bool = False
+    ) -> StepOutcome:
+        self.step.checkpointing = checkpointing
+        return self._run(
+            lambda: self.step.run(micro_batch, accumulation_steps), micro_batch, track=True
+        )
+
+    def measure(
+        self,
+        micro_batch: int,
+        accumulation_steps: int,
+        *,
+        checkpointing: bool,
+        target_seconds: float,
+    ) -> Measurement | None:
+        # With G > 1 the gradients of earlier micro-batches are alive during later ones, so a
+        # step is checked tracked first (it doubles as the warm-up), then timed untracked:
+        # the tracker's per-op cost would distort the timing.
+        check = self.trial(micro_batch, accumulation_steps, checkpointing=checkpointing)
+        if not check.fits:
+            return None
+        measured: list[Measurement] = []
+        timed = self._run(
+            lambda: measured.append(
+                measure_throughput(
+                    self.step,
+                    micro_batch=micro_batch,
+                    accumulation_steps=accumulation_steps,
+                    synchronize=self.device.synchronize,
+                    tokens_per_sample=self.workload.tokens_per_sample,
+                    target_seconds=target_seconds,
+                    warmup_steps=0,
+                )
+            ),
+            micro_batch,
+            track=False,
+        )
+        if not timed.fits:
+            return None
+        return replace(measured[0], peak_bytes=check.peak_bytes)
+
+    def _run(self, work: Callable[[], object], micro_batch: int, *, track: bool) -> StepOutcome:
+        outcome = self.device.run_trial(
+            work,
+            micro_batch=micro_batch,
+            resident=self.step.resident_tensors(),
+            record_series=track,
+            track=track,
+        )
+        if not outcome.fits:
+            self.step.clear_grads()
+            if outcome.oom_phase is Phase.OPTIMIZER:
+                if self._snapshot is not None:
+                    # Some parameters may already be updated; put all of them back as one.
+                    self.step.restore(self._snapshot)
+                else:
+                    # No step has completed: the optimizer's state may be half built.
+                    self.step.reset_optimizer()
+        return outcome

@@ -1,0 +1,221 @@
+"""The one training-step kernel: forward, backward and optimizer step of a `Workload`.
+
+The memory probe and the tuner's throughput timing both run `TrainingStep.run`, so what is
+measured is what is timed. The optimizer and precision are set up the way a CUDA run sets them
+up, because the CPU defaults differ and change the peak (docs/design.md#memory-model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune.core.errors import SpecError
+from autotune.core.schemas import OptimizerName, Precision, TrainingSpec
+from autotune.engine.workload import Batch, Workload
+
+# Learning rates only have to keep long timing runs finite; they change neither memory nor time.
+_LEARNING_RATES = {
+    OptimizerName.ADAMW: 1e-4,
+    OptimizerName.SGD: 1e-3,
+    OptimizerName.ADAFACTOR: 1e-3,
+}
+_AUTOCAST_DTYPES = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+
+
+def accumulate_gradients(
+    model: nn.Module,
+    loss_sum: Callable[[nn.Module, Batch], torch.Tensor],
+    num_items: Callable[[Batch], int],
+    batches: Sequence[Batch],
+    *,
+    autocast_dtype: torch.dtype | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> torch.Tensor:
+    """Backward over every micro-batch of one optimizer step, leaving the step's gradients in
+    ``.grad``; returns the step loss (detached).
+
+    Each micro-batch's summed loss is divided by the item count of ALL micro-batches of the step,
+    so the accumulated gradient equals the full-batch gradient whatever the lengths. Dividing
+    each micro-batch by its own count and then by G (mean of means) is the gradient-accumulation
+    bug fixed across the ecosystem in October 2024 (docs/design.md#loss-normalisation).
+    """
+    # A step whose labels are all padding has a zero loss; dividing by 1 keeps it zero, not NaN.
+    total_items = max(sum(num_items(batch) for batch in batches), 1)
+    device = _model_device(model)
+    step_loss = torch.zeros((), device=device)
+    for batch in batches:
+        with _autocast(device.type, autocast_dtype):
+            loss = loss_sum(model, batch) / total_items
+        scaled: torch.Tensor = scaler.scale(loss) if scaler is not None else loss
+        torch.autograd.backward(scaled)  # Tensor.backward is untyped in torch 2.13
+        step_loss += loss.detach()
+        del loss, scaled  # drop the graph's root before the next forward, as a training loop would
+    return step_loss
+
+
+@dataclass(frozen=True)
+class StateSnapshot:
+    """A CPU copy of the model's and the optimizer's state (and the gradient scaler's)."""
+
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict[str, Any]
+    scaler_state: dict[str, Any] | None
+
+
+class TrainingStep:
+    """Runs complete optimizer steps of a workload on one device.
+
+    The model is moved to `device` and put in training mode; the optimizer is created here, with
+    `foreach=True` as on CUDA. Precision: fp32 runs as is; bf16 runs the forward under
+    `torch.autocast(dtype=bfloat16)`; fp16 under `torch.autocast(dtype=float16)` with a
+    `GradScaler`. Weights stay fp32 (the master copy) in every case.
+    """
+
+    def __init__(self, workload: Workload, training: TrainingSpec, device: torch.device) -> None:
+        self._workload = workload
+        self._device = device
+        self.model = workload.model.to(device=device, dtype=torch.float32).train()
+        self.optimizer = _build_optimizer(self.model, training.optimizer)
+        self._autocast_dtype = _AUTOCAST_DTYPES.get(training.precision)
+        self.scaler = (
+            torch.amp.GradScaler(device.type) if training.precision is Precision.FP16 else None
+        )
+        self._checkpointing = False
+        if workload.set_checkpointing is not None:
+            workload.set_checkpointing(False)
+
+    @property
+    def checkpointing(self) -> bool:
+        return self._checkpointing
+
+    @checkpointing.setter
+    def checkpointing(self, enabled: bool) -> None:
+        if self._workload.set_checkpointing is None:
+            if enabled:
+                raise SpecError(
+                    "checkpointing: this model does not support gradient checkpointing "
+                    "(its Workload has no set_checkpointing)"
+                )
+            return
+        self._workload.set_checkpointing(enabled)
+        self._checkpointing = enabled
+
+    def run(self, micro_batch: int, accumulation_steps: int = 1) -> float:
+        """One complete optimizer step over `accumulation_steps` micro-batches of `micro_batch`
+        samples. All micro-batches are made first (inputs only, small), as transformers'
+        Trainer prefetches them, so that the loss can be normalised by the step's item count.
+        Returns the step loss."""
+        if micro_batch < 1 or accumulation_steps < 1:
+            raise ValueError(
+                f"micro_batch and accumulation_steps must be >= 1, got "
+                f"{micro_batch} and {accumulation_steps}"
+            )
+        batches = [
+            self._workload.make_batch(micro_batch, self._device) for _ in range(accumulation_steps)
+        ]
+        step_loss = accumulate_gradients(
+            self.model,
+            self._workload.loss_sum,
+            self._workload.num_items,
+            batches,
+            autocast_dtype=self._autocast_dtype,
+            scaler=self.scaler,
+        )
+        del batches
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(step_loss)
+
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """Tensors that live across steps: parameters, buffers, gradients, optimizer state and
+        the gradient scaler's state. Tied parameters appear once."""
+        tensors: list[torch.Tensor] = list(self.model.parameters())
+        tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
+        tensors += list(self.model.buffers())
+        for state in self.optimizer.state.values():
+            tensors += [value for value in state.values() if isinstance(value, torch.Tensor)]
+        if self.scaler is not None:
+            # Private attributes, but the only handle on the scaler's device tensors.
+            tensors += [
+                t for t in (self.scaler._scale, self.scaler._growth_tracker) if t is not None
+            ]
+        return tensors
+
+    def snapshot(self) -> StateSnapshot:
+        """A CPU copy of the model, optimizer and scaler state, to undo a step."""
+        scaler_state = None
+        if self.scaler is not None and self.scaler._scale is not None:
+            scaler_state = self.scaler.state_dict()
+        return StateSnapshot(
+            model_state=_copy_to_cpu(self.model.state_dict()),
+            optimizer_state=_copy_to_cpu(self.optimizer.state_dict()),
+            scaler_state=scaler_state,
+        )
+
+    def restore(self, snapshot: object) -> None:
+        """Put back a snapshot from `snapshot()`, e.g. after an OOM inside `optimizer.step()`
+        left the parameters half updated. The snapshot stays valid for another restore."""
+        if not isinstance(snapshot, StateSnapshot):
+            raise TypeError(f"expected a StateSnapshot, got {type(snapshot).__name__}")
+        self.clear_grads()
+        self.model.load_state_dict(snapshot.model_state)  # copies in place: params keep identity
+        # load_state_dict keeps CPU tensors as they are, so give it copies, or the next step
+        # would update the snapshot in place.
+        self.optimizer.load_state_dict(_copy_to_cpu(snapshot.optimizer_state))
+        if self.scaler is not None and snapshot.scaler_state is not None:
+            self.scaler.load_state_dict(snapshot.scaler_state)
+
+    def reset_optimizer(self) -> None:
+        """Forget the optimizer's state, as before its first step. torch optimizers build their
+        state lazily inside the first `step()`, one tensor at a time: running out of memory there
+        leaves a parameter with part of it (AdamW's `exp_avg` without `exp_avg_sq`), and every
+        later step raises KeyError. With nothing to restore yet, the empty state is the undo."""
+        self.optimizer.state.clear()
+
+    def clear_grads(self) -> None:
+        """Drop all gradients (after an OOM, so that a failed step leaves nothing behind)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def _build_optimizer(model: nn.Module, name: OptimizerName) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    lr = _LEARNING_RATES[name]
+    if name is OptimizerName.ADAMW:
+        return torch.optim.AdamW(params, lr=lr, foreach=True)
+    if name is OptimizerName.SGD:
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=True)
+    return torch.optim.Adafactor(params, lr=lr, foreach=True)
+
+
+def _autocast(
+    device_type: str, dtype: torch.dtype | None
+) -> contextlib.AbstractContextManager[Any]:
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=dtype)
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    return next(itertools.chain(model.parameters(), model.buffers())).device
+
+
+def _copy_to_cpu(value: Any) -> Any:
+    """A deep copy with every tensor copied to the CPU (never aliased, even if already there)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _copy_to_cpu(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_copy_to_cpu(item) for item in value)
+    return value

@@ -1,0 +1,320 @@
+"""The tuner: for one spec on one device, the (micro-batch, accumulation, checkpointing) that hits
+the target global batch exactly at the best measured samples/s.
+
+It probes both checkpointing modes, enumerates the exact candidates under each mode's
+headroom-adjusted max, lets an Optuna study pick which to measure, and turns the fastest into a
+`Recommendation` with exports. Every measurement runs the same training-step kernel as the probe:
+first one tracked step (does it fit, with G micro-batches' gradients alive? its peak), then timed
+steps without the tracker, whose per-op cost would distort the timing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from collections.abc import Callable
+
+from autotune.core.candidates import Candidate, enumerate_candidates, explain_infeasible
+from autotune.core.exports import build_exports
+from autotune.core.result_check import check_result
+from autotune.core.schemas import (
+    Infeasible,
+    ProbeResult,
+    Recommendation,
+    Spec,
+    StepOutcome,
+    Trial,
+    TrialState,
+    TuneResult,
+)
+from autotune.core.search import find_max_micro_batch
+from autotune.engine.device import Device
+from autotune.engine.probe import AttemptCallback, probe_session
+from autotune.engine.runner import InProcessRunner, TrialRunner
+from autotune.engine.study import run_study
+
+logger = logging.getLogger(__name__)
+
+TrialCallback = Callable[[Trial], None]
+
+# Share of the candidate grid the study may measure (at least MIN_TRIALS): most of the grid is
+# dominated (smaller micro-batches, or checkpointing at a micro-batch that fits without it).
+TRIAL_SHARE = 0.25
+# Two micro-batches are enough to have earlier gradients alive during a later micro-batch.
+ACCUMULATION_PROBE_STEPS = 2
+MIN_TRIALS = 3
+
+
+def default_trial_budget(n_candidates: int) -> int:
+    return min(n_candidates, max(MIN_TRIALS, math.ceil(n_candidates * TRIAL_SHARE)))
+
+
+def priority_candidates(candidates: list[Candidate]) -> list[Candidate]:
+    """What to measure first, from how GPUs behave: samples/s rises with the micro-batch until
+    the kernels saturate, and checkpointing only pays when it allows a larger micro-batch
+    (docs/design.md#throughput). So: the largest micro-batch without checkpointing, the largest
+    with it (only if larger), then the runner-up without."""
+    plain = sorted((c for c in candidates if not c.checkpointing), key=lambda c: -c.micro_batch)
+    checkpointed = sorted((c for c in candidates if c.checkpointing), key=lambda c: -c.micro_batch)
+    first: list[Candidate] = []
+    if plain:
+        first.append(plain[0])
+    largest_plain = plain[0].micro_batch if plain else 0
+    if checkpointed and checkpointed[0].micro_batch > largest_plain:
+        first.append(checkpointed[0])
+    if len(plain) > 1:
+        first.append(plain[1])
+    return first
+
+
+def tune(
+    spec: Spec,
+    device: Device,
+    *,
+    storage_url: str,
+    study_name: str | None = None,
+    n_trials: int | None = None,
+    seed: int = 0,
+    target_seconds: float = 1.0,
+    on_attempt: AttemptCallback | None = None,
+    on_trial: TrialCallback | None = None,
+) -> TuneResult:
+    """Probe, search and recommend.
+
+    Args:
+        storage_url: SQLAlchemy URL of the Optuna storage (the project's database).
+        n_trials: Measurement budget; default a quarter of the candidates, at least 3.
+        target_seconds: Roughly how long each measurement's timed steps take.
+
+    Raises:
+        SpecError: the spec has no `training.target_global_batch`.
+    """
+    spec.training.required_target_global_batch()  # before the model is built
+    return tune_session(
+        InProcessRunner(spec, device),
+        storage_url=storage_url,
+        study_name=study_name,
+        n_trials=n_trials,
+        seed=seed,
+        target_seconds=target_seconds,
+        on_attempt=on_attempt,
+        on_trial=on_trial,
+    )
+
+
+def tune_session(
+    session: TrialRunner,
+    *,
+    storage_url: str,
+    study_name: str | None = None,
+    n_trials: int | None = None,
+    seed: int = 0,
+    target_seconds: float = 1.0,
+    on_attempt: AttemptCallback | None = None,
+    on_trial: TrialCallback | None = None,
+) -> TuneResult:
+    """`tune` on any trial runner (in this process, or a child process per trial).
+
+    Raises:
+        AssertionError: the result breaks an invariant of `autotune.core.result_check` (a bug).
+    """
+    spec = session.spec
+    training = spec.training
+    target_global_batch = training.required_target_global_batch()
+    device_info = session.device_info
+    probe_result = probe_session(session, on_attempt=on_attempt)
+    limits = {mode.checkpointing: mode.recommended_micro_batch for mode in probe_result.modes}
+    candidates = enumerate_candidates(target_global_batch, training.world_size, limits)
+    infeasible = None
+    if any(c.accumulation_steps > 1 for c in candidates):
+        probe_result = _probe_accumulation(session, probe_result, candidates)
+        accumulating = {m.checkpointing: m.accumulating_micro_batch for m in probe_result.modes}
+        candidates = [
+            c
+            for c in candidates
+            if c.accumulation_steps == 1 or c.micro_batch <= (accumulating[c.checkpointing] or 0)
+        ]
+        if not candidates:
+            infeasible = _accumulation_does_not_fit(training.world_size, limits)
+    if not candidates:
+        infeasible = infeasible or explain_infeasible(
+            target_global_batch, training.world_size, limits
+        )
+        return _checked(
+            TuneResult(
+                spec=spec,
+                device=device_info,
+                probe=probe_result,
+                trials=[],
+                recommendation=None,
+                infeasible=infeasible,
+            )
+        )
+
+    study_name = study_name or f"autotune-{uuid.uuid4().hex[:12]}"
+    budget = n_trials or default_trial_budget(len(candidates))
+    trials = run_study(
+        candidates,
+        lambda c: session.measure(
+            c.micro_batch,
+            c.accumulation_steps,
+            checkpointing=c.checkpointing,
+            target_seconds=target_seconds,
+        ),
+        storage_url=storage_url,
+        study_name=study_name,
+        n_trials=budget,
+        seed=seed,
+        first=priority_candidates(candidates),
+        progress=on_trial,
+    )
+    recommendation = _recommend(trials, spec, capacity_bytes=device_info.capacity_bytes)
+    if recommendation is None:
+        # Every measured candidate ran out of memory with its accumulation steps.
+        return _checked(
+            TuneResult(
+                spec=spec,
+                device=device_info,
+                probe=probe_result,
+                trials=trials,
+                recommendation=None,
+                infeasible=Infeasible(
+                    reason="every measured configuration ran out of memory once gradients were "
+                    "accumulated over its micro-batches; lower the headroom-adjusted micro-batch "
+                    "or the target"
+                ),
+                study_name=study_name,
+            )
+        )
+    return _checked(
+        TuneResult(
+            spec=spec,
+            device=device_info,
+            probe=probe_result,
+            trials=trials,
+            recommendation=recommendation,
+            exports=build_exports(
+                recommendation,
+                token_model=session.tokens_per_sample is not None,
+                transformers_version=_installed_transformers_version(),
+            ),
+            study_name=study_name,
+        )
+    )
+
+
+def _checked(result: TuneResult) -> TuneResult:
+    """`result`, once `autotune.core.result_check` finds nothing wrong with it: the server refuses
+    a result that breaks an invariant, so a violation here is the tuner's bug, named at once."""
+    violations = check_result(result.spec, result)
+    if violations:
+        raise AssertionError(
+            "tuner bug: its result breaks " + "; ".join(str(v) for v in violations)
+        )
+    return result
+
+
+def _accumulation_does_not_fit(world_size: int, max_micro_batch: dict[bool, int]) -> Infeasible:
+    """The target needs accumulation, and not even micro-batch 1 fits with the gradients of an
+    earlier micro-batch held (1 divides every target, so any accumulating limit >= 1 would have
+    left a candidate): only G = 1 batches, world_size * b for a fitting b, are reachable."""
+    largest_fitting = max(max_micro_batch.values(), default=0)
+    return Infeasible(
+        reason="the target needs gradient accumulation, and with the gradients of an earlier "
+        "micro-batch held not even a micro-batch of 1 fits; without accumulation the largest "
+        f"fitting micro-batch is {largest_fitting} per rank",
+        nearest_below=world_size * largest_fitting,
+    )
+
+
+def _probe_accumulation(
+    session: TrialRunner, probe_result: ProbeResult, candidates: list[Candidate]
+) -> ProbeResult:
+    """Per mode, the exact largest micro-batch within the headroom when gradients accumulate.
+
+    The probe measures G = 1, where gradients appear only during backward. With G >= 2 the
+    gradients of the first micro-batch are alive through the next one's forward and backward,
+    which adds about the parameter size to the peak; G = 2 and G = 8 peak alike. The same
+    frugal search runs over trials at G = 2, starting from the probe's answer.
+    """
+    capacity_bytes = session.device_info.capacity_bytes
+    budget_bytes = int(capacity_bytes * (1.0 - session.spec.training.headroom))
+    modes = []
+    for mode in probe_result.modes:
+        cap = max(
+            (
+                c.micro_batch
+                for c in candidates
+                if c.checkpointing is mode.checkpointing and c.accumulation_steps > 1
+            ),
+            default=0,
+        )
+        if cap == 0:
+            modes.append(mode)
+            continue
+        fits = _accumulating_fits(session, mode.checkpointing, budget_bytes)
+        search = find_max_micro_batch(
+            fits,
+            cap=cap,
+            capacity_bytes=budget_bytes,
+            known_fitting=min(cap, mode.recommended_micro_batch),
+        )
+        logger.info(
+            "checkpointing=%s: max accumulating micro-batch %d after %d trials",
+            mode.checkpointing,
+            search.max_micro_batch,
+            len(search.attempts),
+        )
+        modes.append(mode.model_copy(update={"accumulating_micro_batch": search.max_micro_batch}))
+    return probe_result.model_copy(update={"modes": modes})
+
+
+def _accumulating_fits(
+    session: TrialRunner, checkpointing: bool, budget_bytes: int
+) -> Callable[[int], StepOutcome]:
+    """fits(b) for a step of two accumulated micro-batches, within the headroom budget."""
+
+    def fits(micro_batch: int) -> StepOutcome:
+        outcome = session.trial(micro_batch, ACCUMULATION_PROBE_STEPS, checkpointing=checkpointing)
+        within = outcome.fits and outcome.peak_bytes <= budget_bytes
+        # Over the budget counts as not fitting: the search looks for the headroom's limit.
+        return outcome.model_copy(
+            update={"fits": within, "series": outcome.series if within else None}
+        )
+
+    return fits
+
+
+def _recommend(trials: list[Trial], spec: Spec, *, capacity_bytes: int) -> Recommendation | None:
+    """The fastest measured configuration whose peak leaves the headroom free (else the
+    fastest that fits at all)."""
+    budget_bytes = int(capacity_bytes * (1.0 - spec.training.headroom))
+    complete = [t for t in trials if t.state is TrialState.COMPLETE and t.samples_per_s]
+    within = [t for t in complete if t.peak_bytes is not None and t.peak_bytes <= budget_bytes]
+    pool = within or complete
+    if not pool:
+        return None
+    best = max(pool, key=lambda t: t.samples_per_s or 0.0)
+    assert best.samples_per_s is not None and best.peak_bytes is not None
+    world_size = spec.training.world_size
+    return Recommendation(
+        micro_batch=best.micro_batch,
+        accumulation_steps=best.accumulation_steps,
+        checkpointing=best.checkpointing,
+        world_size=world_size,
+        global_batch=best.micro_batch * best.accumulation_steps * world_size,
+        samples_per_s=best.samples_per_s,
+        tokens_per_s=best.tokens_per_s,
+        peak_bytes=best.peak_bytes,
+        capacity_bytes=capacity_bytes,
+    )
+
+
+def _installed_transformers_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return None

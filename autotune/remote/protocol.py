@@ -1,0 +1,416 @@
+"""The wire protocol between users, the API server and probe workers: pydantic models, torch-free.
+
+Everything here is built on `autotune.core.schemas`; the server (`api/`) validates requests with
+these models and `autotune.remote.client.ServerClient` parses responses with them, so both ends
+share one definition. The module also owns the two pure rules both ends must agree on: how a device
+target matches a worker's device, and how a submission is fingerprinted for the result cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    BeforeValidator,
+    Field,
+    ValidationInfo,
+    field_validator,
+)
+
+from autotune.core.bytesize import parse_bytes
+from autotune.core.schemas import (
+    DEVICE_NAME_MAX,
+    STUDY_NAME_MAX,
+    DeviceInfo,
+    DeviceKind,
+    Exports,
+    FrozenModel,
+    Infeasible,
+    ModeProbe,
+    Recommendation,
+    Spec,
+    StepOutcome,
+    Trial,
+    TuneResult,
+)
+
+API_PREFIX = "/api/v1"
+# Databases store 64-bit signed integers; anything larger in a payload is refused with a 422
+# instead of overflowing in the driver (a 500).
+MAX_INT = 2**63 - 1
+# A cuda target matches a GPU whose total memory is within this fraction of the target memory:
+# the same model is reported with slightly different totals by different drivers.
+CUDA_MEMORY_TOLERANCE = 0.03
+MAX_PAGE_LIMIT = 200
+
+
+class RunStatus(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    def is_finished(self) -> bool:
+        return self in (RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED)
+
+
+def _memory_size(value: object) -> object:
+    """Accept "80GiB" as well as a byte count; anything else is left to pydantic."""
+    if isinstance(value, str):
+        try:
+            return parse_bytes(value)
+        except ValueError as error:
+            raise ValueError(str(error)) from None
+    return value
+
+
+MemoryBytes = Annotated[int, BeforeValidator(_memory_size), Field(ge=1, le=MAX_INT)]
+_Text = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f]+$")]
+
+
+def _as_utc(value: datetime) -> datetime:
+    # Converting +14:00 on 0001-01-01 (or -14:00 on 9999-12-31) leaves the datetime range.
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:
+        raise ValueError("out of range once converted to UTC") from None
+
+
+UtcDatetime = Annotated[AwareDatetime, AfterValidator(_as_utc)]
+"""A timestamp with its offset (a naive one is ambiguous), as UTC; for query parameters."""
+
+
+def cuda_memory_bounds(total_memory_bytes: int) -> tuple[int, int]:
+    """The range of target memories a GPU with this total memory matches (inclusive).
+
+    |total - target| <= tolerance * target  <=>  total / (1 + tol) <= target <= total / (1 - tol).
+    Integer bounds so that the SQL filter and `matches` below are one rule.
+    """
+    low = math.ceil(total_memory_bytes / (1 + CUDA_MEMORY_TOLERANCE))
+    high = math.floor(total_memory_bytes / (1 - CUDA_MEMORY_TOLERANCE))
+    return low, min(high, MAX_INT)
+
+
+class EmulatedTarget(FrozenModel):
+    """A CPU worker that enforces a memory capacity (the emulated GPU)."""
+
+    kind: Literal["emulated"] = "emulated"
+    memory_bytes: MemoryBytes
+
+    def identity(self) -> dict[str, Any]:
+        return {"kind": self.kind, "memory_bytes": self.memory_bytes}
+
+    def matches(self, device: DeviceInfo) -> bool:
+        return device.kind == DeviceKind.EMULATED and device.capacity_bytes == self.memory_bytes
+
+    @property
+    def label(self) -> str:
+        return f"emulated:{self.memory_bytes}"
+
+
+class CudaTarget(FrozenModel):
+    """A real GPU model, e.g. name "NVIDIA A100-SXM4-80GB" with its total memory."""
+
+    kind: Literal["cuda"] = "cuda"
+    name: Annotated[_Text, Field(max_length=DEVICE_NAME_MAX)]
+    memory_bytes: MemoryBytes
+
+    def identity(self) -> dict[str, Any]:
+        return {"kind": self.kind, "name": self.name, "memory_bytes": self.memory_bytes}
+
+    def matches(self, device: DeviceInfo) -> bool:
+        low, high = cuda_memory_bounds(device.total_memory_bytes)
+        return (
+            device.kind == DeviceKind.CUDA
+            and device.name == self.name
+            and low <= self.memory_bytes <= high
+        )
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+
+# A discriminated union so that a later "estimate" target is one more member.
+DeviceTarget = Annotated[EmulatedTarget | CudaTarget, Field(discriminator="kind")]
+
+
+def fingerprint(spec: Spec, target: EmulatedTarget | CudaTarget, autotune_version: str) -> str:
+    """sha256 of the canonical JSON of (spec with defaults, device identity, autotune version).
+
+    Two submissions with the same fingerprint would measure the same thing, so a succeeded run
+    answers both. The torch version of the worker is recorded on the run when it finishes.
+    """
+    canonical = json.dumps(
+        {
+            "spec": spec.model_dump(mode="json"),
+            "device": target.identity(),
+            "autotune": autotune_version,
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=True,
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _storable(value: object, path: str) -> None:
+    """Refuse what a database cannot store: integers beyond 64 bits, NaN/inf, NUL characters,
+    and lone surrogates (JSON's \\uXXXX escapes can carry them; no UTF-8 column, response or
+    log line can hold one, so a stored one would break every later read of its run)."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        if not -MAX_INT - 1 <= value <= MAX_INT:
+            raise ValueError(f"{path}: integer out of range")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{path}: must be a finite number")
+    elif isinstance(value, str):
+        if "\x00" in value:
+            raise ValueError(f"{path}: NUL characters are not allowed")
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise ValueError(f"{path}: not valid Unicode (a lone surrogate)") from None
+
+
+def _walk(value: object, path: str) -> None:
+    """`_storable` on every scalar under `value`: model fields, dict keys and items, lists."""
+    if isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            _walk(getattr(value, name), f"{path}.{name}")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _storable(key, f"{path} key")
+            _walk(item, f"{path}.{key}")
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            _walk(item, f"{path}[{index}]")
+    else:
+        _storable(value, path)
+
+
+class _Storable(FrozenModel):
+    """A request body whose every value fits the database: every request body is one, so this
+    is where text and numbers from outside are checked once.
+
+    Checked per top-level field, after that field's own validation, so that a 422 names the
+    field (its location) and the path inside it (the message).
+    """
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _fits_the_database(cls, value: Any, info: ValidationInfo) -> Any:
+        _walk(value, str(info.field_name))
+        return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Users: submitting and browsing runs.
+
+
+class RunCreate(_Storable):
+    """What a user POSTs: the spec and the device to tune it for."""
+
+    spec: Spec
+    device: DeviceTarget
+
+
+class AttemptRecord(FrozenModel):
+    """One probe attempt as stored: the attempt, its mode and which claim produced it."""
+
+    claim_number: int
+    sequence: int
+    checkpointing: bool
+    attempt: StepOutcome
+    created_at: datetime
+
+
+class TrialRecord(FrozenModel):
+    claim_number: int
+    trial: Trial
+    created_at: datetime
+
+
+class FailureRecord(FrozenModel):
+    """Why one claim of a run ended without a result (a worker error or an expired lease)."""
+
+    claim_number: int
+    worker_id: str | None
+    error_type: str
+    message: str
+    traceback_tail: str | None = None
+    created_at: datetime
+
+
+class RunSummary(FrozenModel):
+    """One row of the run listing."""
+
+    id: int
+    url: str
+    status: RunStatus
+    model: str
+    device: str
+    created_at: datetime
+    finished_at: datetime | None = None
+    micro_batch: int | None = None
+    accumulation_steps: int | None = None
+    checkpointing: bool | None = None
+    samples_per_s: float | None = None
+
+
+class Run(FrozenModel):
+    """Everything the server knows about one run."""
+
+    id: int
+    url: str
+    status: RunStatus
+    fingerprint: str
+    spec: Spec
+    device: DeviceTarget
+    model: str
+    autotune_version: str
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    lease_expires_at: datetime | None = None
+    lease_lapsed_at: datetime | None = Field(
+        default=None,
+        description="When the current claim's lease lapsed, if it did (renewed by its holder "
+        "afterwards, or requeued until another claim takes the run).",
+    )
+    queued_s: float | None = Field(default=None, description="Creation to the last claim.")
+    run_s: float | None = Field(default=None, description="Last claim to finish.")
+    claim_count: int = 0
+    worker_id: str | None = None
+    worker_device: DeviceInfo | None = None
+    torch_version: str | None = None
+    study_name: str | None = None
+    recommendation: Recommendation | None = None
+    infeasible: Infeasible | None = None
+    exports: Exports | None = None
+    modes: list[ModeProbe] = Field(default_factory=list, description="Final probe per mode.")
+    attempts: list[AttemptRecord] = Field(default_factory=list)
+    trials: list[TrialRecord] = Field(default_factory=list)
+    failures: list[FailureRecord] = Field(default_factory=list)
+    error: str | None = None
+
+
+class Submitted(FrozenModel):
+    """The answer to POST /runs: 200 with the finished run (cached or waited for), else 202."""
+
+    id: int
+    status: RunStatus
+    url: str
+    cached: bool
+    run: Run | None = None
+
+
+class RunPage(FrozenModel):
+    items: list[RunSummary]
+    total: int
+    limit: int
+    offset: int
+
+
+class Health(FrozenModel):
+    status: Literal["ok"]
+    database: Literal["ok"]
+    version: str
+
+
+class ErrorBody(FrozenModel):
+    """Body of every non-422 error: a stable machine code and a human message."""
+
+    code: str
+    detail: str
+
+
+# ---------------------------------------------------------------------------------------------
+# Workers: claim, heartbeat, stream events, finish.
+
+_WorkerId = Annotated[str, Field(min_length=1, max_length=100, pattern=r"^[\w.:@-]+$")]
+_LeaseId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[0-9a-f]+$")]
+
+
+class ClaimRequest(_Storable):
+    """A worker asking for work, with every device it could run it on."""
+
+    worker_id: _WorkerId
+    devices: list[DeviceInfo] = Field(min_length=1, max_length=64)
+
+
+class Claim(FrozenModel):
+    """The run handed to a worker, under a lease it must renew before `lease_expires_at`."""
+
+    run_id: int
+    spec: Spec
+    target: DeviceTarget
+    device_index: int = Field(description="Index into the devices the worker sent.")
+    lease_id: str
+    lease_expires_at: datetime
+    heartbeat_interval_s: float
+    claim_number: int
+    study_name: str
+
+
+class Heartbeat(_Storable):
+    lease_id: _LeaseId
+
+
+class Lease(FrozenModel):
+    run_id: int
+    lease_id: str
+    lease_expires_at: datetime
+
+
+class AttemptEvent(_Storable):
+    """A probe attempt streamed as it finishes; (run, lease, sequence) makes retries harmless."""
+
+    lease_id: _LeaseId
+    sequence: int = Field(ge=0, le=1_000_000)
+    checkpointing: bool
+    attempt: StepOutcome
+
+
+class TrialEvent(_Storable):
+    """A trial streamed as it finishes; (run, lease, trial number) makes retries harmless."""
+
+    lease_id: _LeaseId
+    trial: Trial
+
+
+class EventAck(FrozenModel):
+    stored: bool = Field(description="False when this event had been stored before.")
+    lease_expires_at: datetime
+
+
+class ResultSubmission(_Storable):
+    """The final result; it replaces the attempts and trials streamed under the same lease."""
+
+    lease_id: _LeaseId
+    result: TuneResult
+
+
+class FailureReport(_Storable):
+    """A worker giving up on a run. Retryable failures requeue it until the attempt limit."""
+
+    lease_id: _LeaseId
+    error_type: Annotated[str, Field(min_length=1, max_length=200)]
+    message: Annotated[str, Field(max_length=10_000)]
+    traceback_tail: Annotated[str, Field(max_length=10_000)] | None = None
+    retryable: bool = True
+    study_name: Annotated[str, Field(min_length=1, max_length=STUDY_NAME_MAX)] | None = Field(
+        default=None, description="The Optuna study this claim created, if it got that far."
+    )

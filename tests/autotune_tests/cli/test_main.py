@@ -1,0 +1,118 @@
+"""The `autotune` command as a user runs it: a real child process, real exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SPEC = "model: {preset: gpt2-tiny}\ntraining: {seq_len: 32, max_micro_batch: 64}\n"
+
+
+def autotune(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "autotune.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=cwd,
+    )
+
+
+@pytest.fixture(scope="module")
+def spec_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cli") / "spec.yaml"
+    path.write_text(SPEC)
+    return path
+
+
+@pytest.fixture(scope="module")
+def probed(spec_path: Path) -> subprocess.CompletedProcess[str]:
+    """One `autotune probe --json` run, shared by the tests that read it."""
+    return autotune("probe", str(spec_path), "--device", "cpu", "--memory", "200MiB", "--json")
+
+
+def test_probe_json_is_one_object_with_both_modes(
+    probed: subprocess.CompletedProcess[str],
+) -> None:
+    done = probed
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)  # exactly one JSON document on stdout
+    assert result["device"]["kind"] == "emulated"
+    assert result["device"]["capacity_bytes"] == 200 * 2**20
+    assert [mode["checkpointing"] for mode in result["modes"]] == [False, True]
+    for mode in result["modes"]:
+        assert mode["max_micro_batch"] >= 1
+        attempt = mode["attempts"][0]
+        assert set(attempt) >= {"micro_batch", "fits", "peak_bytes"}
+    # Progress goes to stderr, never into the JSON.
+    assert "micro-batch" in done.stderr
+
+
+def test_probe_table_by_default(spec_path: Path) -> None:
+    done = autotune("probe", str(spec_path), "--device", "cpu", "--memory", "200MiB")
+    assert done.returncode == 0, done.stderr
+    assert "max micro-batch" in done.stdout
+    assert "recommended" in done.stdout
+
+
+def test_step_json_agrees_with_probe(
+    spec_path: Path, probed: subprocess.CompletedProcess[str]
+) -> None:
+    best = json.loads(probed.stdout)["modes"][0]["max_micro_batch"]
+    fits = autotune(
+        "step",
+        str(spec_path),
+        "--micro-batch",
+        str(best),
+        "--device",
+        "cpu",
+        "--memory",
+        "200MiB",
+        "--json",
+    )
+    assert fits.returncode == 0, fits.stderr
+    assert json.loads(fits.stdout)["fits"] is True
+    over = autotune(
+        "step",
+        str(spec_path),
+        "--micro-batch",
+        str(best + 1),
+        "--device",
+        "cpu",
+        "--memory",
+        "200MiB",
+        "--json",
+    )
+    result = json.loads(over.stdout)
+    assert result["fits"] is False
+    assert 0 < result["peak_bytes"] <= 200 * 2**20
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["probe", "{spec}", "--device", "cpu"], "--memory: required"),
+        (["probe", "{spec}", "--device", "cpu", "--memory", "lots"], "not a memory size"),
+        (["probe", "{spec}", "--device", "cuda"], "CUDA is not available"),
+        (["probe", "{missing}", "--device", "cpu", "--memory", "1GiB"], "cannot read spec file"),
+        (["probe", "{bad}", "--device", "cpu", "--memory", "1GiB"], "training.precision"),
+        (["step", "{spec}", "--micro-batch", "0", "--device", "cpu", "--memory", "1GiB"], ">= 1"),
+        (["step", "{spec}", "--device", "cpu", "--memory", "1GiB"], "--micro-batch"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(
+    tmp_path: Path, spec_path: Path, args: list[str], message: str
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {preset: mlp}\ntraining: {precision: fp8}\n")
+    paths = {"spec": spec_path, "missing": tmp_path / "missing.yaml", "bad": bad}
+    done = autotune(*[arg.format(**paths) for arg in args])
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert message in lines[0]

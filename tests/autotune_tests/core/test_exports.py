@@ -1,0 +1,376 @@
+"""Exports: each text parses back in its own format to the same values, the Hugging Face key
+follows the transformers version, and the generated PyTorch loop really runs and accumulates
+exactly the full-batch gradient (also across two DDP ranks)."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import copy
+import dataclasses
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import yaml
+from torch import nn
+from torch.multiprocessing.spawn import spawn
+
+from autotune.core.exports import build_exports, hf_checkpointing_key, render_exports
+from autotune.core.schemas import Exports, Recommendation
+
+IGNORE_INDEX = -100
+VOCAB = 37
+SEQ_LEN = 12
+
+
+def _rec(b: int, accumulation: int, world: int = 1, checkpointing: bool = False) -> Recommendation:
+    return Recommendation(
+        micro_batch=b,
+        accumulation_steps=accumulation,
+        checkpointing=checkpointing,
+        world_size=world,
+        global_batch=b * accumulation * world,
+        samples_per_s=123.0,
+        peak_bytes=1000,
+        capacity_bytes=2000,
+    )
+
+
+def _exports(rec: Recommendation, *, token_model: bool = True) -> Exports:
+    return build_exports(rec, token_model=token_model, transformers_version="5.23.0")
+
+
+# ---------------------------------------------------------------------------------------------
+# Formats and key names.
+
+
+def _call_kwargs(source: str, callee: str) -> dict[str, Any]:
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == callee:
+            return {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg}
+    raise AssertionError(f"no call to {callee} in:\n{source}")
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_texts_round_trip_through_their_formats(checkpointing: bool) -> None:
+    exports = _exports(_rec(8, 4, world=2, checkpointing=checkpointing))
+    texts = render_exports(exports)
+    assert yaml.safe_load(texts["axolotl"]) == exports.axolotl
+    assert json.loads(texts["deepspeed"]) == exports.deepspeed
+    assert _call_kwargs(texts["hf"], "TrainingArguments") == exports.hf
+    assert _call_kwargs(texts["lightning"], "L.Trainer") == exports.lightning["trainer"]
+    assert _call_kwargs(texts["lightning"], "YourDataModule") == exports.lightning["datamodule"]
+    assert ("ON" in texts["lightning"]) is checkpointing
+    for name in ("hf", "lightning", "pytorch_loop"):
+        compile(texts[name], f"<{name}>", "exec")
+    assert texts["pytorch_loop"] == exports.pytorch_loop
+    for name in ("hf", "axolotl", "lightning"):
+        assert "global batch 64 = 8 per rank x 4 accumulation steps x 2 rank(s)" in texts[name]
+
+
+def test_values_use_each_ecosystems_key_names() -> None:
+    exports = _exports(_rec(8, 4, world=2, checkpointing=True))
+    assert exports.hf == {
+        "per_device_train_batch_size": 8,
+        "gradient_accumulation_steps": 4,
+        "activation_checkpointing": True,
+    }
+    assert exports.axolotl == {
+        "micro_batch_size": 8,
+        "gradient_accumulation_steps": 4,
+        "gradient_checkpointing": True,
+    }
+    assert exports.deepspeed == {
+        "train_batch_size": 64,
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 4,
+    }
+    assert exports.lightning == {
+        "trainer": {"accumulate_grad_batches": 4},
+        "datamodule": {"batch_size": 8},
+        "module": {"gradient_checkpointing": True},
+    }
+
+
+@pytest.mark.parametrize(("b", "accumulation", "world"), [(1, 1, 1), (3, 5, 2), (16, 2, 8)])
+def test_deepspeed_batch_invariant(b: int, accumulation: int, world: int) -> None:
+    ds = _exports(_rec(b, accumulation, world)).deepspeed
+    assert ds["train_batch_size"] == (
+        ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * world
+    )
+    assert ds["train_batch_size"] == b * accumulation * world
+
+
+def test_rejects_an_inconsistent_recommendation() -> None:
+    rec = _rec(4, 2).model_copy(update={"global_batch": 9})
+    with pytest.raises(ValueError, match="inconsistent"):
+        _exports(rec)
+
+
+@pytest.mark.parametrize(
+    ("version", "key"),
+    [
+        ("5.23.0", "activation_checkpointing"),
+        ("5.0.0rc1", "activation_checkpointing"),
+        ("6.1.0", "activation_checkpointing"),
+        ("4.57.1", "gradient_checkpointing"),
+        ("4.46.0.dev0", "gradient_checkpointing"),
+        (None, "gradient_checkpointing"),
+    ],
+)
+def test_hf_checkpointing_key_follows_transformers_version(version: str | None, key: str) -> None:
+    assert hf_checkpointing_key(version) == key
+    hf = build_exports(_rec(2, 2), token_model=True, transformers_version=version).hf
+    assert set(hf) == {"per_device_train_batch_size", "gradient_accumulation_steps", key}
+    other = ({"activation_checkpointing", "gradient_checkpointing"} - {key}).pop()
+    hf_text = render_exports(
+        build_exports(_rec(2, 2), token_model=True, transformers_version=version)
+    )["hf"]
+    assert f"{key}=False" in hf_text
+    assert other not in hf_text
+
+
+def test_rejects_a_garbled_transformers_version() -> None:
+    with pytest.raises(ValueError, match="not a transformers version"):
+        hf_checkpointing_key("latest")
+
+
+def test_hf_keys_are_fields_of_the_installed_training_arguments() -> None:
+    transformers = pytest.importorskip("transformers")
+    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    exports = build_exports(
+        _rec(2, 2), token_model=True, transformers_version=transformers.__version__
+    )
+    assert set(exports.hf) <= fields
+
+
+@pytest.mark.parametrize("token_model", [True, False])
+@pytest.mark.parametrize("world", [1, 4])
+def test_pytorch_loop_is_lint_clean(token_model: bool, world: int) -> None:
+    source = _exports(_rec(4, 2, world=world), token_model=token_model).pytorch_loop
+    for args in (
+        ["check", "--select", "E,W,F,I,B,UP", "--line-length", "99"],
+        ["format", "--check", "--line-length", "99"],
+    ):
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ruff",
+                *args,
+                "--isolated",
+                "--stdin-filename",
+                "loop.py",
+                "-",
+            ],
+            input=source,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_pytorch_loop_states_its_numbers_and_normaliser() -> None:
+    token_loop = _exports(_rec(6, 3, world=2)).pytorch_loop
+    assert "MICRO_BATCH = 6\n" in token_loop
+    assert "ACCUMULATION_STEPS = 3\n" in token_loop
+    assert "WORLD_SIZE = 2\n" in token_loop
+    assert "label tokens" in token_loop
+    assert "dist.all_reduce(num_targets)" in token_loop
+    sample_loop = _exports(_rec(6, 3), token_model=False).pytorch_loop
+    assert "samples in all of its micro-batches" in sample_loop
+    assert "label tokens" not in sample_loop
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop runs. Gradients are compared at the parameters before the update: train_step zeroes
+# gradients first and leaves them in place after optimizer.step().
+
+
+class CausalToyLM(nn.Module):
+    """Tiny causal LM: each position sees the running mean of the embeddings up to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2))
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        positions = torch.arange(1, x.shape[1] + 1, dtype=x.dtype)[:, None]
+        x = x.cumsum(dim=1) / positions
+        for block in self.blocks:
+            x = x + block(x)
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+class ToyClassifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 16), nn.Linear(16, 5)])
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.blocks[1](torch.tanh(self.blocks[0](inputs)))
+        return out
+
+
+def _token_batches(count: int, b: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """Right-padded micro-batches whose label counts differ a lot (lengths 2..SEQ_LEN)."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for index in range(count):
+        input_ids = torch.randint(VOCAB, (b, SEQ_LEN), generator=generator)
+        # Alternate short and long micro-batches so per-micro-batch means are badly unequal.
+        high = 4 if index % 2 == 0 else SEQ_LEN + 1
+        lengths = torch.randint(2, high, (b, 1), generator=generator)
+        labels = input_ids.masked_fill(torch.arange(SEQ_LEN) >= lengths, IGNORE_INDEX)
+        batches.append({"input_ids": input_ids, "labels": labels})
+    return batches
+
+
+def _sample_batches(count: int, b: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(b, 8, generator=generator), torch.randint(5, (b,), generator=generator))
+        for _ in range(count)
+    ]
+
+
+def _full_batch_token_grads(model: nn.Module, batches: list[dict[str, torch.Tensor]]) -> None:
+    input_ids = torch.cat([mb["input_ids"] for mb in batches])
+    labels = torch.cat([mb["labels"] for mb in batches])[:, 1:]
+    logits = model(input_ids)[:, :-1]
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    loss.backward()  # type: ignore[no-untyped-call]
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    grads = {}
+    for name, param in model.named_parameters():
+        assert param.grad is not None, name
+        grads[name.replace("module.", "").replace(".block.", ".")] = param.grad.clone()
+    return grads
+
+
+def _load_loop(source: str, name: str = "autotune_loop") -> dict[str, Any]:
+    namespace: dict[str, Any] = {"__name__": name}
+    exec(compile(source, "<pytorch_loop>", "exec"), namespace)
+    return namespace
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_token_loop_accumulates_the_full_batch_gradient(checkpointing: bool) -> None:
+    b, accumulation = 3, 4
+    loop = _load_loop(_exports(_rec(b, accumulation, checkpointing=checkpointing)).pytorch_loop)
+    batches = _token_batches(accumulation, b, seed=1)
+    torch.manual_seed(0)
+    reference = CausalToyLM()
+    model = loop["prepare_model"](copy.deepcopy(reference))
+    assert any(type(m).__name__ == "CheckpointedBlock" for m in model.modules()) is checkpointing
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    loss = loop["train_step"](model, optimizer, batches)
+
+    assert loss > 0
+    assert any(not torch.equal(p, q) for p, q in zip(before, model.parameters(), strict=True))
+    _full_batch_token_grads(reference, batches)
+    expected = _grads(reference)
+    torch.testing.assert_close(_grads(model), expected)
+
+    # The test has power: the old per-micro-batch mean divided by G gives other gradients.
+    naive = copy.deepcopy(reference)
+    naive.zero_grad()
+    for mb in batches:
+        logits = naive(mb["input_ids"])[:, :-1]
+        mean = F.cross_entropy(
+            logits.flatten(0, 1), mb["labels"][:, 1:].flatten(), ignore_index=IGNORE_INDEX
+        )
+        (mean / accumulation).backward()  # type: ignore[no-untyped-call]
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(_grads(naive), expected)
+
+
+def test_sample_loop_accumulates_the_full_batch_gradient() -> None:
+    b, accumulation = 4, 3
+    loop = _load_loop(_exports(_rec(b, accumulation), token_model=False).pytorch_loop)
+    batches = _sample_batches(accumulation, b, seed=2)
+    torch.manual_seed(0)
+    reference = ToyClassifier()
+    model = loop["prepare_model"](copy.deepcopy(reference))
+    loop["train_step"](model, torch.optim.SGD(model.parameters(), lr=0.1), batches)
+    inputs = torch.cat([x for x, _ in batches])
+    labels = torch.cat([y for _, y in batches])
+    F.cross_entropy(reference(inputs), labels).backward()  # type: ignore[no-untyped-call]
+    torch.testing.assert_close(_grads(model), _grads(reference))
+
+
+def test_train_groups_loader_batches_into_steps() -> None:
+    loop = _load_loop(_exports(_rec(2, 3), token_model=False).pytorch_loop)
+    model = loop["prepare_model"](ToyClassifier())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = loop["train"](model, optimizer, _sample_batches(7, 2, seed=3), num_steps=4)
+    assert len(losses) == 4
+    with pytest.raises(ValueError, match="fewer than 3 batches"):
+        loop["train"](model, optimizer, _sample_batches(2, 2, seed=3), num_steps=1)
+    with pytest.raises(ValueError, match="expected 3 micro-batches"):
+        loop["train_step"](model, optimizer, _sample_batches(2, 2, seed=3))
+
+
+@pytest.mark.parametrize("token_model", [True, False])
+def test_loop_runs_as_a_script(token_model: bool) -> None:
+    source = _exports(_rec(4, 2, checkpointing=True), token_model=token_model).pytorch_loop
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        _load_loop(source, name="__main__")
+    assert "loss per optimizer step" in out.getvalue()
+
+
+def test_loop_refuses_to_run_on_the_wrong_number_of_ranks() -> None:
+    loop = _load_loop(_exports(_rec(2, 2, world=4)).pytorch_loop)
+    model = CausalToyLM()
+    with pytest.raises(RuntimeError, match="tuned for 4 ranks but running on 1"):
+        loop["train_step"](model, torch.optim.SGD(model.parameters()), _token_batches(2, 2, 0))
+
+
+def _ddp_rank(
+    rank: int, source: str, batches: list[dict[str, torch.Tensor]], workdir: str
+) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=2)
+    try:
+        loop = _load_loop(source)
+        torch.manual_seed(0)
+        model = loop["prepare_model"](CausalToyLM())
+        accumulation = len(batches) // 2
+        mine = batches[rank * accumulation : (rank + 1) * accumulation]
+        loop["train_step"](model, torch.optim.SGD(model.parameters(), lr=0.1), mine)
+        if rank == 0:
+            torch.save(_grads(model), f"{workdir}/grads.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_token_loop_on_two_ddp_ranks_matches_the_full_batch(tmp_path: Path) -> None:
+    """Rank 0 gets short sequences, rank 1 long ones: DDP's plain mean over ranks would
+    over-weight rank 0's tokens; the all-reduced token count must not."""
+    b, accumulation = 2, 2
+    source = _exports(_rec(b, accumulation, world=2, checkpointing=True)).pytorch_loop
+    batches = _token_batches(2 * accumulation, b, seed=4)
+    batches.sort(key=lambda mb: int((mb["labels"] != IGNORE_INDEX).sum()))
+    spawn(_ddp_rank, args=(source, batches, str(tmp_path)), nprocs=2, join=True)  # type: ignore[no-untyped-call]
+
+    torch.manual_seed(0)
+    reference = CausalToyLM()
+    _full_batch_token_grads(reference, batches)
+    torch.testing.assert_close(torch.load(tmp_path / "grads.pt"), _grads(reference))

@@ -1,0 +1,254 @@
+"""The device layer on the CPU: emulated trials, OOM as a value, other errors untouched, a real
+CPU allocator failure in a child process, open_device, and the NVML inventory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from autotune.core.errors import DeviceError, SpecError
+from autotune.core.schemas import DeviceKind, Phase
+from autotune.engine.device import CudaDevice, EmulatedDevice, is_out_of_memory, open_device
+from autotune.engine.nvml import GpuInfo, format_cuda_version, read_gpus
+from autotune.engine.tracker import resident_tensors
+
+MiB = 2**20
+REPO = Path(__file__).resolve().parents[3]
+
+
+class MlpTrainer:
+    """A small MLP with SGD-momentum in steady state."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
+        self.step_fn(8)()
+
+    def step_fn(self, micro_batch: int) -> Callable[[], None]:
+        def step() -> None:
+            x = torch.randn(micro_batch, 64)
+            y = torch.randint(0, 10, (micro_batch,))
+            nn.functional.cross_entropy(self.model(x), y).backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+        return step
+
+    def resident(self) -> list[torch.Tensor]:
+        return resident_tensors(self.model, self.optimizer)
+
+
+@pytest.fixture
+def trainer() -> MlpTrainer:
+    return MlpTrainer()
+
+
+def test_emulated_trial_that_fits(trainer: MlpTrainer) -> None:
+    device = EmulatedDevice(64 * MiB)
+    outcome = device.run_trial(trainer.step_fn(32), micro_batch=32, resident=trainer.resident())
+    assert outcome.fits
+    assert outcome.oom_phase is None
+    assert set(outcome.phase_peak_bytes) == {Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER}
+    assert outcome.peak_bytes == max(outcome.phase_peak_bytes.values())
+    params_bytes = sum(p.numel() * 4 for p in trainer.model.parameters())
+    # Parameters and momentum are resident; the step adds activations and gradients on top.
+    assert 2 * params_bytes < outcome.peak_bytes < 64 * MiB
+    assert outcome.series is None
+
+
+def test_emulated_trial_that_does_not_fit_then_recovers(trainer: MlpTrainer) -> None:
+    roomy = EmulatedDevice(64 * MiB)
+    clean = roomy.run_trial(trainer.step_fn(512), micro_batch=512, resident=trainer.resident())
+    capacity_bytes = clean.peak_bytes - 4096
+    tight = EmulatedDevice(capacity_bytes)
+    outcome = tight.run_trial(trainer.step_fn(512), micro_batch=512, resident=trainer.resident())
+    assert not outcome.fits
+    assert outcome.oom_phase in (Phase.FORWARD, Phase.BACKWARD)
+    assert outcome.peak_bytes <= capacity_bytes
+    assert outcome.series is None
+    trainer.optimizer.zero_grad(set_to_none=True)
+    again = roomy.run_trial(
+        trainer.step_fn(512), micro_batch=512, resident=trainer.resident(), record_series=True
+    )
+    assert again.fits
+    assert again.peak_bytes == clean.peak_bytes
+    assert again.series is not None and max(again.series) == again.peak_bytes
+
+
+def test_emulated_device_info() -> None:
+    info = EmulatedDevice(3 * 2**30).info
+    assert info.kind is DeviceKind.EMULATED
+    assert info.capacity_bytes == info.total_memory_bytes == 3 * 2**30
+    assert info.torch_version == torch.__version__
+    assert "3.00 GiB" in info.name
+    assert EmulatedDevice(MiB).torch_device == torch.device("cpu")
+    with pytest.raises(SpecError):
+        EmulatedDevice(0)
+
+
+def test_a_value_error_in_the_step_propagates_unchanged(trainer: MlpTrainer) -> None:
+    def step() -> None:
+        trainer.step_fn(4)()
+        raise ValueError("labels out of range: 12")
+
+    with pytest.raises(ValueError, match=r"^labels out of range: 12$"):
+        EmulatedDevice(64 * MiB).run_trial(step, micro_batch=1, resident=trainer.resident())
+
+
+def test_a_runtime_error_that_is_not_oom_propagates(trainer: MlpTrainer) -> None:
+    def step() -> None:
+        trainer.model(torch.randn(4, 63))  # wrong input width: a real shape error
+
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as caught:
+        EmulatedDevice(64 * MiB).run_trial(step, micro_batch=1, resident=trainer.resident())
+    assert type(caught.value) is RuntimeError
+
+
+_CHILD = textwrap.dedent(
+    """
+    import json, resource, sys
+    import torch
+    from autotune.engine.device import EmulatedDevice
+
+    def address_space_bytes():
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmSize")
+
+    torch.ones(8) @ torch.ones(8)  # start the intra-op threads before the limit
+    limit = address_space_bytes() + 256 * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    device = EmulatedDevice(2**40)  # the tracker never objects: only the real allocator can
+    huge = device.run_trial(lambda: torch.empty(2**30), micro_batch=1, resident=[])
+    small = device.run_trial(lambda: torch.ones(2**20).sum(), micro_batch=1, resident=[])
+    print(json.dumps({
+        "huge_fits": huge.fits, "huge_oom_phase": huge.oom_phase,
+        "small_fits": small.fits, "small_peak_bytes": small.peak_bytes,
+    }))
+    """
+)
+
+
+def test_a_real_cpu_allocator_failure_is_out_of_memory() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {
+        "huge_fits": False,
+        "huge_oom_phase": "forward",
+        "small_fits": True,
+        "small_peak_bytes": 4 * MiB + 512,  # the sum's scalar takes one block
+    }
+
+
+def test_is_out_of_memory() -> None:
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+    assert torch.cuda.OutOfMemoryError is torch.OutOfMemoryError
+    cpu_failure = (
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+        "memory: you tried to allocate 419430400 bytes. Error code 12 (Cannot allocate memory)"
+    )
+    assert is_out_of_memory(RuntimeError(cpu_failure))
+    assert is_out_of_memory(RuntimeError("CUDA error: out of memory"))
+    assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_out_of_memory(ValueError("DefaultCPUAllocator: can't allocate memory"))
+    assert not is_out_of_memory(MemoryError())
+
+
+def test_open_device_cpu() -> None:
+    device = open_device("cpu", 2 * 2**30)
+    assert isinstance(device, EmulatedDevice)
+    assert device.info.capacity_bytes == 2 * 2**30
+    with pytest.raises(SpecError, match="--memory: required with the emulated cpu device"):
+        open_device("cpu")
+    with pytest.raises(SpecError, match="positive"):
+        open_device("cpu", 0)
+    with pytest.raises(SpecError, match="unknown device 'tpu'"):
+        open_device("tpu", 2**30)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+@pytest.mark.parametrize("name", ["cuda", "cuda:1"])
+def test_open_device_cuda_without_cuda(name: str) -> None:
+    with pytest.raises(DeviceError, match="CUDA is not available.*--device cpu --memory"):
+        open_device(name)
+    with pytest.raises(DeviceError):
+        CudaDevice()
+
+
+def test_format_cuda_version() -> None:
+    assert format_cuda_version(12040) == "12.4"
+    assert format_cuda_version(11080) == "11.8"
+    assert format_cuda_version(13000) == "13.0"
+
+
+def test_read_gpus_matches_what_nvml_can_see() -> None:
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        assert read_gpus() == []  # this machine: NVMLError_LibraryNotFound
+        return
+    count = pynvml.nvmlDeviceGetCount()
+    pynvml.nvmlShutdown()
+    gpus = read_gpus()
+    assert [gpu.index for gpu in gpus] == list(range(count))
+    for gpu in gpus:
+        assert isinstance(gpu, GpuInfo)
+        assert gpu.uuid.startswith(("GPU-", "MIG-"))
+        assert 0 <= gpu.used_bytes <= gpu.total_memory_bytes
+
+
+def test_inventory_imports_without_torch() -> None:
+    code = "import sys, autotune.engine.nvml; print('torch' in sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+
+
+def test_untracked_trials_are_for_timing_only(trainer: MlpTrainer) -> None:
+    # Untracked, even a tiny capacity is not enforced: the caller must have checked the fit.
+    tiny = EmulatedDevice(MiB // 4)
+    assert not tiny.run_trial(
+        trainer.step_fn(512), micro_batch=512, resident=trainer.resident()
+    ).fits
+    trainer.optimizer.zero_grad(set_to_none=True)
+    outcome = tiny.run_trial(
+        trainer.step_fn(512), micro_batch=512, resident=trainer.resident(), track=False
+    )
+    assert outcome.fits
+    assert outcome.peak_bytes == 0
+    assert outcome.phase_peak_bytes == {}
+
+
+def test_untracked_trials_still_catch_only_out_of_memory(trainer: MlpTrainer) -> None:
+    device = EmulatedDevice(64 * MiB)
+
+    def oom() -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    outcome = device.run_trial(oom, micro_batch=1, resident=[], track=False)
+    assert not outcome.fits
+    assert outcome.oom_phase is Phase.FORWARD
+
+    def bug() -> None:
+        raise KeyError("input_ids")
+
+    with pytest.raises(KeyError, match="input_ids"):
+        device.run_trial(bug, micro_batch=1, resident=[], track=False)

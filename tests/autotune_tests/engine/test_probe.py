@@ -1,0 +1,151 @@
+"""The probe end to end on the emulated GPU: exact answers, only OOM becomes `fits=False`."""
+
+from __future__ import annotations
+
+import pytest
+
+from autotune.core.presets import PRESETS
+from autotune.core.schemas import Phase, Spec
+from autotune.engine.device import EmulatedDevice
+from autotune.engine.probe import probe, run_step
+from autotune.engine.runner import InProcessRunner
+
+# The smallest preset of each family: within a family the presets differ only in size, which the
+# search does not care about (test_zoo.py runs every preset); short sequences keep them quick.
+FAMILY_PRESETS = ["cnn", "gpt2-tiny", "llama-tiny", "mlp"]
+SEQ_LEN = 32
+HUGE_BYTES = 1 << 40
+
+
+def preset_spec(name: str, **training: object) -> Spec:
+    settings: dict[str, object] = {"max_micro_batch": 64, **training}
+    if PRESETS[name].kind == "decoder":
+        settings.setdefault("seq_len", SEQ_LEN)
+    return Spec.model_validate({"model": {"preset": name}, "training": settings})
+
+
+def capacity_for_about_four(spec: Spec) -> int:
+    """A capacity where the plain step fits about four samples: extrapolated from b=2 and 3."""
+    session = InProcessRunner(spec, EmulatedDevice(HUGE_BYTES))
+    assert session.warm_up().fits
+    peak2 = session.trial(2).peak_bytes
+    peak3 = session.trial(3).peak_bytes
+    return peak3 + (peak3 - peak2) * 3 // 2
+
+
+def _family(name: str) -> str:
+    return getattr(PRESETS[name], "family", PRESETS[name].kind)
+
+
+def test_the_family_presets_cover_every_family() -> None:
+    assert {_family(name) for name in FAMILY_PRESETS} == {_family(name) for name in PRESETS}
+
+
+@pytest.mark.parametrize("name", FAMILY_PRESETS)
+def test_probe_result_fits_and_one_more_does_not(name: str) -> None:
+    spec = preset_spec(name)
+    device = EmulatedDevice(capacity_for_about_four(spec))
+    result = probe(spec, device)
+
+    assert [mode.checkpointing for mode in result.modes] == [False, True]
+    for mode in result.modes:
+        b = mode.max_micro_batch
+        assert b >= 1
+        # Checked independently: a fresh model and optimizer on a fresh device of that size.
+        fresh = InProcessRunner(spec, EmulatedDevice(device.info.capacity_bytes))
+        assert fresh.warm_up(checkpointing=mode.checkpointing).fits
+        assert fresh.trial(b, checkpointing=mode.checkpointing).fits
+        if not mode.capped:
+            after = fresh.trial(b + 1, checkpointing=mode.checkpointing)
+            assert not after.fits
+            assert after.peak_bytes <= device.info.capacity_bytes
+        # Every attempt agrees with the answer (memory is monotone in b).
+        for attempt in mode.attempts:
+            assert attempt.fits == (attempt.micro_batch <= b)
+        assert mode.recommended_micro_batch <= b
+    plain, checkpointed = result.modes
+    assert checkpointed.max_micro_batch >= plain.max_micro_batch
+
+
+def test_probe_is_frugal_on_a_preset() -> None:
+    spec = preset_spec("gpt2-tiny")
+    result = probe(spec, EmulatedDevice(capacity_for_about_four(spec) * 3))
+    for mode in result.modes:
+        assert len(mode.attempts) <= 4, [a.micro_batch for a in mode.attempts]
+
+
+def test_headroom_lowers_the_recommendation_not_the_max() -> None:
+    spec = preset_spec("gpt2-tiny", headroom=0.3)
+    device = EmulatedDevice(capacity_for_about_four(spec) * 2)
+    plain = probe(spec, device).modes[0]
+    assert plain.recommended_micro_batch < plain.max_micro_batch
+    budget = int(device.info.capacity_bytes * 0.7)
+    rec = run_step(
+        spec,
+        EmulatedDevice(budget),
+        micro_batch=plain.recommended_micro_batch,
+        checkpointing=False,
+    )
+    assert rec.fits
+    more = run_step(
+        spec,
+        EmulatedDevice(budget),
+        micro_batch=plain.recommended_micro_batch + 1,
+        checkpointing=False,
+    )
+    assert not more.fits
+
+
+def test_nothing_fits_gives_zero_with_the_attempt() -> None:
+    spec = preset_spec("gpt2-tiny")
+    result = probe(spec, EmulatedDevice(1 << 20))
+    assert [mode.max_micro_batch for mode in result.modes] == [0, 0]
+    assert all(not mode.attempts[0].fits for mode in result.modes)
+
+
+def factory_spec(factory: str) -> Spec:
+    return Spec.model_validate(
+        {
+            "model": {"factory": f"tests.autotune_tests.probe_factories:{factory}"},
+            "training": {"max_micro_batch": 32},
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("factory", "expected_max"),
+    [("real_oom_above_5", 5), ("cpu_allocator_failure_above_4", 4)],
+)
+def test_out_of_memory_by_type_never_escapes(factory: str, expected_max: int) -> None:
+    result = probe(factory_spec(factory), EmulatedDevice(HUGE_BYTES))
+    assert [mode.max_micro_batch for mode in result.modes] == [expected_max]
+
+
+@pytest.mark.parametrize(
+    ("factory", "error", "message"),
+    [
+        ("value_error_above_2", ValueError, "shape mismatch in user model"),
+        ("runtime_error_above_2", RuntimeError, "CUDA error: an illegal memory access"),
+    ],
+)
+def test_other_errors_surface_with_their_own_message(
+    factory: str, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        probe(factory_spec(factory), EmulatedDevice(HUGE_BYTES))
+
+
+def test_an_optimizer_that_ran_out_while_building_its_state_steps_again() -> None:
+    """AdamW builds its state (exp_avg, exp_avg_sq) lazily in the first step. Out of memory
+    half-way left one parameter with exp_avg only, and the next warm-up (the checkpointing mode)
+    raised KeyError: 'exp_avg_sq' out of `autotune tune` instead of answering "nothing fits"."""
+    spec = preset_spec("mlp")
+    params_bytes = sum(
+        p.numel() * p.element_size()
+        for p in InProcessRunner(spec, EmulatedDevice(HUGE_BYTES)).step.model.parameters()
+    )
+    # Parameters and gradients fit, the optimizer's two state tensors per parameter do not.
+    result = probe(spec, EmulatedDevice(3 * params_bytes))
+    assert [mode.max_micro_batch for mode in result.modes] == [0, 0]
+    for mode in result.modes:
+        assert [(a.fits, a.oom_phase) for a in mode.attempts] == [(False, Phase.OPTIMIZER)]

@@ -1,0 +1,176 @@
+"""The training-step kernel: exact gradient accumulation, every precision and optimizer, undo."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from autotune.core.errors import SpecError
+from autotune.core.schemas import OptimizerName, Precision, TrainingSpec
+from autotune.engine.step import TrainingStep, accumulate_gradients
+from autotune.engine.workload import Batch, Workload
+from tests.autotune_tests.factories import (
+    TINY_LLAMA,
+    padded_lm,
+    tiny_classifier_without_checkpointing,
+    tiny_lm,
+)
+
+CPU = torch.device("cpu")
+# Very different lengths, so that per-micro-batch token counts differ a lot: this is where the
+# mean-of-means normalisation goes wrong.
+LENGTHS = [3, 29, 5, 24, 2, 9, 31, 12]
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _micro_batches(micro_batch: int) -> tuple[Workload, list[Batch]]:
+    workload, _ = padded_lm(LENGTHS)
+    count = len(LENGTHS) // micro_batch
+    return workload, [workload.make_batch(micro_batch, CPU) for _ in range(count)]
+
+
+def _mean_of_means(workload: Workload, batches: list[Batch]) -> None:
+    """The pre-October-2024 normalisation: each micro-batch by its own count, then by G."""
+    for batch in batches:
+        loss = workload.loss_sum(workload.model, batch) / workload.num_items(batch)
+        torch.autograd.backward(loss / len(batches))
+
+
+@pytest.mark.parametrize("micro_batch", [1, 2, 4])
+def test_accumulated_gradient_equals_the_full_batch_gradient(micro_batch: int) -> None:
+    full, full_batches = _micro_batches(len(LENGTHS))
+    full_loss = accumulate_gradients(full.model, full.loss_sum, full.num_items, full_batches)
+    expected = _grads(full.model)
+
+    accum, batches = _micro_batches(micro_batch)
+    # Padding differs: each micro-batch is padded only to its own longest sample.
+    assert {b["input_ids"].shape[1] for b in batches} != {full_batches[0]["input_ids"].shape[1]}
+    loss = accumulate_gradients(accum.model, accum.loss_sum, accum.num_items, batches)
+    torch.testing.assert_close(loss, full_loss, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(_grads(accum.model), expected, rtol=RTOL, atol=ATOL)
+
+    _mean_of_means(accum, batches)
+    naive = _grads(accum.model)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(naive, expected, rtol=RTOL, atol=ATOL)
+
+
+def test_run_applies_the_full_batch_gradient() -> None:
+    """End to end through run(): SGD's first momentum buffer is exactly the step's gradient."""
+    training = TrainingSpec(optimizer=OptimizerName.SGD)
+    momenta = []
+    losses = []
+    for micro_batch, steps in [(8, 1), (2, 4)]:
+        workload, pool = padded_lm(LENGTHS)
+        step = TrainingStep(workload, training, CPU)
+        losses.append(step.run(micro_batch, accumulation_steps=steps))
+        assert pool.cursor == len(LENGTHS)
+        momenta.append(
+            [step.optimizer.state[p]["momentum_buffer"] for p in step.model.parameters()]
+        )
+    assert losses[1] == pytest.approx(losses[0], rel=RTOL)
+    torch.testing.assert_close(momenta[1], momenta[0], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize(
+    ("precision", "optimizer"), list(itertools.product(Precision, OptimizerName))
+)
+def test_run_trains_in_every_precision_and_optimizer(
+    precision: Precision, optimizer: OptimizerName
+) -> None:
+    torch.manual_seed(0)
+    training = TrainingSpec(seq_len=16, precision=precision, optimizer=optimizer)
+    step = TrainingStep(tiny_lm(training), training, CPU)
+    before = [p.detach().clone() for p in step.model.parameters()]
+    loss = step.run(micro_batch=2, accumulation_steps=2)
+    assert loss == pytest.approx(torch.log(torch.tensor(TINY_LLAMA.vocab_size)).item(), rel=0.2)
+    assert all(p.grad is None for p in step.model.parameters())
+    changed = [not torch.equal(b, p) for b, p in zip(before, step.model.parameters(), strict=True)]
+    assert all(changed)
+    assert all(p.dtype == torch.float32 for p in step.model.parameters())  # fp32 master weights
+    assert (step.scaler is not None) == (precision is Precision.FP16)
+
+
+def test_checkpointing_toggles_the_model_and_keeps_the_loss() -> None:
+    training = TrainingSpec(optimizer=OptimizerName.SGD)
+    losses = []
+    for checkpointing in (False, True):
+        workload, _ = padded_lm(LENGTHS, preset=TINY_LLAMA)
+        step = TrainingStep(workload, training, CPU)
+        step.checkpointing = checkpointing
+        assert step.model.gradient_checkpointing is checkpointing
+        losses.append(step.run(4, accumulation_steps=2))
+    assert losses[1] == pytest.approx(losses[0], rel=RTOL)
+
+
+def test_checkpointing_is_a_spec_error_when_the_workload_cannot() -> None:
+    training = TrainingSpec(input_shape=(8,))
+    step = TrainingStep(tiny_classifier_without_checkpointing(training), training, CPU)
+    step.checkpointing = False  # turning it off is always fine
+    with pytest.raises(SpecError, match="checkpointing"):
+        step.checkpointing = True
+    assert step.checkpointing is False
+    assert step.run(4) > 0
+
+
+def test_resident_tensors_are_params_buffers_and_optimizer_state() -> None:
+    torch.manual_seed(0)
+    training = TrainingSpec(seq_len=8, precision=Precision.FP16)
+    step = TrainingStep(tiny_lm(training), training, CPU)
+    step.run(2)
+    resident = {t.data_ptr() for t in step.resident_tensors()}
+    params = list(step.model.parameters())
+    assert {p.data_ptr() for p in params} <= resident
+    for p in params:
+        state = step.optimizer.state[p]
+        assert {state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr()} <= resident
+    assert step.scaler is not None and step.scaler._scale is not None
+    assert step.scaler._scale.data_ptr() in resident
+    # Gradients exist only mid-step; the list includes them then.
+    loss = step.model(torch.zeros(1, 4, dtype=torch.int64)).sum()
+    torch.autograd.backward(loss)
+    with_grads = {t.data_ptr() for t in step.resident_tensors()}
+    assert all(p.grad is not None and p.grad.data_ptr() in with_grads for p in params)
+    step.clear_grads()
+    assert all(p.grad is None for p in params)
+
+
+def _state(step: TrainingStep) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    params = {n: p.detach().clone() for n, p in step.model.named_parameters()}
+    optimizer = [
+        {k: v.clone() for k, v in step.optimizer.state[p].items() if isinstance(v, torch.Tensor)}
+        for p in step.model.parameters()
+    ]
+    return params, optimizer
+
+
+@pytest.mark.parametrize("optimizer", list(OptimizerName))
+def test_restore_undoes_steps_exactly(optimizer: OptimizerName) -> None:
+    torch.manual_seed(0)
+    training = TrainingSpec(seq_len=8, optimizer=optimizer, precision=Precision.FP16)
+    step = TrainingStep(tiny_lm(training), training, CPU)
+    step.run(2)  # creates the optimizer and scaler state
+    snapshot = step.snapshot()
+    saved = _state(step)
+    scale = step.scaler.get_scale() if step.scaler else None
+    for _ in range(2):
+        step.run(2)
+        assert not torch.equal(_state(step)[0]["lm_head.weight"], saved[0]["lm_head.weight"])
+        step.restore(snapshot)
+        params, state = _state(step)
+        torch.testing.assert_close(params, saved[0], rtol=0, atol=0)
+        torch.testing.assert_close(state, saved[1], rtol=0, atol=0)
+        assert step.scaler is not None and step.scaler.get_scale() == scale
+    # The restored optimizer still steps (its state is live again, not the snapshot's).
+    step.run(2)
+    step.restore(snapshot)
+    torch.testing.assert_close(_state(step)[1], saved[1], rtol=0, atol=0)

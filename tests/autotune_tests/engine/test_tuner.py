@@ -1,0 +1,226 @@
+"""The tuner end to end on the emulated GPU: exact target batch, fits, explains what it cannot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import optuna
+import pytest
+
+from autotune.core.candidates import Candidate
+from autotune.core.schemas import Spec, TrialState, TuneResult
+from autotune.engine.device import EmulatedDevice
+from autotune.engine.runner import InProcessRunner
+from autotune.engine.tuner import default_trial_budget, priority_candidates, tune
+
+MiB = 2**20
+CAPACITY_BYTES = 120 * MiB  # gpt2-tiny at 32 tokens: about 10 samples without checkpointing
+
+
+def tiny_spec(**training: object) -> Spec:
+    settings: dict[str, object] = {"seq_len": 32, "max_micro_batch": 64, **training}
+    return Spec.model_validate({"model": {"preset": "gpt2-tiny"}, "training": settings})
+
+
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'tune.db'}"
+
+
+Tuned = tuple[Spec, TuneResult, str]
+STUDY_NAME = "my-study"
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int, int], Tuned]:
+    """Tunes each (target, world size) once per module, in a study named STUDY_NAME; returns
+    the spec, the result and the study's storage URL. A tuning is the costly part of a test."""
+    done: dict[tuple[int, int], Tuned] = {}
+
+    def get(target: int, world_size: int) -> Tuned:
+        if (target, world_size) not in done:
+            spec = tiny_spec(target_global_batch=target, world_size=world_size)
+            url = sqlite_url(tmp_path_factory.mktemp("tune"))
+            result = tune(
+                spec,
+                EmulatedDevice(CAPACITY_BYTES),
+                storage_url=url,
+                study_name=STUDY_NAME,
+                target_seconds=0.05,
+            )
+            done[target, world_size] = (spec, result, url)
+        return done[target, world_size]
+
+    return get
+
+
+@pytest.mark.parametrize(("target", "world_size"), [(32, 1), (24, 2)])
+def test_recommendation_hits_the_target_exactly_and_fits(
+    tuned: Callable[[int, int], Tuned], target: int, world_size: int
+) -> None:
+    spec, result, _ = tuned(target, world_size)
+
+    rec = result.recommendation
+    assert rec is not None
+    assert rec.micro_batch * rec.accumulation_steps * rec.world_size == target
+    assert rec.global_batch == target
+    assert rec.peak_bytes <= int(CAPACITY_BYTES * (1 - spec.training.headroom))
+    assert rec.samples_per_s > 0
+    # It really fits: a fresh model on a fresh device runs that exact step.
+    session = InProcessRunner(spec, EmulatedDevice(CAPACITY_BYTES))
+    assert session.warm_up(checkpointing=rec.checkpointing).fits
+    assert session.trial(
+        rec.micro_batch, rec.accumulation_steps, checkpointing=rec.checkpointing
+    ).fits
+    # Every measured trial hits the target too, and the best one is the recommendation.
+    complete = [t for t in result.trials if t.state is TrialState.COMPLETE]
+    for trial in result.trials:
+        assert trial.micro_batch * trial.accumulation_steps * world_size == target
+    assert max(t.samples_per_s or 0 for t in complete) == rec.samples_per_s
+    assert result.exports is not None
+    assert result.exports.deepspeed["train_batch_size"] == target
+
+
+def test_the_study_is_stored_for_the_dashboard(tuned: Callable[[int, int], Tuned]) -> None:
+    _, result, url = tuned(32, 1)
+    study = optuna.load_study(study_name=STUDY_NAME, storage=url)
+    assert result.study_name == STUDY_NAME
+    assert len({t.number for t in study.trials}) >= len(result.trials)
+
+
+def test_accumulation_limit_is_found_and_respected(tuned: Callable[[int, int], Tuned]) -> None:
+    _, result, _ = tuned(32, 1)
+    for mode in result.probe.modes:
+        assert mode.accumulating_micro_batch is not None
+        # Gradients alive across micro-batches can only lower the limit.
+        assert mode.accumulating_micro_batch <= mode.recommended_micro_batch
+    limit = {m.checkpointing: m.accumulating_micro_batch for m in result.probe.modes}
+    for trial in result.trials:
+        assert trial.micro_batch <= (limit[trial.checkpointing] or 0)
+
+
+def test_an_indivisible_target_is_explained_not_changed(tmp_path: Path) -> None:
+    result = tune(
+        tiny_spec(target_global_batch=7, world_size=2),
+        EmulatedDevice(CAPACITY_BYTES),
+        storage_url=sqlite_url(tmp_path),
+        target_seconds=0.05,
+    )
+    assert result.recommendation is None
+    assert result.trials == []
+    assert result.infeasible is not None
+    assert "not divisible by world size 2" in result.infeasible.reason
+    assert (result.infeasible.nearest_below, result.infeasible.nearest_above) == (6, 8)
+
+
+def test_nothing_fits_is_explained(tmp_path: Path) -> None:
+    result = tune(
+        tiny_spec(target_global_batch=8), EmulatedDevice(MiB), storage_url=sqlite_url(tmp_path)
+    )
+    assert result.recommendation is None
+    assert result.infeasible is not None
+    assert "not even a micro-batch of 1 fits" in result.infeasible.reason
+
+
+def test_a_target_that_needs_accumulation_that_does_not_fit_is_explained(tmp_path: Path) -> None:
+    # At 108 MiB micro-batch 1 fits alone, but not with an earlier micro-batch's gradients held,
+    # so the target 4 (4 x 1, accumulated) cannot be reached; this raised ValueError before.
+    spec = Spec.model_validate(
+        {
+            "model": {"preset": "gpt2-tiny"},
+            "training": {"seq_len": 8, "max_micro_batch": 1, "target_global_batch": 4},
+        }
+    )
+    result = tune(spec, EmulatedDevice(108 * MiB), storage_url=sqlite_url(tmp_path))
+    assert [
+        (m.recommended_micro_batch, m.accumulating_micro_batch) for m in result.probe.modes
+    ] == [
+        (1, 0),
+        (1, 0),
+    ]
+    assert result.recommendation is None and result.trials == []
+    assert result.infeasible is not None
+    assert "needs gradient accumulation" in result.infeasible.reason
+    assert (result.infeasible.nearest_below, result.infeasible.nearest_above) == (1, None)
+
+
+def test_priority_and_budget() -> None:
+    candidates = [Candidate(b, 32 // b, False) for b in (1, 2, 4, 8)] + [
+        Candidate(b, 32 // b, True) for b in (1, 2, 4, 8, 16)
+    ]
+    assert priority_candidates(candidates) == [
+        Candidate(8, 4, False),
+        Candidate(16, 2, True),
+        Candidate(4, 8, False),
+    ]
+    # Checkpointing at a micro-batch that fits without it is never a priority.
+    no_gain = [Candidate(4, 8, False), Candidate(4, 8, True), Candidate(2, 16, True)]
+    assert priority_candidates(no_gain) == [Candidate(4, 8, False)]
+    assert default_trial_budget(2) == 2
+    assert default_trial_budget(9) == 3
+    assert default_trial_budget(40) == 10
+
+
+def test_cli_tune_json(tmp_path: Path) -> None:
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(
+        "model: {preset: gpt2-tiny}\ntraining: {seq_len: 32, target_global_batch: 16}\n"
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autotune.cli.main",
+            "tune",
+            str(spec_path),
+            "--device",
+            "cpu",
+            "--memory",
+            "120MiB",
+            "--json",
+            "--db",
+            sqlite_url(tmp_path),
+            "--seconds-per-trial",
+            "0.05",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    document = json.loads(done.stdout)
+    assert set(document) >= {"recommendation", "exports", "trials", "probe"}
+    assert set(document["exports"]) >= {"hf", "axolotl", "deepspeed", "lightning"}
+    rec = document["recommendation"]
+    assert rec["micro_batch"] * rec["accumulation_steps"] * rec["world_size"] == 16
+    assert "trial" in done.stderr  # progress on stderr
+
+
+def test_cli_tune_needs_a_target(tmp_path: Path) -> None:
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text("model: {preset: gpt2-tiny}\ntraining: {seq_len: 32}\n")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autotune.cli.main",
+            "tune",
+            str(spec_path),
+            "--device",
+            "cpu",
+            "--memory",
+            "120MiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2
+    assert (
+        done.stderr.strip() == "autotune: error: training.target_global_batch: required for tuning"
+    )

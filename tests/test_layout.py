@@ -1,0 +1,52 @@
+"""The README's layout table matches the tree: every module of the three packages is listed
+(by its path, or by its folder where the table names a folder), and every path it lists exists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("autotune", "api", "probes")
+
+
+def layout_paths() -> set[str]:
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("\n| module | what it owns |\n", 1)[1].split("\n\n", 1)[0]
+    # A bold first cell heads a layer; the rows under it list its modules.
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "**" not in line]
+    return {path for row in rows for path in re.findall(r"`([\w./-]+/?)`", row.split("|")[1])}
+
+
+def modules() -> list[str]:
+    found = []
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            if path.name != "__init__.py":
+                found.append(path.relative_to(REPO).as_posix())
+    return found
+
+
+def test_every_module_is_in_the_layout_table() -> None:
+    listed = layout_paths()
+    folders = {p for p in listed if p.endswith("/")}
+    missing = [m for m in modules() if m not in listed and not m.startswith(tuple(folders))]
+    assert not missing, f"README.md layout table misses {missing}"
+
+
+def test_every_listed_path_exists() -> None:
+    absent = sorted(p for p in layout_paths() if not (REPO / p).exists())
+    assert not absent, f"README.md layout table lists {absent}, which do not exist"
+
+
+def test_tests_mirror_the_layers() -> None:
+    for layer in ("core", "engine", "cli"):
+        tests = REPO / "tests" / "autotune_tests" / layer
+        for test in tests.glob("test_*.py"):
+            module = test.name.removeprefix("test_")
+            # A test file is named after the module it tests, or after a behaviour of its layer.
+            assert (REPO / "autotune" / layer / module).exists() or test.name in {
+                "test_device_gpu.py",
+                "test_plugin_commands.py",
+                "test_readme_factory.py",
+            }, f"{test} tests no module of autotune/{layer}/"
