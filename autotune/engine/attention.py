@@ -128,13 +128,15 @@ class _FusedAttention(torch.autograd.Function):
                 query, key, value, mask, dropout_p, is_causal, scale, seed
             )
         output, logsumexp = _visible(output, like=query), _visible(logsumexp)
-        ctx.save_for_backward(query, key, value, mask, output, logsumexp)
+        # The output last: checkpoint recomputation under a function mode packs a Function's
+        # outputs after its other saved tensors, and checkpoint matches them by position.
+        ctx.save_for_backward(query, key, value, mask, logsumexp, output)
         ctx.dropout_p, ctx.is_causal, ctx.scale, ctx.seed = dropout_p, is_causal, scale, seed
         return output
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        query, key, value, mask, _output, _logsumexp = ctx.saved_tensors
+        query, key, value, mask, _logsumexp, _output = ctx.saved_tensors
         with torch.enable_grad(), _disable_current_modes():
             q, k, v = (t.detach().requires_grad_() for t in (query, key, value))
             output, _ = _attention(
