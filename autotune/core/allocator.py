@@ -118,18 +118,33 @@ class SegmentInfo:
 
 
 class CachingAllocator:
-    """The caching allocator of one device with `capacity_bytes` of memory.
+    """The caching allocator of one device on which `capacity_bytes` of memory are free.
 
     `malloc` and `free` follow `DeviceCachingAllocator::malloc` and `::free`; `empty_cache`
     is `emptyCache`. A per-process limit (`per_process_memory_fraction` in the config, or
-    `set_memory_fraction`) is checked as torch checks it; the device's own memory is checked as
+    `set_memory_fraction`) is checked as torch checks it; the free memory is checked as
     cudaMalloc and cuMemCreate would: `reserved_bytes` never exceeds `capacity_bytes`.
+
+    Args:
+        capacity_bytes: the memory the allocator can get from the device.
+        config: the allocator settings (torch's defaults when None).
+        device_total_bytes: the device's whole memory (`totalGlobalMem`), which a memory
+            fraction is a fraction of; the capacity when None (nothing else on the device).
     """
 
-    def __init__(self, capacity_bytes: int, config: AllocatorConfig | None = None) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        config: AllocatorConfig | None = None,
+        *,
+        device_total_bytes: int | None = None,
+    ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
+        self.device_total_bytes = device_total_bytes or capacity_bytes
+        if self.device_total_bytes < capacity_bytes:
+            raise ValueError("the device's total memory is less than the capacity")
         self._config = AllocatorConfig()
         self.reconfigure(config or AllocatorConfig())
         self.limit_bytes: int | None = None
@@ -161,7 +176,7 @@ class CachingAllocator:
         """`setMemoryFraction`: limit the reserved memory to `fraction` of the device's."""
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"invalid fraction {fraction}, set it within [0, 1]")
-        self.limit_bytes = int(fraction * self.capacity_bytes) if fraction < 1.0 else None
+        self.limit_bytes = int(fraction * self.device_total_bytes) if fraction < 1.0 else None
 
     # -- public operations ------------------------------------------------------------------
 
@@ -473,7 +488,7 @@ class CachingAllocator:
                 return candidate
         page = SMALL_BUFFER_BYTES if pool.small else self._config.large_segment_bytes
         # Address space for 1 1/8 of the device's memory (ExpandableSegment's constructor).
-        total = self.capacity_bytes + self.capacity_bytes // 8
+        total = self.device_total_bytes + self.device_total_bytes // 8
         space = -(-total // page) * page
         segment = Segment(self._take_address(space), page_bytes=page)
         candidate = Block(segment.base, space, pool.small, segment, mapped=False)
