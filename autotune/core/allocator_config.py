@@ -7,7 +7,9 @@ device-generic keys in `c10/core/AllocatorConfig.cpp` (`AcceleratorAllocatorConf
 and its `parse*` helpers); the CUDA keys in `c10/cuda/CUDAAllocatorConfig.cpp`
 (`CUDAAllocatorConfig::parseArgs`, whose key list is `getKeys()` in `CUDAAllocatorConfig.h`).
 Torch accepts every string this module accepts; this module is stricter where torch misreads a
-value silently (`std::stoull` reads `-1` as 2^64 - 1 and `30;` as 30): those are refused.
+string silently: `std::stoull` reads `-1` as 2^64 - 1 and `30;` as 30, and the `:` and `,`
+separators are never checked (`ConfigTokenizer::checkToken` returns a bool the parsers ignore),
+so `max_split_size_mb:40,,expandable_segments:True` drops its last setting. Those are refused.
 """
 
 from __future__ import annotations
@@ -125,7 +127,24 @@ _SIZE_KEYS = frozenset(
         "pinned_reserve_segment_size_mb",
     }
 )
+# AcceleratorAllocatorConfig::getKeys() and CUDAAllocatorConfig::getKeys(): a CUDA build refuses
+# any other key.
+_KEYS = (
+    _BOOL_KEYS
+    | _SIZE_KEYS
+    | {
+        "large_segment_size_mb",
+        "max_split_size_mb",
+        "max_non_split_rounding_mb",
+        "garbage_collection_threshold",
+        "roundup_power2_divisions",
+        "per_process_memory_fraction",
+        "backend",
+        "pinned_num_register_threads",
+    }
+)
 _PINNED_MAX_REGISTER_THREADS = 128  # CUDAAllocatorConfig::pinned_max_register_threads
+_SIZE_MAX = 2**64 - 1
 
 
 def _tokenize(text: str) -> list[str]:
@@ -182,6 +201,8 @@ class _Parser:
         value = self.token(index, f"a value for {key}")
         if not _INTEGER.fullmatch(value):
             raise self.fail(f"{key}: expected a non-negative integer, got {value!r}")
+        if int(value) > _SIZE_MAX:
+            raise self.fail(f"{key}: {value} is out of range")  # std::stoull throws
         return int(value)
 
     def decimal(self, index: int, key: str) -> float:
@@ -200,7 +221,7 @@ class _Parser:
         value_mb = self.integer(index, key)
         if value_mb < minimum_mb:
             raise self.fail(f"{key} too small, must be >= {minimum_mb}, got {value_mb}")
-        return value_mb * MIB
+        return min(value_mb, _SIZE_MAX // MIB) * MIB
 
     def parse(self) -> AllocatorConfig:
         # large_segment_size_mb first, wherever it is: two minimums below depend on it.
@@ -210,7 +231,7 @@ class _Parser:
                 value_mb = self.integer(index + 2, key)
                 if value_mb <= MIN_LARGE_ALLOC_BYTES // MIB:
                     raise self.fail(f"{key} must be > {MIN_LARGE_ALLOC_BYTES // MIB} MB")
-                self.large_segment_bytes = value_mb * MIB
+                self.large_segment_bytes = min(value_mb, _SIZE_MAX // MIB) * MIB
         self.max_non_split_rounding_bytes = self.large_segment_bytes
         index = 0
         while index < len(self.tokens):
@@ -234,6 +255,8 @@ class _Parser:
     def key(self, index: int) -> int:
         """Parse the key at `index` and its value; return the index of the value's last token."""
         key = self.tokens[index]
+        if key not in _KEYS:
+            raise self.fail(f"unrecognized key {key!r}")
         if key == "large_segment_size_mb":
             return self.skip(index)
         self.expect(index + 1, ":")
@@ -268,11 +291,8 @@ class _Parser:
             threads = self.integer(value, key)
             if not _is_power_of_two(threads) or threads > _PINNED_MAX_REGISTER_THREADS:
                 raise self.fail(f"{key} must be a power of 2 <= {_PINNED_MAX_REGISTER_THREADS}")
-        elif key in _SIZE_KEYS:
-            if self.integer(value, key) == 0 and key == "pinned_reserve_segment_size_mb":
-                raise self.fail(f"{key} has to be greater than 0")
-        else:
-            raise self.fail(f"unrecognized key {key!r}")
+        elif self.integer(value, key) == 0 and key == "pinned_reserve_segment_size_mb":
+            raise self.fail(f"{key} has to be greater than 0")
         return value
 
     def skip(self, index: int) -> int:

@@ -322,6 +322,21 @@ def test_a_freed_expandable_page_is_mapped_again_before_the_segment_grows() -> N
     ]
 
 
+def test_expandable_blocks_are_skipped_once_expandable_segments_are_turned_off() -> None:
+    """get_free_block honours expandable_segments:False for blocks cached before."""
+    allocator = CachingAllocator(GIB, parse_alloc_conf("expandable_segments:True"))
+    allocator.free(allocator.malloc(12 * MIB))
+    allocator.reconfigure(AllocatorConfig())
+    allocator.free(allocator.malloc(14 * MIB))  # a new cudaMalloc'd segment, cached
+    allocator.malloc(12 * MIB)  # the expandable 40 MiB block comes first; the 14 MiB serves
+    assert [(s.is_expandable, s.blocks[0].allocated) for s in allocator.snapshot()] == [
+        (True, False),
+        (False, True),
+    ]
+    allocator.malloc(12 * MIB)  # nothing but expandable blocks left: a new segment
+    assert allocator.stats.num_segments == 2
+
+
 # -- property tests -------------------------------------------------------------------------
 
 CONFIGS = [
@@ -372,7 +387,7 @@ def run(allocator: CachingAllocator, operations: list[tuple[str, int]]) -> list[
     return live
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     settings_text=st.sampled_from(CONFIGS),
     capacity_mib=st.integers(40, 400),
@@ -396,7 +411,7 @@ def test_any_sequence_keeps_the_invariants_and_frees_to_whole_segments(
     assert allocator.snapshot() == ()
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     settings_text=st.sampled_from(CONFIGS),
     capacity_mib=st.integers(40, 200),
