@@ -8,6 +8,9 @@ gives back exactly the unsplit segments, and everything freed leaves whole segme
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
@@ -32,6 +35,16 @@ def layout(allocator: CachingAllocator) -> list[list[tuple[int, bool]]]:
         [(b.size_bytes / MIB, b.allocated) for b in segment.blocks]
         for segment in allocator.snapshot()
     ]
+
+
+def test_the_model_loads_no_torch() -> None:
+    """The core is torch-free: the server and the bench can use the model without torch."""
+    code = (
+        "import sys, autotune.core.allocation_trace, autotune.core.allocator; "
+        "print('torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
 
 
 # -- rounding and the two pools (round_size, get_pool, get_allocation_size, should_split) -------
