@@ -8,6 +8,8 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+# Parallel test processes (pytest-xdist); tests/conftest.py gives each one intra-op thread.
+TEST_WORKERS ?= 2
 
 .PHONY: env run test lint typecheck bench clean
 
@@ -33,8 +35,10 @@ lint: env
 typecheck: env
 	$(PY) -m mypy
 
+# Not -q: the header shows pytest-randomly's seed (rerun an order with -p randomly
+# --randomly-seed=N). Tests sharing a costly module fixture are one xdist_group (--dist loadgroup).
 test: env lint typecheck
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 bench: env
 	$(PY) bench/probe_trials.py
