@@ -106,16 +106,6 @@ def submit_run(
     return row.id, RunStatus.QUEUED, True
 
 
-def run_status(session: Session, *, run_id: int) -> tuple[RunStatus, datetime | None]:
-    """Status and lease expiry of a run, cheaply (for long polls and expiry checks)."""
-    found = session.execute(
-        select(RunRow.status, RunRow.lease_expires_at).where(RunRow.id == run_id)
-    ).first()
-    if found is None:
-        raise RunNotFound(run_id)
-    return RunStatus(found.status), found.lease_expires_at
-
-
 def get_run(session: Session, *, run_id: int) -> Run:
     """Everything about one run, with its attempts, trials and failures.
 

@@ -19,6 +19,7 @@ import torch
 from autotune.core.bytesize import format_bytes
 from autotune.core.errors import DeviceError, SpecError
 from autotune.core.schemas import DeviceInfo, DeviceKind, Phase, StepOutcome
+from autotune.engine.attention import gpu_attention
 from autotune.engine.nvml import read_gpus
 from autotune.engine.tracker import CUDA_BLOCK_BYTES, LiveBytesTracker
 
@@ -91,6 +92,14 @@ def _run_tracked(step: Callable[[], object], tracker: LiveBytesTracker | None) -
     return oom_phase
 
 
+def _with_gpu_attention(step: Callable[[], object]) -> Callable[[], object]:
+    def attended() -> object:
+        with gpu_attention():
+            return step()
+
+    return attended
+
+
 def _peak_phase(phase_peak_bytes: dict[Phase, int]) -> Phase | None:
     return max(phase_peak_bytes, key=phase_peak_bytes.__getitem__, default=None)
 
@@ -130,6 +139,8 @@ class EmulatedDevice:
         record_series: bool = False,
         track: bool = True,
     ) -> StepOutcome:
+        # Attention keeps for backward what a GPU's fused kernel keeps, tracked or timed.
+        step = _with_gpu_attention(step)
         if not track:
             oom_phase = _run_tracked(step, None)
             return StepOutcome(

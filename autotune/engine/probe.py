@@ -90,7 +90,8 @@ def probe_mode(
             search, capacity_bytes=capacity_bytes, headroom=training.headroom
         ),
         capped=search.capped,
-        attempts=list(search.attempts),
+        # The series served the fit; a result keeps what the wire and the store keep.
+        attempts=[a.model_copy(update={"series": None}) for a in search.attempts],
     )
 
 

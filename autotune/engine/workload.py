@@ -296,25 +296,6 @@ def _check_hub_reachable(hf_id: str) -> None:
         raise _hub_error(hf_id, failure[0])
 
 
-def _zero_dropout(hf_config: Any, label: str) -> None:
-    """Dropout off, as in the presets: attention dropout forces CPU SDPA onto the math path
-    (2.4x the memory of a GPU's flash kernel, docs/design.md#what-it-does-not-model)."""
-    changed = []
-    for key, value in hf_config.to_dict().items():
-        is_dropout = "dropout" in key or key.endswith("pdrop")
-        if is_dropout and isinstance(value, float) and value > 0.0:
-            setattr(hf_config, key, 0.0)
-            changed.append(f"{key}={value}")
-    if changed:
-        logger.warning(
-            "%s: set dropout to 0 (%s) so the CPU emulation uses the flash attention kernel a "
-            "GPU would; a real run with dropout also keeps dropout masks (up to 1 byte per "
-            "activation element) that this measurement leaves out",
-            label,
-            ", ".join(changed),
-        )
-
-
 def _build_hf_model(
     hf_config: Any, training: TrainingSpec, label: str, *, quote_errors: bool = True
 ) -> Workload:
@@ -322,7 +303,6 @@ def _build_hf_model(
     transformers = _import_transformers()
     if getattr(hf_config, "auto_map", None):
         raise ModelBuildError(f"{label}: auto_map names remote code, which autotune never runs")
-    _zero_dropout(hf_config, label)
     hf_config.use_cache = False
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else None
     vocab_size = getattr(text_config or hf_config, "vocab_size", None)

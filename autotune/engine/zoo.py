@@ -5,7 +5,7 @@ checkpointing (per transformer block, MLP hidden layer or CNN stage) through its
 `gradient_checkpointing` attribute. Attention goes through `F.scaled_dot_product_attention` with
 `is_causal=True` and dropout 0, so that on the CPU it takes the flash kernel, as a GPU would, and
 not the math path that materialises (b, heads, s, s) probabilities
-(docs/design.md#what-it-does-not-model).
+(docs/design.md#attention-kernels).
 """
 
 from __future__ import annotations

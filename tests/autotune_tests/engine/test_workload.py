@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
 import sys
 import time
@@ -125,14 +124,14 @@ def test_hf_config_loss_sum_matches_transformers_own_loss() -> None:
     torch.testing.assert_close(ours, theirs * workload.num_items(batch))
 
 
-def test_hf_config_turns_dropout_off_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+def test_hf_config_keeps_its_dropout() -> None:
+    # The emulated GPU counts dropout as a GPU does (fused attention keeps no mask, other
+    # dropouts keep theirs: autotune/engine/attention.py), so the config is trained as written.
     pytest.importorskip("transformers")
     config = {**TINY_GPT2_CONFIG, "attn_pdrop": 0.1, "resid_pdrop": 0.2}
-    with caplog.at_level(logging.WARNING, logger="autotune.engine.workload"):
-        workload = build_workload(_spec(TrainingSpec(seq_len=8), hf_config=config))
+    workload = build_workload(_spec(TrainingSpec(seq_len=8), hf_config=config))
     hf_config = workload.model.config  # type: ignore[union-attr]
-    assert hf_config.attn_pdrop == 0.0 and hf_config.resid_pdrop == 0.0
-    assert "attn_pdrop=0.1" in caplog.text and "resid_pdrop=0.2" in caplog.text
+    assert hf_config.attn_pdrop == 0.1 and hf_config.resid_pdrop == 0.2
 
 
 def test_hf_config_ignores_the_configs_dtype() -> None:
