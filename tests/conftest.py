@@ -3,11 +3,16 @@ the app built on it with a controllable clock, clients, and a real uvicorn serve
 
 PostgreSQL comes from AUTOTUNE_TEST_POSTGRES_URL (default: postgres@127.0.0.1:5432/test). An
 unreachable server fails its tests; they skip only with AUTOTUNE_TEST_SKIP_POSTGRES=1.
+
+The suite runs in parallel (pytest-xdist, `make test`), so nothing here is shared between tests:
+servers listen on ports nobody else is handed (`start_servers`, `free_port`), and every database,
+directory and study store is the test's own.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -29,6 +34,12 @@ from starlette.testclient import TestClient
 from api.main import create_app
 from api.settings import Settings
 from autotune.remote.client import ServerClient
+
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # One intra-op thread per xdist worker, inherited by every child (CLI, workers, trials); set
+    # before this process imports torch. Two workers of two threads each on two cores made
+    # gpt2-tiny steps ten times slower (threads wait at each op's barrier for a descheduled peer).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 CLIENT_TOKEN = "client-token-for-tests"
 WORKER_TOKEN = "worker-token-for-tests"
@@ -156,11 +167,27 @@ def worker(http: TestClient) -> ServerClient:
     return ServerClient(http=http, token=WORKER_TOKEN, retries=0)
 
 
+# Ports a test must know before its server starts (a server restarted on the same port, a
+# worker started before its server, a port where nothing listens) come from below the kernel's
+# ephemeral range (32768 and up on Linux), where no `bind(port 0)` or outgoing connection of a
+# parallel test can take them in the meantime, and each xdist worker draws from its own block.
+RESERVED_PORTS = range(20000, 32000)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A port nothing listens on, that no other test of this run is handed."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    block = len(RESERVED_PORTS) // workers
+    first = RESERVED_PORTS.start + worker * block
+    while True:
+        port = random.randrange(first, first + block)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # someone else's: draw again
+                continue
+            return port
 
 
 @dataclass
@@ -190,8 +217,12 @@ def start_servers(
     }
     servers = []
     for log_path in log_paths:
-        port = free_port()
-        with log_path.open("wb") as log:
+        # The server inherits a socket bound here to a port the kernel chose, so no other
+        # process can take that port between choosing it and serving on it; only the server
+        # keeps it, so once the server is gone, connections to it are refused.
+        with socket.socket() as sock, log_path.open("wb") as log:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
             process = subprocess.Popen(
                 [
                     sys.executable,
@@ -199,16 +230,15 @@ def start_servers(
                     "uvicorn",
                     "--factory",
                     "api.main:create_app_from_env",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
+                    "--fd",
+                    str(sock.fileno()),
                     "--log-level",
                     "warning",
                 ],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                pass_fds=(sock.fileno(),),
             )
         servers.append(LiveServer(f"http://127.0.0.1:{port}", process, log_path))
     for server in servers:

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+# The probe run is shared (`probed`): the module's tests run in one xdist worker.
+pytestmark = pytest.mark.xdist_group("cli-main")
+
 SPEC = "model: {preset: gpt2-tiny}\ntraining: {seq_len: 32, max_micro_batch: 64}\n"
 
 

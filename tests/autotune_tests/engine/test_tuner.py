@@ -17,6 +17,9 @@ from autotune.engine.device import EmulatedDevice
 from autotune.engine.runner import InProcessRunner
 from autotune.engine.tuner import default_trial_budget, priority_candidates, tune
 
+# The module's tunings are shared (`tuned`): its tests run in one xdist worker.
+pytestmark = pytest.mark.xdist_group("tuner")
+
 MiB = 2**20
 CAPACITY_BYTES = 120 * MiB  # gpt2-tiny at 32 tokens: about 10 samples without checkpointing
 
