@@ -86,7 +86,7 @@ def nccl_bytes(gpu: Gpu, world_size: int) -> int:
 
 def _mib(size_bytes: int) -> str:
     mib = size_bytes / _MiB
-    return f"{mib:,.0f} MiB" if mib == round(mib) else f"{mib:,.3f} MiB"
+    return f"{mib:,.3f} MiB" if mib < 100 and mib != round(mib) else f"{mib:,.0f} MiB"
 
 
 def budget_for(gpu: Gpu, world_size: int = 1) -> GpuBudget:
