@@ -22,7 +22,9 @@ from pydantic import (
     BeforeValidator,
     Field,
     ValidationInfo,
+    SerializerFunctionWrapHandler,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -128,6 +130,12 @@ class EmulatedTarget(FrozenModel):
         if (self.memory_bytes is None) == (self.gpu is None):
             raise ValueError("give memory_bytes or gpu (a named GPU), exactly one")
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_the_other(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # {"kind", "memory_bytes"} or {"kind", "gpu"}: the member not given is left out.
+        data: dict[str, Any] = handler(self)
+        return {key: value for key, value in data.items() if value is not None}
 
     def identity(self) -> dict[str, Any]:
         if self.gpu is not None:
