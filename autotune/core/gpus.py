@@ -193,7 +193,7 @@ GPUS: tuple[Gpu, ...] = (
         nvidia_smi_name="NVIDIA GeForce RTX 3090",
         total_memory_bytes=24268 * _MiB,
         memory_source="torch get_device_properties total_memory=24268MB (Hugging Face "
-        "transformers docs, docs/source/en/deepspeed.md); nvidia-smi 24268MiB with driver 455 "
+        "transformers DeepSpeed guide, en/deepspeed.md); nvidia-smi 24268MiB with driver 455 "
         "(pytorch/pytorch#54564)",
         nvidia_smi_total_bytes=24268 * _MiB,
         compute_capability=(8, 6),
