@@ -122,7 +122,7 @@ class EmulatedDevice:
         block_bytes: int = CUDA_BLOCK_BYTES,
     ) -> None:
         if (capacity_bytes is None) == (gpu is None):
-            raise ValueError("give the emulated device a capacity or a named GPU, not both")
+            raise ValueError("the emulated device takes exactly one of capacity_bytes and gpu")
         self.block_bytes = block_bytes
         # Untouched CPU buffers standing for the workspaces: counted, never written, so they
         # cost address space only.

@@ -147,7 +147,7 @@ def test_open_device_refuses_a_gpu_name_it_cannot_emulate() -> None:
         open_device("cpu", 2**30, gpu="T4")
     with pytest.raises(SpecError, match="'cuda:0' is measured as it is"):
         open_device("cuda:0", gpu="T4")
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="exactly one of capacity_bytes and gpu"):
         EmulatedDevice(2**30, gpu=budget_for(find_gpu("T4")))
 
 
