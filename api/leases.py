@@ -142,10 +142,16 @@ def _match_clause(devices: Sequence[DeviceInfo]) -> ColumnElement[bool]:
     """SQL for "the run's target matches one of these devices" (`Target.matches`, as SQL)."""
     clauses: list[ColumnElement[bool]] = []
     for device in devices:
-        if device.kind == DeviceKind.EMULATED:
+        if device.kind == DeviceKind.EMULATED and device.gpu is not None:
+            # A named GPU: its capacity depends on each run's world size, the name matches.
+            clauses.append(
+                and_(RunRow.target_kind == "emulated", RunRow.target_name == device.gpu)
+            )
+        elif device.kind == DeviceKind.EMULATED:
             clauses.append(
                 and_(
                     RunRow.target_kind == "emulated",
+                    RunRow.target_name.is_(None),
                     RunRow.target_memory_bytes == device.capacity_bytes,
                 )
             )

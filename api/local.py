@@ -18,6 +18,8 @@ from autotune.remote.protocol import CudaTarget, DeviceTarget, EmulatedTarget, R
 
 def target_for(device: DeviceInfo) -> DeviceTarget:
     """The device target a run on `device` answers (what a user would POST to get it)."""
+    if device.kind is DeviceKind.EMULATED and device.gpu is not None:
+        return EmulatedTarget(gpu=device.gpu)
     if device.kind is DeviceKind.EMULATED:
         return EmulatedTarget(memory_bytes=device.capacity_bytes)
     return CudaTarget(name=device.name, memory_bytes=device.total_memory_bytes)

@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from api.tables import AttemptRow, ModeRow, RunRow, TrialRow
+from autotune.core.gpus import find_gpu
 from autotune.core.schemas import ModeProbe, StepOutcome, Trial
 from autotune.remote.protocol import (
     API_PREFIX,
@@ -52,7 +53,17 @@ def target_of(row: RunRow) -> Target:
             _With(row, name=row.target_name, memory_bytes=row.target_memory_bytes),
             from_attributes=True,
         )
+    if row.target_name is not None:  # a named GPU (its memory column is informative)
+        return EmulatedTarget(gpu=row.target_name)
     return EmulatedTarget(memory_bytes=row.target_memory_bytes)
+
+
+def target_memory_bytes(target: Target) -> int:
+    """The memory column of a run's target: the target's memory, or a named GPU's total."""
+    if target.memory_bytes is not None:
+        return target.memory_bytes
+    assert isinstance(target, EmulatedTarget) and target.gpu is not None
+    return find_gpu(target.gpu).total_memory_bytes
 
 
 def _seconds(start: datetime | None, end: datetime | None) -> float | None:

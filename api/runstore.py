@@ -17,7 +17,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.errors import RunNotCancellable, RunNotFound
-from api.rowmodels import run_of, summary_of
+from api.rowmodels import run_of, summary_of, target_memory_bytes
 from api.tables import AttemptRow, FailureRow, ModeRow, RecommendationRow, RunRow, TrialRow
 from autotune.remote.protocol import CudaTarget, Run, RunCreate, RunPage, RunStatus, fingerprint
 
@@ -70,8 +70,8 @@ def create_run(
         spec=request.spec.model_dump(mode="json"),
         model=request.spec.model.label,
         target_kind=target.kind,
-        target_name=target.name if isinstance(target, CudaTarget) else None,
-        target_memory_bytes=target.memory_bytes,
+        target_name=target.name if isinstance(target, CudaTarget) else target.gpu,
+        target_memory_bytes=target_memory_bytes(target),
         device=target.label,
         autotune_version=version,
         created_at=now,

@@ -1,6 +1,7 @@
 """The `autotune worker` command: a probe worker that takes runs from a server.
 
-    autotune worker [--server URL] [--token T] [--device cuda|cuda:N|cpu] [--memory SIZE]
+    autotune worker [--server URL] [--token T] [--device cuda|cuda:N|cpu]
+                    [--memory SIZE | --gpu NAME]
                     [--once] [--db URL] [--data-dir DIR] [--trial-timeout S]
                     [--poll-interval S] [--seconds-per-trial S] [--shutdown-grace S]
                     [--worker-id ID] [--start-method spawn|forkserver]
@@ -63,7 +64,7 @@ def _serve(args: argparse.Namespace, early_signals: list[int]) -> int:
     logging.getLogger("probes").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     if not args.token:
         raise SpecError("--token: required (or set AUTOTUNE_TOKEN): a worker token of the server")
-    devices = read_inventory(args.device or default_device_name(), args.memory)
+    devices = read_inventory(args.device or default_device_name(args.gpu), args.memory, args.gpu)
     config = WorkerConfig(
         worker_id=args.worker_id or default_worker_id(),
         storage_url=args.db or worker_study_url(args.data_dir),

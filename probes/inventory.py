@@ -1,6 +1,7 @@
 """The worker's inventory: the devices it offers when it claims runs, and how to open each.
 
-* "cpu": one emulated GPU of `--memory` bytes (no torch work needed to describe it);
+* "cpu": one emulated GPU of `--memory` bytes, or the named `--gpu` (its capacity for one rank:
+  each run's trials open it for the run's world size);
 * "cuda": every GPU torch sees; "cuda:N": that one. Each is read in a child process through
   `autotune.engine.device.CudaDevice` (NVML: name, UUID, total memory, driver and CUDA versions;
   plus the torch version), so that no CUDA context lives on in the worker itself.
@@ -28,27 +29,32 @@ class WorkerDevice:
     info: DeviceInfo
     device_name: str
     memory_bytes: int | None
+    gpu: str | None = None
 
 
-def default_device_name() -> str:
-    """ "cuda" when NVML lists a GPU, else "cpu" (without touching CUDA here)."""
+def default_device_name(gpu: str | None = None) -> str:
+    """ "cpu" for a named GPU; else "cuda" when NVML lists a GPU, else "cpu" (without touching
+    CUDA here)."""
     from autotune.engine.nvml import read_gpus
 
-    return "cuda" if read_gpus() else "cpu"
+    return "cpu" if gpu is not None or not read_gpus() else "cuda"
 
 
-def read_inventory(device_name: str, memory_bytes: int | None) -> list[WorkerDevice]:
-    """The devices for a `--device` / `--memory` pair.
+def read_inventory(
+    device_name: str, memory_bytes: int | None, gpu: str | None = None
+) -> list[WorkerDevice]:
+    """The devices for a `--device` / `--memory` / `--gpu` choice.
 
     Raises:
-        SpecError: "cpu" without a memory size, or an unknown device name.
+        SpecError: "cpu" without a memory size or a GPU, an unknown device or GPU name, or a
+            GPU name with a CUDA device.
         DeviceError: CUDA was asked for and is unavailable.
     """
-    if device_name == "cpu":
-        from autotune.engine.device import open_device  # refuses "cpu" without a memory size
+    if device_name == "cpu" or gpu is not None:
+        from autotune.engine.device import open_device  # refuses what cannot be opened
 
-        info = open_device("cpu", memory_bytes).info
-        devices = [WorkerDevice(info, "cpu", memory_bytes)]
+        info = open_device(device_name, memory_bytes, gpu=gpu).info
+        devices = [WorkerDevice(info, device_name, memory_bytes, gpu)]
     else:
         infos = read_devices(device_name, memory_bytes, timeout_s=INVENTORY_TIMEOUT_S)
         devices = [

@@ -82,6 +82,7 @@ class ChildRequest:
     device_name: str
     memory_bytes: int | None
     worker_pid: int
+    gpu: str | None = None
     spawned: bool = True
     spec_json: str = ""
     warm_mode: bool | None = None
@@ -193,9 +194,16 @@ def _perform(request: ChildRequest) -> object:
     from autotune.engine.runner import InProcessRunner
 
     spec = Spec.model_validate_json(request.spec_json)
+    # A named GPU's capacity is one rank's of the spec's world size (NCCL's buffers).
+    device = open_device(
+        request.device_name,
+        request.memory_bytes,
+        gpu=request.gpu,
+        world_size=spec.training.world_size,
+    )
     session = InProcessRunner(
         spec,
-        open_device(request.device_name, request.memory_bytes),
+        device,
         allowed_factory_prefixes=request.allowed_factories,
     )
     if request.operation == "describe":
@@ -405,6 +413,7 @@ class ChildProcessRunner:
         spec: What to train.
         device_name: "cpu" (emulated) or "cuda:N"; as `autotune.engine.device.open_device`.
         memory_bytes: The emulated capacity, or a cap on a GPU's.
+        gpu: The named GPU the cpu device emulates (instead of `memory_bytes`).
         timeout_s: Time limit of one child (start-up, model build, warm-up and the trial).
         interrupt: Checked while children run; whatever it raises stops the run.
         start_method: "spawn" or "forkserver" (see `run_child`).
@@ -418,6 +427,7 @@ class ChildProcessRunner:
         device_name: str,
         memory_bytes: int | None,
         *,
+        gpu: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         interrupt: Interrupt | None = None,
         start_method: StartMethod = "spawn",
@@ -428,6 +438,7 @@ class ChildProcessRunner:
         self.allowed_factories = allowed_factories
         self.device_name = device_name
         self.memory_bytes = memory_bytes
+        self.gpu = gpu
         self.timeout_s = timeout_s
         self.interrupt = interrupt
         self.children_run = 0
@@ -445,6 +456,7 @@ class ChildProcessRunner:
             operation=operation,
             device_name=self.device_name,
             memory_bytes=self.memory_bytes,
+            gpu=self.gpu,
             worker_pid=os.getpid(),
             spawned=self.start_method == "spawn",
             spec_json=self._spec_json,

@@ -370,6 +370,7 @@ class Worker:
             claim.spec,
             device.device_name,
             device.memory_bytes,
+            gpu=device.gpu,
             timeout_s=self.config.trial_timeout_s,
             interrupt=lambda: self._interrupt(keeper),
             start_method=self.config.start_method,

@@ -64,7 +64,7 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     from autotune.engine.probe import probe
 
     spec = load_spec(args.spec)
-    device = open_device(args)
+    device = open_device(args, world_size=spec.training.world_size)
     err = Console(stderr=True)
     err.print(
         f"probing [bold]{spec.model.label}[/bold] on {device.info.name} "
@@ -105,7 +105,7 @@ def _cmd_step(args: argparse.Namespace) -> int:
     from autotune.engine.probe import run_step
 
     spec = load_spec(args.spec)
-    device = open_device(args)
+    device = open_device(args, world_size=spec.training.world_size)
     result: StepOutcome = run_step(
         spec, device, micro_batch=args.micro_batch, checkpointing=args.checkpointing
     )

@@ -1,7 +1,8 @@
 """The command-line options every `autotune` command shares, each parsed and validated once,
-here, at the boundary: memory sizes, counts and durations, the device pair (`--device`,
-`--memory`) and the server pair (`--server`, `--token`). The server's and the worker's commands
-(`api.cli`, `probes.cli`) use these too, so a value means the same in every command.
+here, at the boundary: memory sizes, GPU names, counts and durations, the device options
+(`--device`, and `--memory` or `--gpu`) and the server pair (`--server`, `--token`). The
+server's and the worker's commands (`api.cli`, `probes.cli`) use these too, so a value means
+the same in every command.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, NoReturn, TypeAlias
 
 from autotune.core.bytesize import parse_bytes
 from autotune.core.defaults import DEFAULT_SERVER_URL, ENV_SERVER_URL, ENV_TOKEN, EXIT_USAGE
+from autotune.core.gpus import UnknownGpu, find_gpu
 
 if TYPE_CHECKING:
     from autotune.engine.device import Device
@@ -33,6 +35,15 @@ def memory_size(text: str) -> int:
     try:
         return parse_bytes(text)
     except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def gpu_name(text: str) -> str:
+    """A catalogue GPU name or alias (`H100 80GB`, `h100-80gb`), as its canonical name
+    (argparse type)."""
+    try:
+        return find_gpu(text).name
+    except UnknownGpu as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
@@ -80,28 +91,41 @@ def non_negative_seconds(text: str) -> float:
 
 
 def add_device_args(parser: argparse.ArgumentParser) -> None:
-    """`--device` and `--memory`; `open_device(args)` opens the pair."""
+    """`--device`, and `--memory` or `--gpu` (one of them); `open_device(args)` opens them."""
     parser.add_argument(
         "--device",
         default=None,
-        help="cuda, cuda:N, or cpu (an emulated GPU; needs --memory). "
-        "Default: cuda when present, else cpu.",
+        help="cuda, cuda:N, or cpu (an emulated GPU; needs --memory or --gpu). "
+        "Default: cpu with --gpu, else cuda when present, else cpu.",
     )
-    parser.add_argument(
+    # One or the other: a named GPU's capacity is the card's less what CUDA takes on it, and a
+    # --memory on top would make a device that is neither (docs/design.md#the-interface).
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument(
         "--memory",
         type=memory_size,
         default=None,
         metavar="SIZE",
         help="capacity of the emulated GPU (e.g. 2GiB, 1500MiB); caps a real GPU's capacity",
     )
+    size.add_argument(
+        "--gpu",
+        type=gpu_name,
+        default=None,
+        metavar="NAME",
+        help='emulate a named GPU (e.g. "H100 80GB", "A100 40GB", "T4"): its memory less what '
+        "CUDA takes on it",
+    )
 
 
-def open_device(args: argparse.Namespace) -> Device:
-    """The device of `--device` / `--memory` ("cuda" when present and no `--device` was given,
-    else "cpu").
+def open_device(args: argparse.Namespace, *, world_size: int = 1) -> Device:
+    """The device of `--device` / `--memory` / `--gpu` ("cpu" with `--gpu`; otherwise "cuda"
+    when present and no `--device` was given, else "cpu"). `world_size` is the spec's: a named
+    GPU's capacity depends on it (NCCL's buffers).
 
     Raises:
-        SpecError: the emulated cpu device without `--memory`, or an unknown device name.
+        SpecError: the emulated cpu device without `--memory` or `--gpu`, `--gpu` with a CUDA
+            device, or an unknown device name.
         DeviceError: CUDA was asked for and is unavailable.
     """
     import torch
@@ -110,8 +134,8 @@ def open_device(args: argparse.Namespace) -> Device:
 
     name: str | None = args.device
     if name is None:
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return open_named_device(name, args.memory)
+        name = "cpu" if args.gpu is not None or not torch.cuda.is_available() else "cuda"
+    return open_named_device(name, args.memory, gpu=args.gpu, world_size=world_size)
 
 
 def add_server_args(parser: argparse.ArgumentParser, *, token_help: str) -> None:

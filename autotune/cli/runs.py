@@ -1,7 +1,7 @@
 """The client's commands: `autotune submit` and `autotune runs list|show`, talking to a server
 over HTTP with only the core installed (no torch, no server package).
 
-    autotune submit SPEC --server URL [--device cpu:4GiB | "cuda:NAME:80GiB"] [--wait]
+    autotune submit SPEC --server URL [--device cpu:4GiB | "cuda:NAME:80GiB" | --gpu NAME] [--wait]
     autotune runs list [--status S] [--model M] [--device D] --server URL
     autotune runs show ID --server URL
 
@@ -24,6 +24,7 @@ from rich.table import Table
 from autotune.cli.options import (
     Subcommands,
     add_server_args,
+    gpu_name,
     non_negative_int,
     positive_int,
     positive_seconds,
@@ -77,7 +78,11 @@ def _client(args: argparse.Namespace) -> ServerClient:
 
 def _cmd_submit(args: argparse.Namespace) -> int:
     spec = _load_spec(args.spec)
-    device = parse_device(args.device) if args.device else _local_gpu_target()
+    device: EmulatedTarget | CudaTarget
+    if args.gpu is not None:
+        device = EmulatedTarget(gpu=args.gpu)
+    else:
+        device = parse_device(args.device) if args.device else _local_gpu_target()
     with _client(args) as client:
         submitted = client.submit_run(spec, device)
         run = submitted.run
@@ -205,10 +210,18 @@ def register_submit(commands: Subcommands) -> None:
     """`autotune submit`."""
     submit = commands.add_parser("submit", help="submit a spec to a server")
     submit.add_argument("spec", help="spec file (YAML or JSON) or a preset name")
-    submit.add_argument(
+    target = submit.add_mutually_exclusive_group()
+    target.add_argument(
         "--device",
         default=None,
         help='cpu:SIZE (emulated GPU) or "cuda:NAME:SIZE"; default: this machine\'s first GPU',
+    )
+    target.add_argument(
+        "--gpu",
+        type=gpu_name,
+        default=None,
+        metavar="NAME",
+        help='an emulated named GPU, e.g. "H100 80GB" (its memory less what CUDA takes on it)',
     )
     submit.add_argument("--wait", action="store_true", help="wait for the result")
     submit.add_argument(

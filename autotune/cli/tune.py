@@ -63,7 +63,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.spec)
     target_global_batch = spec.training.required_target_global_batch()
-    device = open_device(args)
+    device = open_device(args, world_size=spec.training.world_size)
     storage_url = args.db or default_database_url()
     err = Console(stderr=True)
     err.print(

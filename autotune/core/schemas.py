@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -199,8 +199,43 @@ class DeviceKind(StrEnum):
     EMULATED = "emulated"  # a CPU run with a live-byte tracker enforcing a capacity
 
 
+class CudaReserve(FrozenModel):
+    """What CUDA takes on a named GPU besides the training step's own tensors, and where it
+    sits (`autotune.core.cuda_reserve`, docs/design.md#named-gpus-and-what-cuda-takes)."""
+
+    context_bytes: int = Field(
+        ge=0,
+        description="The CUDA context with lazily loaded kernels; outside the caching allocator.",
+    )
+    nccl_bytes: int = Field(
+        ge=0,
+        description="NCCL's buffers and kernels when world_size > 1; outside the caching "
+        "allocator.",
+    )
+    blas_workspace_bytes: int = Field(
+        ge=0,
+        description="cuBLAS and cuBLASLt workspaces: allocated through the caching allocator "
+        "and held for the process's life, so resident in every step (inside the capacity).",
+    )
+    kernel_workspace_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="Allowance for what a kernel allocates inside one op (cuDNN convolution "
+        "workspaces); left free below the capacity.",
+    )
+
+    @property
+    def outside_allocator_bytes(self) -> int:
+        return self.context_bytes + self.nccl_bytes
+
+
+ASSUMPTION_MAX = 300  # characters of one stated assumption
+
+
 class DeviceInfo(FrozenModel):
-    """Identity and memory of the device a result was measured on."""
+    """Identity and memory of the device a result was measured on. An emulated named GPU also
+    says which GPU (`gpu`, a catalogue name of `autotune.core.gpus`), what CUDA takes on it
+    (`reserve`) and every assumption behind its capacity (`assumptions`)."""
 
     kind: DeviceKind
     name: str = Field(max_length=DEVICE_NAME_MAX)
@@ -211,6 +246,13 @@ class DeviceInfo(FrozenModel):
     driver_version: str | None = Field(default=None, max_length=100)
     cuda_version: str | None = Field(default=None, max_length=100)
     torch_version: str | None = Field(default=None, max_length=TORCH_VERSION_MAX)
+    gpu: str | None = Field(
+        default=None, max_length=DEVICE_NAME_MAX, description="The named GPU emulated."
+    )
+    reserve: CudaReserve | None = None
+    assumptions: list[Annotated[str, Field(max_length=ASSUMPTION_MAX)]] = Field(
+        default_factory=list, max_length=32
+    )
 
 
 class Phase(StrEnum):

@@ -9,6 +9,7 @@ This is the ONLY module in the project that catches out-of-memory: it turns it i
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import re
 from collections.abc import Callable, Iterable
@@ -17,7 +18,9 @@ from typing import Protocol
 import torch
 
 from autotune.core.bytesize import format_bytes
+from autotune.core.cuda_reserve import GpuBudget, budget_for
 from autotune.core.errors import DeviceError, SpecError
+from autotune.core.gpus import UnknownGpu, find_gpu
 from autotune.core.schemas import DeviceInfo, DeviceKind, Phase, StepOutcome
 from autotune.engine.attention import gpu_attention
 from autotune.engine.nvml import read_gpus
@@ -105,15 +108,49 @@ def _peak_phase(phase_peak_bytes: dict[Phase, int]) -> Phase | None:
 
 
 class EmulatedDevice:
-    """A GPU of `capacity_bytes` emulated on the CPU: real CPU steps, GPU-like accounting."""
+    """A GPU emulated on the CPU: real CPU steps, GPU-like accounting. Either `capacity_bytes`
+    (`--memory`: what the step's tensors may use, nothing taken off) or `gpu`, a named GPU as one
+    rank sees it (`autotune.core.cuda_reserve`): its capacity is the card's total less what CUDA
+    takes outside the allocator, and the BLAS workspaces torch keeps inside the allocator are
+    resident in every step, as on the card (docs/design.md#named-gpus-and-what-cuda-takes)."""
 
-    def __init__(self, capacity_bytes: int, *, block_bytes: int = CUDA_BLOCK_BYTES) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int | None = None,
+        *,
+        gpu: GpuBudget | None = None,
+        block_bytes: int = CUDA_BLOCK_BYTES,
+    ) -> None:
+        if (capacity_bytes is None) == (gpu is None):
+            raise ValueError("the emulated device takes exactly one of capacity_bytes and gpu")
+        self.block_bytes = block_bytes
+        # Untouched CPU buffers standing for the workspaces: counted, never written, so they
+        # cost address space only.
+        self._workspaces: tuple[torch.Tensor, ...] = ()
+        self._kept_free_bytes = 0
+        if gpu is not None:
+            self.capacity_bytes = gpu.capacity_bytes
+            self._workspaces = tuple(
+                torch.empty(size, dtype=torch.uint8) for size in gpu.blas_workspace_sizes
+            )
+            self._kept_free_bytes = gpu.reserve.kernel_workspace_bytes
+            self._info = DeviceInfo(
+                kind=DeviceKind.EMULATED,
+                name=f"emulated {gpu.gpu.name} on cpu",
+                total_memory_bytes=gpu.gpu.total_memory_bytes,
+                capacity_bytes=gpu.capacity_bytes,
+                torch_version=torch.__version__,
+                gpu=gpu.gpu.name,
+                reserve=gpu.reserve,
+                assumptions=list(gpu.assumptions),
+            )
+            return
+        assert capacity_bytes is not None
         if capacity_bytes <= 0:
             raise SpecError(
                 f"memory: the emulated device needs a positive size, got {capacity_bytes}"
             )
         self.capacity_bytes = capacity_bytes
-        self.block_bytes = block_bytes
         self._info = DeviceInfo(
             kind=DeviceKind.EMULATED,
             name=f"emulated GPU ({format_bytes(capacity_bytes)}) on cpu",
@@ -151,14 +188,15 @@ class EmulatedDevice:
                 oom_phase=oom_phase,
                 series=None,
             )
+        limit_bytes = self.capacity_bytes - self._kept_free_bytes
         tracker = LiveBytesTracker(
-            self.capacity_bytes, block_bytes=self.block_bytes, record_series=record_series
+            limit_bytes, block_bytes=self.block_bytes, record_series=record_series
         )
-        tracker.add_resident(resident)
+        tracker.add_resident(itertools.chain(resident, self._workspaces))
         oom_phase = _run_tracked(step, tracker)
         # The tracker raises before any op takes live bytes past capacity; only a resident
         # set that is already too big can leave a completed step over it.
-        fits = oom_phase is None and tracker.peak_bytes <= self.capacity_bytes
+        fits = oom_phase is None and tracker.peak_bytes <= limit_bytes
         if oom_phase is None and not fits:
             oom_phase = _peak_phase(tracker.phase_peak_bytes) or Phase.FORWARD
         return StepOutcome(
@@ -280,22 +318,38 @@ class CudaDevice:
         torch.cuda.synchronize(self._index)
 
 
-def open_device(name: str, memory_bytes: int | None = None) -> Device:
-    """The device for a `--device` argument: "cpu" (emulated, needs `memory_bytes`), "cuda" or
-    "cuda:N" (where `memory_bytes`, if given, caps the capacity).
+def open_device(
+    name: str, memory_bytes: int | None = None, *, gpu: str | None = None, world_size: int = 1
+) -> Device:
+    """The device for a `--device` argument: "cpu" (emulated: `memory_bytes`, or the named `gpu`
+    as one of `world_size` ranks sees it), "cuda" or "cuda:N" (where `memory_bytes`, if given,
+    caps the capacity).
 
     Raises:
-        SpecError: unknown device name, or "cpu" without a memory size.
+        SpecError: unknown device or GPU name; "cpu" without a memory size or a GPU, or with
+            both; a GPU name with a real CUDA device.
         DeviceError: CUDA was asked for and is unavailable.
     """
     if memory_bytes is not None and memory_bytes <= 0:
         raise SpecError(f"memory: must be a positive size, got {memory_bytes}")
+    if gpu is not None:
+        # The one place these rules live: every command's --device/--memory/--gpu ends up here.
+        if name != "cpu":
+            raise SpecError(
+                f"--gpu: names a GPU to emulate on the cpu device; {name!r} is measured as it is"
+            )
+        if memory_bytes is not None:
+            raise SpecError("--gpu: the named GPU sets the capacity; give --gpu or --memory")
+        try:
+            named = find_gpu(gpu)
+        except UnknownGpu as error:
+            raise SpecError(f"--gpu: {error}") from None
+        return EmulatedDevice(gpu=budget_for(named, world_size))
     if name == "cpu":
         if memory_bytes is None:
-            # The one place this rule lives: every command's --device/--memory ends up here.
             raise SpecError(
                 "--memory: required with the emulated cpu device (the GPU size to emulate, "
-                "e.g. --memory 2GiB)"
+                'e.g. --memory 2GiB, or a named GPU: --gpu "H100 80GB")'
             )
         return EmulatedDevice(memory_bytes)
     match = _CUDA_NAME.match(name)

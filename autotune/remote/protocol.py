@@ -21,11 +21,15 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     Field,
+    SerializerFunctionWrapHandler,
     ValidationInfo,
     field_validator,
+    model_serializer,
+    model_validator,
 )
 
 from autotune.core.bytesize import parse_bytes
+from autotune.core.gpus import UnknownGpu, find_gpu
 from autotune.core.schemas import (
     DEVICE_NAME_MAX,
     STUDY_NAME_MAX,
@@ -100,21 +104,55 @@ def cuda_memory_bounds(total_memory_bytes: int) -> tuple[int, int]:
     return low, min(high, MAX_INT)
 
 
+def _gpu_name(value: str) -> str:
+    """A catalogue GPU name or alias, as its canonical name, so that "h100-80gb" and
+    "H100 80GB" are one target (and one fingerprint)."""
+    try:
+        return find_gpu(value).name
+    except UnknownGpu as error:
+        raise ValueError(str(error)) from None
+
+
+GpuName = Annotated[str, Field(min_length=1, max_length=100), AfterValidator(_gpu_name)]
+
+
 class EmulatedTarget(FrozenModel):
-    """A CPU worker that enforces a memory capacity (the emulated GPU)."""
+    """A CPU worker that emulates a GPU: of `memory_bytes` (what the step's tensors may use), or
+    the named `gpu` of `autotune.core.gpus` (its memory less what CUDA takes on it). Exactly one
+    of the two."""
 
     kind: Literal["emulated"] = "emulated"
-    memory_bytes: MemoryBytes
+    memory_bytes: MemoryBytes | None = None
+    gpu: GpuName | None = None
+
+    @model_validator(mode="after")
+    def _memory_or_gpu(self) -> EmulatedTarget:
+        if (self.memory_bytes is None) == (self.gpu is None):
+            raise ValueError("give memory_bytes or gpu (a named GPU), exactly one")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_the_other(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # {"kind", "memory_bytes"} or {"kind", "gpu"}: the member not given is left out.
+        data: dict[str, Any] = handler(self)
+        return {key: value for key, value in data.items() if value is not None}
 
     def identity(self) -> dict[str, Any]:
+        if self.gpu is not None:
+            return {"kind": self.kind, "gpu": self.gpu}
         return {"kind": self.kind, "memory_bytes": self.memory_bytes}
 
     def matches(self, device: DeviceInfo) -> bool:
-        return device.kind == DeviceKind.EMULATED and device.capacity_bytes == self.memory_bytes
+        if device.kind != DeviceKind.EMULATED:
+            return False
+        if self.gpu is not None:
+            # A named GPU's capacity depends on the spec's world size: the name is the match.
+            return device.gpu == self.gpu
+        return device.gpu is None and device.capacity_bytes == self.memory_bytes
 
     @property
     def label(self) -> str:
-        return f"emulated:{self.memory_bytes}"
+        return f"emulated:{self.gpu if self.gpu is not None else self.memory_bytes}"
 
 
 class CudaTarget(FrozenModel):

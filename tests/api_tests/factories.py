@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from autotune.core.cuda_reserve import budget_for
 from autotune.core.exports import build_exports
+from autotune.core.gpus import find_gpu
 from autotune.core.schemas import (
     DeviceInfo,
     DeviceKind,
@@ -42,6 +44,26 @@ def emulated_device(capacity_bytes: int = 4 * GIB, index: int = 0) -> DeviceInfo
         total_memory_bytes=24 * GIB,
         capacity_bytes=capacity_bytes,
         torch_version="2.13.0+cpu",
+    )
+
+
+def named(gpu: str = "H100 80GB") -> EmulatedTarget:
+    return EmulatedTarget(gpu=gpu)
+
+
+def named_device(gpu: str = "H100 80GB", world_size: int = 1, index: int = 0) -> DeviceInfo:
+    """What a worker started with `--gpu` offers (and, for `world_size`, what its runs report)."""
+    budget = budget_for(find_gpu(gpu), world_size)
+    return DeviceInfo(
+        kind=DeviceKind.EMULATED,
+        name=f"emulated {budget.gpu.name} on cpu",
+        index=index,
+        total_memory_bytes=budget.gpu.total_memory_bytes,
+        capacity_bytes=budget.capacity_bytes,
+        torch_version="2.13.0+cpu",
+        gpu=budget.gpu.name,
+        reserve=budget.reserve,
+        assumptions=list(budget.assumptions),
     )
 
 

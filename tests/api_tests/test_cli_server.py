@@ -72,6 +72,22 @@ def test_submit_wait_list_and_show(
     assert json.loads(capsys.readouterr().out)["recommendation"]["accumulation_steps"] == 4
 
 
+def test_submit_a_named_gpu(live_server: LiveServer, capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["--server", live_server.url, "--token", CLIENT_TOKEN, "--json"]
+    assert main(["submit", "gpt2-tiny", "--gpu", "h100-80gb", *common]) == 0
+    queued = json.loads(capsys.readouterr().out)
+    with ServerClient(live_server.url, token=CLIENT_TOKEN) as user:
+        assert user.get_run(queued["id"]).device == EmulatedTarget(gpu="H100 80GB")
+    with pytest.raises(SystemExit) as exited:
+        main(["submit", "gpt2-tiny", "--gpu", "H100 80GB", "--device", "cpu:4GiB", *common])
+    assert exited.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["submit", "gpt2-tiny", "--gpu", "H100 PCIe", *common])
+    assert exited.value.code == 2
+    assert "unknown GPU 'H100 PCIe'; known: T4" in capsys.readouterr().err
+
+
 def test_cli_errors_are_one_line(
     live_server: LiveServer, capsys: pytest.CaptureFixture[str]
 ) -> None:

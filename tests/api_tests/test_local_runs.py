@@ -6,11 +6,13 @@ from __future__ import annotations
 import optuna
 
 from api.local import record_local_run, target_for
+from autotune.core.cuda_reserve import budget_for
+from autotune.core.gpus import find_gpu
 from autotune.core.schemas import Spec
-from autotune.engine.device import EmulatedDevice
+from autotune.engine.device import EmulatedDevice, open_device
 from autotune.engine.tuner import tune
 from autotune.remote.client import ServerClient
-from autotune.remote.protocol import RunStatus
+from autotune.remote.protocol import EmulatedTarget, RunStatus
 
 CAPACITY_BYTES = 120 * 2**20
 
@@ -41,5 +43,34 @@ def test_a_local_tuning_run_is_served_and_answers_the_cache(
     assert optuna.load_study(study_name=result.study_name, storage=db_url).trials
 
     submitted = user.submit_run(spec, target_for(result.device))
+    assert submitted.cached
+    assert submitted.run is not None and submitted.run.id == run_id
+
+
+def test_a_local_run_on_a_named_gpu_is_served_with_its_assumptions(
+    db_url: str, user: ServerClient
+) -> None:
+    # A real catalogue GPU and a tiny model: the search cap binds, the device is what counts.
+    spec = Spec.model_validate(
+        {
+            "model": {"preset": "gpt2-tiny"},
+            "training": {"seq_len": 16, "target_global_batch": 2, "max_micro_batch": 2},
+        }
+    )
+    device = open_device("cpu", gpu="T4", world_size=spec.training.world_size)
+    result = tune(spec, device, storage_url=db_url, target_seconds=0.05)
+    assert result.recommendation is not None
+    assert result.recommendation.capacity_bytes == budget_for(find_gpu("T4")).capacity_bytes
+
+    run_id = record_local_run(db_url, result)
+
+    run = user.get_run(run_id)
+    assert run.status is RunStatus.SUCCEEDED
+    assert run.device == EmulatedTarget(gpu="T4")
+    assert run.worker_device == result.device
+    assert run.worker_device is not None and run.worker_device.gpu == "T4"
+    assert run.worker_device.assumptions == list(budget_for(find_gpu("T4")).assumptions)
+    # Any alias of the GPU is the same submission.
+    submitted = user.submit_run(spec, EmulatedTarget(gpu="tesla t4"))
     assert submitted.cached
     assert submitted.run is not None and submitted.run.id == run_id

@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from autotune.core.gpus import find_gpu
 from autotune.core.schemas import ModelSpec, Spec, TrainingSpec
 from autotune.remote.protocol import (
     AttemptEvent,
@@ -38,6 +39,8 @@ from tests.api_tests.factories import (
     cuda_device,
     emulated,
     emulated_device,
+    named,
+    named_device,
     tiny_spec,
     trial,
     tune_result,
@@ -77,11 +80,14 @@ def _examples() -> list[BaseModel]:
     return [
         RunCreate(spec=spec, device=emulated()),
         RunCreate(spec=spec, device=a100()),
+        RunCreate(spec=spec, device=named()),
         run,
         summary,
         RunPage(items=[summary], total=1, limit=50, offset=0),
         Submitted(id=3, status=RunStatus.SUCCEEDED, url="/x", cached=True, run=run),
-        ClaimRequest(worker_id="host-1:gpu", devices=[emulated_device(), cuda_device()]),
+        ClaimRequest(
+            worker_id="host-1:gpu", devices=[emulated_device(), cuda_device(), named_device()]
+        ),
         Claim(
             run_id=3,
             spec=spec,
@@ -99,6 +105,7 @@ def _examples() -> list[BaseModel]:
         TrialEvent(lease_id="ab12", trial=trial(1)),
         EventAck(stored=True, lease_expires_at=NOW),
         ResultSubmission(lease_id="ab12", result=tune_result(spec, emulated_device())),
+        ResultSubmission(lease_id="ab12", result=tune_result(spec, named_device(world_size=8))),
         FailureReport(lease_id="ab12", error_type="RuntimeError", message="x", retryable=False),
     ]
 
@@ -164,6 +171,45 @@ def test_emulated_target_matches_only_equal_capacity() -> None:
     assert target.matches(emulated_device(4 * GIB))
     assert not target.matches(emulated_device(4 * GIB - 1))
     assert not target.matches(cuda_device(total_memory_bytes=4 * GIB))
+
+
+def test_a_named_target_takes_the_catalogue_name_and_one_of_gpu_or_memory() -> None:
+    assert EmulatedTarget(gpu="h100-80gb") == EmulatedTarget(gpu="NVIDIA H100 80GB HBM3")
+    assert EmulatedTarget(gpu="h100-80gb").gpu == "H100 80GB"
+    # On the wire each form has only its own member.
+    assert named().model_dump(mode="json") == {"kind": "emulated", "gpu": "H100 80GB"}
+    assert emulated().model_dump(mode="json") == {"kind": "emulated", "memory_bytes": 4 * GIB}
+    assert named().label == "emulated:H100 80GB"
+    with pytest.raises(ValidationError, match="unknown GPU 'H100 PCIe'; known: T4, V100 16GB"):
+        EmulatedTarget(gpu="H100 PCIe")
+    with pytest.raises(ValidationError, match="exactly one"):
+        EmulatedTarget(gpu="T4", memory_bytes=GIB)
+    with pytest.raises(ValidationError, match="exactly one"):
+        EmulatedTarget()
+
+
+def test_a_named_target_is_fingerprinted_by_its_gpu() -> None:
+    spec = tiny_spec()
+    h100 = fingerprint(spec, named("H100 80GB"), "0.1.0")
+    assert fingerprint(spec, named("h100-80gb"), "0.1.0") == h100
+    assert fingerprint(spec, named("A100 80GB"), "0.1.0") != h100
+    # Not the plain emulated device of the card's memory either.
+    memory = find_gpu("H100 80GB").total_memory_bytes
+    assert fingerprint(spec, emulated(memory), "0.1.0") != h100
+    # Plain targets keep the identity (so the fingerprints) they had before named GPUs.
+    assert emulated().identity() == {"kind": "emulated", "memory_bytes": 4 * GIB}
+    assert named().identity() == {"kind": "emulated", "gpu": "H100 80GB"}
+
+
+def test_a_named_target_matches_its_gpu_at_any_world_size_and_nothing_else() -> None:
+    target = named("H100 80GB")
+    assert target.matches(named_device("H100 80GB"))
+    assert target.matches(named_device("H100 80GB", world_size=8))  # another capacity
+    assert not target.matches(named_device("H200 141GB"))
+    alone = named_device("H100 80GB")
+    assert not target.matches(emulated_device(alone.capacity_bytes))
+    # A plain target never takes a named device, even of equal capacity.
+    assert not emulated(alone.capacity_bytes).matches(alone)
 
 
 def test_cuda_bounds_agree_with_matches() -> None:

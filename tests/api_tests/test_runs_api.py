@@ -55,6 +55,46 @@ def test_submit_queues_a_run_with_202(http: TestClient) -> None:
     assert run["spec"]["training"]["headroom"] == 0.05  # stored with defaults filled in
 
 
+def test_a_named_gpu_is_stored_by_its_catalogue_name_and_aliases_join_its_run(
+    http: TestClient,
+) -> None:
+    body = {"spec": {"model": {"preset": "gpt2-tiny"}}, "device": {"kind": "emulated"}}
+    first = http.post(
+        "/api/v1/runs",
+        json={**body, "device": {"kind": "emulated", "gpu": "h100-80gb"}},
+        headers=AUTH,
+    )
+    assert first.status_code == 202
+    again = http.post(
+        "/api/v1/runs",
+        json={**body, "device": {"kind": "emulated", "gpu": "NVIDIA H100 80GB HBM3"}},
+        headers=AUTH,
+    )
+    assert again.json()["id"] == first.json()["id"]  # one fingerprint
+    run = http.get(first.json()["url"], headers=AUTH).json()
+    assert run["device"] == {"kind": "emulated", "gpu": "H100 80GB"}
+    listed = http.get("/api/v1/runs", params={"device": "emulated:H100 80GB"}, headers=AUTH)
+    assert [item["id"] for item in listed.json()["items"]] == [first.json()["id"]]
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ({"kind": "emulated", "gpu": "H100 PCIe"}, "unknown GPU 'H100 PCIe'; known: T4"),
+        ({"kind": "emulated", "gpu": "T4", "memory_bytes": 1024}, "exactly one"),
+    ],
+)
+def test_a_bad_gpu_is_422_naming_the_field(
+    http: TestClient, device: dict[str, object], message: str
+) -> None:
+    body = {"spec": {"model": {"preset": "gpt2-tiny"}}, "device": device}
+    response = http.post("/api/v1/runs", json=body, headers=AUTH)
+    assert response.status_code == 422
+    (problem,) = response.json()["detail"]
+    assert problem["loc"][:3] == ["body", "device", "emulated"]
+    assert message in problem["msg"]
+
+
 def test_finished_run_answers_the_same_fingerprint_from_cache(
     user: ServerClient, worker: ServerClient, http: TestClient
 ) -> None:

@@ -16,6 +16,8 @@ from tests.api_tests.factories import (
     cuda_device,
     emulated,
     emulated_device,
+    named,
+    named_device,
     tiny_spec,
     trial,
     tune_result,
@@ -168,6 +170,37 @@ def test_result_for_another_spec_or_device_is_rejected(
         assert response.status_code == 422
         assert response.json()["code"] == "result_rejected"
     assert user.get_run(claim.run_id).status == RunStatus.RUNNING
+
+
+def test_a_named_gpu_run_goes_to_a_worker_offering_that_gpu_and_takes_its_result(
+    user: ServerClient, worker: ServerClient, http: TestClient
+) -> None:
+    plain_id = user.submit_run(tiny_spec(64), emulated(named_device().capacity_bytes)).id
+    named_id = user.submit_run(tiny_spec(64), named("h100-80gb")).id
+    # Neither another GPU nor a plain device of the same capacity takes the named run; the
+    # named device does not take the plain run. The name matches whatever the capacity (it
+    # depends on the run's world size), here a device described for 4 ranks.
+    assert worker.claim("w0", [named_device("A100 80GB")]) is None
+    claim = worker.claim("w1", [emulated_device(GIB), named_device("H100 80GB", world_size=4)])
+    assert claim is not None
+    assert (claim.run_id, claim.device_index) == (named_id, 1)
+    assert claim.target == named("H100 80GB")
+    assert worker.claim("w2", [named_device("H100 80GB")]) is None
+    assert user.get_run(plain_id).status == RunStatus.QUEUED
+    headers = {"Authorization": f"Bearer {WORKER_TOKEN}"}
+    url = f"/api/v1/worker/runs/{claim.run_id}/result"
+    other = tune_result(tiny_spec(64), named_device("H200 141GB"))
+    body = {"lease_id": claim.lease_id, "result": other.model_dump(mode="json")}
+    response = http.post(url, json=body, headers=headers)
+    assert response.status_code == 422
+    assert response.json()["code"] == "result_rejected"
+    worker.submit_result(
+        claim.run_id, claim.lease_id, tune_result(tiny_spec(64), named_device("H100 80GB"))
+    )
+    run = user.get_run(named_id)
+    assert run.status == RunStatus.SUCCEEDED
+    assert run.device == named("H100 80GB")
+    assert run.worker_device is not None and run.worker_device.gpu == "H100 80GB"
 
 
 def test_expired_lease_requeues_and_stale_events_change_nothing(

@@ -30,6 +30,32 @@ def test_the_emulated_device_needs_a_memory_size(capsys: pytest.CaptureFixture[s
     assert "--memory: required with the emulated cpu device" in capsys.readouterr().err
 
 
+def test_a_named_gpu_is_one_of_memory_or_gpu_and_must_be_known(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for argv in (["--gpu", "T4", "--memory", "4GiB"], ["--gpu", "H100 PCIe"]):
+        with pytest.raises(SystemExit) as exited:
+            main(["worker", "--token", "t", *argv])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1
+        assert "not allowed with argument" in err or "unknown GPU 'H100 PCIe'; known: T4" in err
+    assert main(["worker", "--token", "t", "--gpu", "T4", "--device", "cuda"]) == 2
+    assert "--gpu: names a GPU to emulate on the cpu device" in capsys.readouterr().err
+
+
+def test_the_inventory_of_a_named_gpu_offers_it_for_one_rank() -> None:
+    from autotune.core.cuda_reserve import budget_for
+    from autotune.core.gpus import find_gpu
+    from probes.inventory import default_device_name, read_inventory
+
+    assert default_device_name("T4") == "cpu"
+    (device,) = read_inventory("cpu", None, "tesla t4")
+    assert (device.device_name, device.memory_bytes, device.gpu) == ("cpu", None, "tesla t4")
+    assert device.info.gpu == "T4"
+    assert device.info.capacity_bytes == budget_for(find_gpu("T4")).capacity_bytes
+
+
 def test_cuda_without_a_gpu_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     import torch
 

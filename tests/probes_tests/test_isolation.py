@@ -92,6 +92,22 @@ def test_child_trials_equal_the_same_trials_in_one_process() -> None:
     assert _trial_children() == set()
 
 
+def test_children_open_a_named_gpu_for_the_world_size_of_the_run() -> None:
+    """A worker started with --gpu passes the name; each child opens the GPU as one rank of the
+    spec's world size sees it (NCCL's buffers off the capacity)."""
+    base = wide_spec(features=16)
+    spec = base.model_copy(update={"training": base.training.model_copy(update={"world_size": 4})})
+    runner = ChildProcessRunner(
+        spec, "cpu", None, gpu="L4", start_method="forkserver", allowed_factories=TESTS
+    )
+    assert runner.device_info == open_device("cpu", gpu="L4", world_size=4).info
+    assert runner.device_info.gpu == "L4"
+    assert runner.device_info.reserve is not None and runner.device_info.reserve.nccl_bytes > 0
+    outcome = runner.trial(8, checkpointing=False)
+    assert outcome.fits
+    assert outcome.peak_bytes > runner.device_info.reserve.blas_workspace_bytes
+
+
 def test_spawned_children_answer_crash_and_leave_the_next_trial_unharmed() -> None:
     """The default start method, end to end: a new interpreter per call."""
     spec = wide_spec("abort_above_4", features=16)

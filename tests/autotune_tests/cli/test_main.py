@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from autotune.core.cuda_reserve import budget_for
+from autotune.core.gpus import find_gpu
+
 # The probe run is shared (`probed`): the module's tests run in one xdist worker.
 pytestmark = pytest.mark.xdist_group("cli-main")
 
@@ -106,6 +109,12 @@ def test_step_json_agrees_with_probe(
         (["step", "{spec}", "--micro-batch", "0", "--device", "cpu", "--memory", "1GiB"], ">= 1"),
         (["step", "{spec}", "--device", "cpu", "--memory", "1GiB"], "--micro-batch"),
         (["frobnicate"], "invalid choice"),
+        (["probe", "{spec}", "--gpu", "H100 PCIe"], "--gpu: unknown GPU 'H100 PCIe'; known: T4"),
+        (["probe", "{spec}", "--gpu", "T4", "--memory", "1GiB"], "not allowed with argument"),
+        (
+            ["step", "{spec}", "--micro-batch", "1", "--gpu", "T4", "--device", "cuda"],
+            "--gpu: names a GPU to emulate on the cpu device",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_line(
@@ -119,3 +128,28 @@ def test_bad_input_exits_2_with_one_line(
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
     assert message in lines[0]
+
+
+def test_probe_on_a_named_gpu_states_the_gpu_its_reserve_and_assumptions(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.yaml"
+    # A real catalogue GPU and a tiny model: the search cap binds, which is fine here.
+    spec.write_text(
+        "model: {preset: gpt2-tiny}\ntraining: {seq_len: 16, max_micro_batch: 2, world_size: 2}\n"
+    )
+    done = autotune("probe", str(spec), "--gpu", "h100-80gb", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    device = result["device"]
+    expected = budget_for(find_gpu("H100 80GB"), world_size=2)
+    assert device["kind"] == "emulated"
+    assert device["gpu"] == "H100 80GB"
+    assert device["total_memory_bytes"] == 85045477376
+    assert device["capacity_bytes"] == expected.capacity_bytes
+    assert device["reserve"] == expected.reserve.model_dump(mode="json")
+    assert device["reserve"]["nccl_bytes"] > 0  # world_size 2
+    assert device["assumptions"] == list(expected.assumptions)
+    for mode in result["modes"]:
+        assert mode["max_micro_batch"] == 2 and mode["capped"]
+        # Every step holds the BLAS workspaces (66 MiB on an H100).
+        assert all(a["peak_bytes"] > 66 * 2**20 for a in mode["attempts"])
+    assert "emulated H100 80GB on cpu" in done.stderr

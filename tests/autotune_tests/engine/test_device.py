@@ -3,6 +3,7 @@ CPU allocator failure in a child process, open_device, and the NVML inventory.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -14,7 +15,9 @@ import pytest
 import torch
 from torch import nn
 
+from autotune.core.cuda_reserve import budget_for
 from autotune.core.errors import DeviceError, SpecError
+from autotune.core.gpus import Gpu, find_gpu
 from autotune.core.schemas import DeviceKind, Phase
 from autotune.engine.device import CudaDevice, EmulatedDevice, is_out_of_memory, open_device
 from autotune.engine.nvml import GpuInfo, format_cuda_version, read_gpus
@@ -93,6 +96,59 @@ def test_emulated_device_info() -> None:
     assert EmulatedDevice(MiB).torch_device == torch.device("cpu")
     with pytest.raises(SpecError):
         EmulatedDevice(0)
+
+
+def _card(total_bytes: int) -> Gpu:
+    """A T4 with one SM and `total_bytes` of memory: a named GPU small enough to fill on a CPU."""
+    return dataclasses.replace(find_gpu("T4"), total_memory_bytes=total_bytes, sm_count=1)
+
+
+def test_a_named_gpu_holds_its_blas_workspaces_and_runs_out_at_total_less_context(
+    trainer: MlpTrainer,
+) -> None:
+    clean = EmulatedDevice(64 * MiB).run_trial(
+        trainer.step_fn(512), micro_batch=512, resident=trainer.resident()
+    )
+    reserve = budget_for(_card(1)).reserve
+    inside_bytes, outside_bytes = reserve.blas_workspace_bytes, reserve.context_bytes
+    exact = EmulatedDevice(gpu=budget_for(_card(clean.peak_bytes + inside_bytes + outside_bytes)))
+    assert exact.capacity_bytes == clean.peak_bytes + inside_bytes
+    outcome = exact.run_trial(trainer.step_fn(512), micro_batch=512, resident=trainer.resident())
+    # The workspaces are live in every step, as the allocator holds them on the card.
+    assert outcome.fits
+    assert outcome.peak_bytes == clean.peak_bytes + inside_bytes
+    short = EmulatedDevice(gpu=budget_for(_card(exact.capacity_bytes + outside_bytes - 512)))
+    refused = short.run_trial(trainer.step_fn(512), micro_batch=512, resident=trainer.resident())
+    assert not refused.fits
+    trainer.optimizer.zero_grad(set_to_none=True)
+
+
+def test_a_named_gpu_states_its_memory_reserve_and_assumptions() -> None:
+    device = open_device("cpu", gpu="h100-80gb", world_size=8)
+    info = device.info
+    budget = budget_for(find_gpu("H100 80GB"), 8)
+    assert info.kind is DeviceKind.EMULATED
+    assert info.gpu == "H100 80GB"
+    assert info.name == "emulated H100 80GB on cpu"
+    assert info.total_memory_bytes == 85045477376
+    assert info.capacity_bytes == budget.capacity_bytes
+    assert info.reserve == budget.reserve and info.reserve.nccl_bytes > 0
+    assert info.assumptions == list(budget.assumptions)
+    # One rank of one is given more than one rank of eight (no NCCL buffers).
+    alone = open_device("cpu", gpu="H100 80GB").info
+    assert alone.capacity_bytes - info.capacity_bytes == budget.reserve.nccl_bytes
+    assert EmulatedDevice(MiB).info.gpu is None and EmulatedDevice(MiB).info.assumptions == []
+
+
+def test_open_device_refuses_a_gpu_name_it_cannot_emulate() -> None:
+    with pytest.raises(SpecError, match="--gpu: unknown GPU 'H100 PCIe'; known: T4, "):
+        open_device("cpu", gpu="H100 PCIe")
+    with pytest.raises(SpecError, match="give --gpu or --memory"):
+        open_device("cpu", 2**30, gpu="T4")
+    with pytest.raises(SpecError, match="'cuda:0' is measured as it is"):
+        open_device("cuda:0", gpu="T4")
+    with pytest.raises(ValueError, match="exactly one of capacity_bytes and gpu"):
+        EmulatedDevice(2**30, gpu=budget_for(find_gpu("T4")))
 
 
 def test_a_value_error_in_the_step_propagates_unchanged(trainer: MlpTrainer) -> None:
