@@ -20,7 +20,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointError, checkpoint, set_checkpoint_early_stop
 
+from autotune.core.presets import PRESETS, CNNPreset, DecoderPreset, MLPPreset
+from autotune.core.schemas import Precision, Spec, TrainingSpec
 from autotune.engine.attention import gpu_attention
 from autotune.engine.autocast import (
     CUDA_POLICY,
@@ -29,9 +32,14 @@ from autotune.engine.autocast import (
     cuda_autocast_policy,
     is_cuda_policy_active,
 )
+from autotune.engine.checkpointing import checkpoint_blocks
+from autotune.engine.step import TrainingStep
+from autotune.engine.workload import IGNORE_INDEX, Batch, Workload, build_workload
+from autotune.engine.zoo import build_model
 
 from .cuda_autocast_oracle import (
     ops_registered_for,
+    saved_by_node,
     saved_dtypes,
     trace_on_emulated_gpu,
     trace_on_fake_cuda,
@@ -335,3 +343,276 @@ def test_the_cached_casts_die_when_the_outermost_autocast_region_exits() -> None
             assert [ref() is not None for ref in casts.copies] == [False, True]  # x's; weight's
         gc.collect()
         assert casts.copies[1]() is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The zoo: every op of a forward and its loss runs as torch's CUDA autocast runs it, and what
+# autograd saves has the dtypes derived from the lists.
+
+ZOO = ["gpt2-tiny", "llama-tiny", "cnn", "mlp"]
+SEQ = 16
+
+
+def _zoo_inputs(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    preset = PRESETS[name]
+    generator = torch.Generator().manual_seed(0)
+    if isinstance(preset, DecoderPreset):
+        ids = torch.randint(0, preset.vocab_size, (2, SEQ), generator=generator)
+        # The labels shifted as causal_lm_loss_sum shifts them (slicing a fake CUDA tensor
+        # would abort, so it is done here).
+        return ids, F.pad(ids, (0, 1), value=IGNORE_INDEX)[:, 1:].contiguous()
+    shape = (2, *preset.input_shape)
+    return torch.randn(shape, generator=generator), torch.randint(0, 10, (2,), generator=generator)
+
+
+def _zoo_loss(model: torch.nn.Module, names: list[str]) -> Callable[..., torch.Tensor]:
+    """The workload's forward and loss (autotune.engine.workload), on given parameters."""
+
+    def loss(inputs: torch.Tensor, labels: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
+        logits = torch.func.functional_call(model, dict(zip(names, state, strict=True)), inputs)
+        return F.cross_entropy(
+            logits.float().view(-1, logits.shape[-1]),
+            labels.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+
+    return loss
+
+
+@pytest.mark.parametrize("low", LOW_DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_forward_runs_as_torchs_cuda_autocast_runs_it(name: str, low: torch.dtype) -> None:
+    torch.manual_seed(0)
+    model = build_model(PRESETS[name])
+    if name == "cnn":
+        # Training-mode BatchNorm updates its running statistics in place, which fake CUDA
+        # tensors cannot; BatchNorm is on no autocast list, so eval mode casts the same.
+        model.eval()
+    state = dict(model.named_parameters()) | dict(model.named_buffers())
+    loss = _zoo_loss(model, list(state))
+    tensors = [*_zoo_inputs(name), *state.values()]
+    reference = trace_on_fake_cuda(loss, tensors, low)
+    assert trace_on_emulated_gpu(loss, tensors, low) == reference
+    assert len(reference) > 10
+
+
+def _node(name: str, field: str, dtype: str, count: int) -> dict[tuple[str, str, str], int]:
+    return {(name, field, dtype): count}
+
+
+def _layer_norms(count: int) -> dict[tuple[str, str, str], int]:
+    fields = ("input", "weight", "bias", "result1", "result2")  # result1/2: mean, rstd
+    return {("NativeLayerNormBackward0", f, "fp32"): count for f in fields}
+
+
+def _loss() -> dict[tuple[str, str, str], int]:
+    # The loss runs on logits upcast to fp32: log_softmax keeps its fp32 result, nll_loss its
+    # fp32 input and total weight and the int64 targets.
+    return {
+        ("LogSoftmaxBackward0", "result", "fp32"): 1,
+        ("NllLossBackward0", "self", "fp32"): 1,
+        ("NllLossBackward0", "total_weight", "fp32"): 1,
+        ("NllLossBackward0", "target", "int64"): 1,
+    }
+
+
+def _expected_saved(name: str) -> dict[tuple[str, str, str], int]:
+    """What a CUDA run saves, derived from the lists: linear/matmul/conv are lower_precision_fp
+    (inputs and weights kept in L); layer_norm is fp32 (input, affine parameters, statistics in
+    fp32); attention is lower_precision_fp (query, key, value, output in L; the kernels keep
+    their logsumexp in fp32); gelu, silu, relu, max_pool2d, batch_norm, embedding and mul are on
+    no list and keep what they get, in the dtype it comes in: L after a linear or conv, fp32 on
+    the residual stream (which stays fp32: fp32 + L promotes to fp32), and fp32 for BatchNorm's
+    parameters and statistics, and for RMSNorm, which Llama applies to the fp32 stream."""
+    preset = PRESETS[name]
+    if isinstance(preset, DecoderPreset) and preset.family == "gpt2":
+        n = preset.n_layer
+        return {
+            **_node("AddmmBackward0", "mat1", L, 4 * n),  # c_attn, attn_proj, c_fc, mlp_proj
+            **_node("AddmmBackward0", "mat2", L, 4 * n),
+            **_node("GeluBackward0", "self", L, n),
+            **_node("_FusedAttentionBackward", "saved_tensors", L, 4 * n),  # q, k, v, output
+            **_node("_FusedAttentionBackward", "saved_tensors", "fp32", n),  # logsumexp
+            **_layer_norms(2 * n + 1),  # ln_1, ln_2 per block, ln_f
+            **_node("MmBackward0", "self", L, 1),  # lm_head (no bias: a matmul)
+            **_node("MmBackward0", "mat2", L, 1),
+            **_node("EmbeddingBackward0", "indices", "int64", 2),  # tokens, positions
+            **_loss(),
+        }
+    if isinstance(preset, DecoderPreset):
+        n, norms = preset.n_layer, 2 * preset.n_layer + 1  # attn_norm, mlp_norm per block; norm
+        return {
+            **_node("MmBackward0", "self", L, 7 * n + 1),  # q, k, v, o, gate, up, down; lm_head
+            **_node("MmBackward0", "mat2", L, 7 * n + 1),
+            # RMSNorm on the fp32 stream: x^2 keeps x, rsqrt its result, x * rsqrt and
+            # weight * normalised keep both factors.
+            **_node("PowBackward0", "self", "fp32", norms),
+            **_node("RsqrtBackward0", "result", "fp32", norms),
+            **_node("MulBackward0", "self", "fp32", 2 * norms),
+            # Rotary: q * cos, k * cos, rot(q) * sin, rot(k) * sin keep the fp32 tables only.
+            **_node("MulBackward0", "other", "fp32", 2 * norms + 4 * n),
+            # SwiGLU: silu keeps its L input; silu(gate) * up keeps both L factors.
+            **_node("SiluBackward0", "self", L, n),
+            **_node("MulBackward0", "self", L, n),
+            **_node("MulBackward0", "other", L, n),
+            # Grouped-query attention is left to torch's kernel, which keeps the same dtypes.
+            **{
+                ("ScaledDotProductFlashAttentionForCpuBackward0", f, L): n
+                for f in ("query", "key", "value", "output")
+            },
+            **_node("ScaledDotProductFlashAttentionForCpuBackward0", "logsumexp", "fp32", n),
+            **_node("EmbeddingBackward0", "indices", "int64", 1),
+            **_loss(),
+        }
+    if isinstance(preset, CNNPreset):
+        stages, pooled = len(preset.channels), len(preset.channels) - 1
+        return {
+            **_node("ConvolutionBackward0", "input", L, stages),
+            **_node("ConvolutionBackward0", "weight", L, stages),
+            **_node("NativeBatchNormBackward0", "input", L, stages),
+            **{
+                ("NativeBatchNormBackward0", f, "fp32"): stages
+                for f in ("weight", "running_mean", "running_var", "result1", "result2")
+            },
+            **_node("ReluBackward0", "result", L, stages),
+            **_node("MaxPool2DWithIndicesBackward0", "self", L, pooled),
+            **_node("MaxPool2DWithIndicesBackward0", "result1", "int64", pooled),  # indices
+            **_node("AddmmBackward0", "mat1", L, 1),  # head
+            **_node("AddmmBackward0", "mat2", L, 1),
+            **_loss(),
+        }
+    assert isinstance(preset, MLPPreset)
+    layers = len(preset.hidden) + 1
+    return {
+        **_node("AddmmBackward0", "mat1", L, layers),
+        # The first layer's input needs no gradient, so its weight is not kept.
+        **_node("AddmmBackward0", "mat2", L, layers - 1),
+        **_node("ReluBackward0", "result", L, len(preset.hidden)),
+        **_loss(),
+    }
+
+
+@pytest.mark.parametrize("low", LOW_DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_saves_for_backward_what_cuda_saves(name: str, low: torch.dtype) -> None:
+    """Every tensor autograd keeps in the emulated GPU's forward (the step's own loss, attention
+    and autocast), by node and field, against the derivation."""
+    training = {"precision": "bf16" if low == torch.bfloat16 else "fp16", "seq_len": SEQ}
+    if not isinstance(PRESETS[name], DecoderPreset):
+        del training["seq_len"]
+    spec = Spec.model_validate({"model": {"preset": name}, "training": training})
+    torch.manual_seed(0)
+    workload = build_workload(spec)
+    batch = workload.make_batch(2, torch.device("cpu"))
+    with cuda_autocast_policy(), gpu_attention(), torch.autocast("cpu", dtype=low):
+        loss = workload.loss_sum(workload.model, batch)
+    expected = {
+        (node, f, _resolve(d, low)): n for (node, f, d), n in _expected_saved(name).items()
+    }
+    assert saved_by_node(loss.grad_fn) == Counter(expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint recomputation runs under the same policy; the training step keeps it through
+# backward.
+
+
+class _Block(torch.nn.Module):
+    """ops whose dtype the two policies decide differently, recording what each run makes."""
+
+    def __init__(self, runs: list[list[torch.dtype]]) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.runs = runs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        normed = self.norm(h)
+        probs = F.softmax(h, -1)
+        powered = torch.pow(h, 2.0)
+        self.runs.append([t.dtype for t in (h, normed, probs, powered)])
+        out: torch.Tensor = normed + probs + powered
+        return out
+
+
+def _checkpointed_loss(block: _Block, low: torch.dtype) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=low):
+        out = checkpoint(block, torch.randn(4, 8), use_reentrant=False)
+        return out.sum()
+
+
+@pytest.mark.parametrize("low", LOW_DTYPES, ids=["bf16", "fp16"])
+def test_checkpoint_recomputation_casts_as_the_forward_did(low: torch.dtype) -> None:
+    runs: list[list[torch.dtype]] = []
+    block = _Block(runs)
+    # Without early stop, recomputation runs the whole block, recording included.
+    with cuda_autocast_policy(), set_checkpoint_early_stop(False):
+        loss = _checkpointed_loss(block, low)
+        # Recomputation happens here, outside the autocast region, which checkpoint restores.
+        torch.autograd.backward(loss)
+    assert len(runs) == 2  # the forward, then the recomputation
+    assert runs[0] == runs[1] == [low, torch.float32, torch.float32, torch.float32]
+    assert block.linear.weight.grad is not None
+
+
+@pytest.mark.parametrize("low", LOW_DTYPES, ids=["bf16", "fp16"])
+def test_a_recomputation_under_other_lists_is_caught_by_checkpoint(low: torch.dtype) -> None:
+    """Checkpoint compares the recomputed saved tensors' dtypes with the forward's: a step that
+    left the policy before backward would fail, so a checkpointed step that runs proves that the
+    recomputation saved the same dtypes."""
+    block = _Block([])
+    with cuda_autocast_policy():
+        loss = _checkpointed_loss(block, low)
+    with pytest.raises(CheckpointError, match="metadata"):
+        torch.autograd.backward(loss)
+
+
+def _block_workload(runs: list[list[torch.dtype]], active: list[bool]) -> Workload:
+    blocks = torch.nn.ModuleList([_Block(runs), _Block(runs)])
+    switch = checkpoint_blocks(blocks)
+
+    def make_batch(micro_batch: int, device: torch.device) -> Batch:
+        return {"x": torch.randn(micro_batch, 8, device=device)}
+
+    def loss_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        active.append(is_cuda_policy_active())
+        x = batch["x"]
+        for block in model:  # type: ignore[attr-defined]
+            x = block(x)
+        return x.float().sum()
+
+    return Workload(blocks, make_batch, loss_sum, lambda batch: len(batch["x"]), switch)
+
+
+@pytest.mark.parametrize("precision", [Precision.BF16, Precision.FP16])
+def test_the_training_step_casts_as_cuda_on_the_emulated_gpu(precision: Precision) -> None:
+    runs: list[list[torch.dtype]] = []
+    active: list[bool] = []
+    step = TrainingStep(
+        _block_workload(runs, active), TrainingSpec(precision=precision), torch.device("cpu")
+    )
+    step.checkpointing = True
+    before = [p.detach().clone() for p in step.model.parameters()]
+    for _ in range(3):  # fp16: the GradScaler's path, unscale and step, more than once
+        with set_checkpoint_early_stop(False):
+            assert torch.isfinite(torch.tensor(step.run(2, accumulation_steps=2)))
+    low = torch.bfloat16 if precision is Precision.BF16 else torch.float16
+    # 3 steps x 2 micro-batches x 2 blocks, each run once forward and once recomputed.
+    assert len(runs) == 24
+    assert all(run == [low, torch.float32, torch.float32, torch.float32] for run in runs)
+    assert active == [True] * 6 and not is_cuda_policy_active()
+    after = list(step.model.parameters())
+    assert all(not torch.equal(b, a) for b, a in zip(before, after, strict=True))
+    if step.scaler is not None:
+        assert 0 < step.scaler.get_scale() < float("inf")
+
+
+def test_the_training_step_leaves_fp32_to_torch() -> None:
+    runs: list[list[torch.dtype]] = []
+    active: list[bool] = []
+    step = TrainingStep(_block_workload(runs, active), TrainingSpec(), torch.device("cpu"))
+    step.run(2)
+    assert active == [False]
+    assert all(run == [torch.float32] * 4 for run in runs)
