@@ -616,3 +616,58 @@ def test_the_training_step_leaves_fp32_to_torch() -> None:
     step.run(2)
     assert active == [False]
     assert all(run == [torch.float32] * 4 for run in runs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face modules, where the two policies part ways.
+
+HF_GPT2 = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64}
+HF_LLAMA = {
+    "model_type": "llama",
+    "num_hidden_layers": 1,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_attention_heads": 2,
+    "vocab_size": 64,
+}
+
+
+def _hf_module(config: dict[str, Any], path: str) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**config)
+    ).float()
+    module: torch.nn.Module = model.get_submodule(path)
+    # Dropout off: CPU and CUDA run different dropout kernels (CUDA's fused one keeps a bool
+    # mask), which is a kernel matter, not autocast's.
+    return module.eval()
+
+
+# (config, module, differs under the CPU lists): GPT-2's MLP computes gelu_new with
+# torch.pow(x, 3.0), which CUDA runs in fp32, and so everything after it up to the projection;
+# Llama's RMSNorm upcasts to fp32 itself and its MLP uses only listed-alike ops.
+HF_MODULES = [
+    (HF_GPT2, "transformer.h.0.mlp", True),
+    (HF_LLAMA, "model.layers.0.mlp", False),
+    (HF_LLAMA, "model.layers.0.input_layernorm", False),
+]
+
+
+@pytest.mark.parametrize("low", LOW_DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize(("config", "path", "differs"), HF_MODULES, ids=lambda v: str(v))
+def test_hugging_face_modules_run_as_torchs_cuda_autocast_runs_them(
+    config: dict[str, Any], path: str, differs: bool, low: torch.dtype
+) -> None:
+    module = _hf_module(config, path)
+    state = dict(module.named_parameters())
+
+    def forward(x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.func.functional_call(module, dict(zip(state, params)), x)
+        return out
+
+    # The residual stream (fp32) into a norm; a 16-bit activation into an MLP.
+    x = torch.randn(2, 4, 32, dtype=torch.float32 if path.endswith("layernorm") else low)
+    tensors = [x, *state.values()]
+    reference = trace_on_fake_cuda(forward, tensors, low)
+    assert trace_on_emulated_gpu(forward, tensors, low) == reference
+    assert (trace_on_emulated_gpu(forward, tensors, low, policy=False) != reference) == differs
