@@ -6,6 +6,8 @@ when the storage dies. With a capacity it raises `torch.OutOfMemoryError` at the
 exceed it, which is what turns a CPU step into an emulated GPU (`autotune.engine.device`). It also
 labels every op with the training phase (forward, backward, optimizer) and can record the live
 bytes after every op for the per-op affine peak model.
+
+What a live-byte count leaves out of a GPU's memory: docs/design.md#what-it-does-not-model.
 """
 
 from __future__ import annotations
