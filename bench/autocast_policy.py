@@ -31,9 +31,9 @@ from autotune.engine.runner import InProcessRunner
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MiB = 2**20
-SEQ_LEN = 256
+SEQ_LEN = 128
 PEAK_AT = 8  # the fixed micro-batch whose peak is compared
-CAPACITY_BYTES = 1024 * MiB
+CAPACITY_BYTES = 512 * MiB
 
 HF_GPT2 = {
     "model_type": "gpt2",

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from autotune.engine.cuda_autocast_lists import APPEND_DTYPE_TARGETS, CUDA_POLICY, CastPolicy
+from autotune.engine.fused_softmax import softmax_half_to_float
 
 _AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 
@@ -113,60 +114,7 @@ def _cached_cast(tensor: torch.Tensor, dtype: torch.dtype, lower: torch.dtype) -
     return _CACHE.cast(tensor, dtype) if cacheable else tensor.to(dtype)
 
 
-# ---------------------------------------------------------------------------------------------
-# CUDA's fused fp16 -> fp32 softmax: a composite that decomposes differently on CUDA.
-#
-# softmax(x, dim, dtype=float32) and log_softmax on an fp16 CUDA tensor run one kernel that reads
-# fp16 and writes fp32 (`_softmax(x, dim, half_to_float=True)`, aten/src/ATen/native/SoftMax.cpp);
-# elsewhere, and for bf16, the composite first makes an fp32 copy of x. The CPU has no such
-# kernel, so these ops stand in for it: the fp32 copy is their own scratch, which a dispatch mode
-# (the emulated GPU's tracker) never sees, as no allocator sees a kernel's registers. Backward
-# is fused the same way (`_softmax_backward_data(..., input_dtype=half)`): fp16 gradient out.
-
-
-@torch.library.custom_op("autotune::softmax_half_to_float", mutates_args=())
-def softmax_half_to_float(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
-    """(log_)softmax of an fp16 tensor, written in fp32, as CUDA's fused kernel."""
-    op = torch.ops.aten._log_softmax if log else torch.ops.aten._softmax
-    result: torch.Tensor = op(x.float(), dim, False)
-    return result
-
-
-@softmax_half_to_float.register_fake
-def _(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
-    return torch.empty_like(x, dtype=torch.float32)
-
-
-@torch.library.custom_op("autotune::softmax_backward_to_half", mutates_args=())
-def softmax_backward_to_half(
-    grad: torch.Tensor, output: torch.Tensor, dim: int, log: bool
-) -> torch.Tensor:
-    """The fp16 input gradient of `softmax_half_to_float`, from its fp32 output."""
-    op = (
-        torch.ops.aten._log_softmax_backward_data if log else torch.ops.aten._softmax_backward_data
-    )
-    result: torch.Tensor = op(grad, output, dim, torch.float32).half()
-    return result
-
-
-@softmax_backward_to_half.register_fake
-def _(grad: torch.Tensor, output: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
-    return torch.empty_like(output, dtype=torch.float16)
-
-
-def _save_output(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    # What SoftmaxBackward0 and LogSoftmaxBackward0 keep: the result, nothing else.
-    ctx.dim, ctx.log = inputs[1], inputs[2]
-    ctx.save_for_backward(output)
-
-
-def _softmax_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-    (output,) = ctx.saved_tensors
-    return softmax_backward_to_half(grad, output, ctx.dim, ctx.log), None, None
-
-
-softmax_half_to_float.register_autograd(_softmax_backward, setup_context=_save_output)
-
+# The ops whose fp16 -> fp32 call CUDA fuses, and whether each is the log variant.
 _HALF_TO_FLOAT_LOG = {"softmax.int": False, "log_softmax.int": True}
 
 

@@ -662,7 +662,9 @@ def test_hugging_face_modules_run_as_torchs_cuda_autocast_runs_them(
     state = dict(module.named_parameters())
 
     def forward(x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = torch.func.functional_call(module, dict(zip(state, params)), x)
+        out: torch.Tensor = torch.func.functional_call(
+            module, dict(zip(state, params, strict=True)), x
+        )
         return out
 
     # The residual stream (fp32) into a norm; a 16-bit activation into an MLP.
