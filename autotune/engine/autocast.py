@@ -83,9 +83,6 @@ class _CastCache:
         with self._lock:
             self._casts.clear()
 
-    def __len__(self) -> int:
-        return len(self._casts)
-
 
 _CACHE = _CastCache()
 
@@ -223,8 +220,7 @@ def _kernel(name: str, policy: CastPolicy) -> Kernel:
 
     if policy is CastPolicy.FP32_SET_OPT_DTYPE:
         dtype_index = signature.names.index("dtype")
-
-        log = _HALF_TO_FLOAT_LOG.get(name)
+        log = _HALF_TO_FLOAT_LOG.get(name)  # None: not a softmax CUDA fuses
 
         def set_opt_dtype(*args: Any, **kwargs: Any) -> Any:
             values = signature.bind(args, kwargs)
