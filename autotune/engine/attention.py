@@ -67,6 +67,12 @@ def _autocast(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
 
 
+def _no_autocast() -> torch.autocast:
+    # The kernel's arithmetic is its own (fp32 accumulation, an fp32 logsumexp), whatever
+    # autocast would make of the ops that emulate it.
+    return torch.autocast("cpu", enabled=False)
+
+
 def _attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -123,7 +129,7 @@ class _FusedAttention(torch.autograd.Function):
         scale: float,
     ) -> torch.Tensor:
         seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0.0 else 0
-        with torch.no_grad(), _disable_current_modes():
+        with torch.no_grad(), _disable_current_modes(), _no_autocast():
             output, logsumexp = _attention(
                 query, key, value, mask, dropout_p, is_causal, scale, seed
             )
@@ -137,7 +143,7 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         query, key, value, mask, _logsumexp, _output = ctx.saved_tensors
-        with torch.enable_grad(), _disable_current_modes():
+        with torch.enable_grad(), _disable_current_modes(), _no_autocast():
             q, k, v = (t.detach().requires_grad_() for t in (query, key, value))
             output, _ = _attention(
                 q, k, v, mask, ctx.dropout_p, ctx.is_causal, ctx.scale, ctx.seed

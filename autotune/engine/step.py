@@ -18,6 +18,7 @@ from torch import nn
 
 from autotune.core.errors import SpecError
 from autotune.core.schemas import OptimizerName, Precision, TrainingSpec
+from autotune.engine.autocast import cuda_autocast_policy
 from autotune.engine.workload import Batch, Workload
 
 # Learning rates only have to keep long timing runs finite; they change neither memory nor time.
@@ -50,13 +51,16 @@ def accumulate_gradients(
     total_items = max(sum(num_items(batch) for batch in batches), 1)
     device = _model_device(model)
     step_loss = torch.zeros((), device=device)
-    for batch in batches:
-        with _autocast(device.type, autocast_dtype):
-            loss = loss_sum(model, batch) / total_items
-        scaled: torch.Tensor = scaler.scale(loss) if scaler is not None else loss
-        torch.autograd.backward(scaled)  # Tensor.backward is untyped in torch 2.13
-        step_loss += loss.detach()
-        del loss, scaled  # drop the graph's root before the next forward, as a training loop would
+    # On the CPU (the emulated GPU) autocast casts as on CUDA, through backward too: checkpoint
+    # recomputation re-enters autocast there (docs/design.md#autocast-on-the-emulated-gpu).
+    with _cuda_autocast_policy(device.type, autocast_dtype):
+        for batch in batches:
+            with _autocast(device.type, autocast_dtype):
+                loss = loss_sum(model, batch) / total_items
+            scaled: torch.Tensor = scaler.scale(loss) if scaler is not None else loss
+            torch.autograd.backward(scaled)  # Tensor.backward is untyped in torch 2.13
+            step_loss += loss.detach()
+            del loss, scaled  # drop the graph's root before the next forward, as a loop would
     return step_loss
 
 
@@ -75,7 +79,8 @@ class TrainingStep:
     The model is moved to `device` and put in training mode; the optimizer is created here, with
     `foreach=True` as on CUDA. Precision: fp32 runs as is; bf16 runs the forward under
     `torch.autocast(dtype=bfloat16)`; fp16 under `torch.autocast(dtype=float16)` with a
-    `GradScaler`. Weights stay fp32 (the master copy) in every case.
+    `GradScaler`. On the CPU (the emulated GPU) autocast follows CUDA's op lists
+    (`autotune.engine.autocast`). Weights stay fp32 (the master copy) in every case.
     """
 
     def __init__(self, workload: Workload, training: TrainingSpec, device: torch.device) -> None:
@@ -204,6 +209,14 @@ def _autocast(
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type, dtype=dtype)
+
+
+def _cuda_autocast_policy(
+    device_type: str, dtype: torch.dtype | None
+) -> contextlib.AbstractContextManager[Any]:
+    if dtype is None or device_type != "cpu":
+        return contextlib.nullcontext()
+    return cuda_autocast_policy()
 
 
 def _model_device(model: nn.Module) -> torch.device:
