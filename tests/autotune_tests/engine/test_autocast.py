@@ -581,7 +581,9 @@ def _block_workload(runs: list[list[torch.dtype]], active: list[bool]) -> Worklo
         x = batch["x"]
         for block in model:  # type: ignore[attr-defined]
             x = block(x)
-        return x.float().sum()
+        # Divided by the features: fp16's GradScaler starts at 2**16, and summed gradients of
+        # pow(h, 2) then overflow often enough to skip all three steps of the test.
+        return x.float().sum() / x.shape[-1]
 
     return Workload(blocks, make_batch, loss_sum, lambda batch: len(batch["x"]), switch)
 
