@@ -19,6 +19,7 @@ from torch import nn
 from autotune.core.errors import SpecError
 from autotune.core.schemas import OptimizerName, Precision, TrainingSpec
 from autotune.engine.autocast import cuda_autocast_policy
+from autotune.engine.data_parallel import EmulatedReducer
 from autotune.engine.workload import Batch, Workload
 
 # Learning rates only have to keep long timing runs finite; they change neither memory nor time.
@@ -38,6 +39,7 @@ def accumulate_gradients(
     *,
     autocast_dtype: torch.dtype | None = None,
     scaler: torch.amp.GradScaler | None = None,
+    reducer: EmulatedReducer | None = None,
 ) -> torch.Tensor:
     """Backward over every micro-batch of one optimizer step, leaving the step's gradients in
     ``.grad``; returns the step loss (detached).
@@ -46,6 +48,9 @@ def accumulate_gradients(
     so the accumulated gradient equals the full-batch gradient whatever the lengths. Dividing
     each micro-batch by its own count and then by G (mean of means) is the gradient-accumulation
     bug fixed across the ecosystem in October 2024 (docs/design.md#loss-normalisation).
+
+    With a `reducer` (world_size > 1) each micro-batch runs as under DDP: only the last one
+    synchronises, the others run as under `no_sync()` (docs/design.md#data-parallel).
     """
     # A step whose labels are all padding has a zero loss; dividing by 1 keeps it zero, not NaN.
     total_items = max(sum(num_items(batch) for batch in batches), 1)
@@ -54,13 +59,15 @@ def accumulate_gradients(
     # On the CPU (the emulated GPU) autocast casts as on CUDA, through backward too: checkpoint
     # recomputation re-enters autocast there (docs/design.md#autocast-on-the-emulated-gpu).
     with _cuda_autocast_policy(device.type, autocast_dtype):
-        for batch in batches:
-            with _autocast(device.type, autocast_dtype):
-                loss = loss_sum(model, batch) / total_items
-            scaled: torch.Tensor = scaler.scale(loss) if scaler is not None else loss
-            torch.autograd.backward(scaled)  # Tensor.backward is untyped in torch 2.13
-            step_loss += loss.detach()
-            del loss, scaled  # drop the graph's root before the next forward, as a loop would
+        for index, batch in enumerate(batches):
+            with _data_parallel(reducer, first=index == 0, sync=index == len(batches) - 1):
+                with _autocast(device.type, autocast_dtype):
+                    loss = loss_sum(model, batch) / total_items
+                scaled: torch.Tensor = scaler.scale(loss) if scaler is not None else loss
+                torch.autograd.backward(scaled)  # Tensor.backward is untyped in torch 2.13
+                step_loss += loss.detach()
+                # Drop the graph's root before the next forward, as a loop would.
+                del loss, scaled
     return step_loss
 
 
@@ -74,13 +81,16 @@ class StateSnapshot:
 
 
 class TrainingStep:
-    """Runs complete optimizer steps of a workload on one device.
+    """Runs complete optimizer steps of a workload on one device, as one rank of
+    `training.world_size` runs them.
 
     The model is moved to `device` and put in training mode; the optimizer is created here, with
-    `foreach=True` as on CUDA. Precision: fp32 runs as is; bf16 runs the forward under
-    `torch.autocast(dtype=bfloat16)`; fp16 under `torch.autocast(dtype=float16)` with a
-    `GradScaler`. On the CPU (the emulated GPU) autocast follows CUDA's op lists
-    (`autotune.engine.autocast`). Weights stay fp32 (the master copy) in every case.
+    `foreach=True` as on CUDA. With world_size > 1 an `EmulatedReducer` adds what DDP keeps per
+    rank (gradient buckets, gradients as their views once synchronised). Precision: fp32 runs
+    as is; bf16 runs the forward under `torch.autocast(dtype=bfloat16)`; fp16 under
+    `torch.autocast(dtype=float16)` with a `GradScaler`. On the CPU (the emulated GPU)
+    autocast follows CUDA's op lists (`autotune.engine.autocast`). Weights stay fp32 (the
+    master copy) in every case.
     """
 
     def __init__(self, workload: Workload, training: TrainingSpec, device: torch.device) -> None:
@@ -95,6 +105,7 @@ class TrainingStep:
         self._checkpointing = False
         if workload.set_checkpointing is not None:
             workload.set_checkpointing(False)
+        self.reducer = EmulatedReducer(self.model) if training.world_size > 1 else None
 
     @property
     def checkpointing(self) -> bool:
@@ -132,6 +143,7 @@ class TrainingStep:
             batches,
             autocast_dtype=self._autocast_dtype,
             scaler=self.scaler,
+            reducer=self.reducer,
         )
         del batches
         if self.scaler is not None:
@@ -143,9 +155,11 @@ class TrainingStep:
         return float(step_loss)
 
     def resident_tensors(self) -> list[torch.Tensor]:
-        """Tensors that live across steps: parameters, buffers, gradients, optimizer state and
-        the gradient scaler's state. Tied parameters appear once."""
+        """Tensors that live across steps: parameters, buffers, gradients, optimizer state, the
+        gradient scaler's state and DDP's gradient buckets. Tied parameters appear once."""
         tensors: list[torch.Tensor] = list(self.model.parameters())
+        if self.reducer is not None:
+            tensors += self.reducer.buckets
         tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
         tensors += list(self.model.buffers())
         for state in self.optimizer.state.values():
@@ -209,6 +223,14 @@ def _autocast(
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type, dtype=dtype)
+
+
+def _data_parallel(
+    reducer: EmulatedReducer | None, *, first: bool, sync: bool
+) -> contextlib.AbstractContextManager[Any]:
+    if reducer is None:
+        return contextlib.nullcontext()
+    return reducer.micro_batch(first=first, sync=sync)
 
 
 def _cuda_autocast_policy(
