@@ -3,8 +3,8 @@
 * "cpu": one emulated GPU of `--memory` bytes, or the named `--gpu` (its capacity for one rank:
   each run's trials open it for the run's world size);
 * "cuda": every GPU torch sees; "cuda:N": that one. Each is read in a child process through
-  `autotune.engine.device.CudaDevice` (NVML: name, UUID, total memory, driver and CUDA versions;
-  plus the torch version), so that no CUDA context lives on in the worker itself.
+  `autotune.engine.cuda_device.CudaDevice` (NVML: name, UUID, total memory, driver and CUDA
+  versions; plus the torch version), so that no CUDA context lives on in the worker itself.
 """
 
 from __future__ import annotations

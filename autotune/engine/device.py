@@ -1,16 +1,15 @@
 """The device layer: run one training step as a trial and report whether it fit and its peak.
 
-Two devices: `EmulatedDevice` (a CPU step under a `LiveBytesTracker` that raises out-of-memory
-at a capacity) and `CudaDevice` (a real GPU, measured with the caching allocator's statistics).
-This is the ONLY module in the project that catches out-of-memory: it turns it into
-`StepOutcome(fits=False)`, and lets every other exception through unchanged.
+`Device` is the contract, `EmulatedDevice` a CPU step under a `LiveBytesTracker` that raises
+out-of-memory at a capacity, and `open_device` picks a device for a `--device` argument (a real
+GPU is `autotune.engine.cuda_device.CudaDevice`). Out-of-memory is caught in one module only,
+`autotune.engine.out_of_memory`: it becomes `StepOutcome(fits=False)`, and every other exception
+goes through unchanged.
 """
 
 from __future__ import annotations
 
-import gc
 import itertools
-import logging
 import re
 from collections.abc import Callable, Iterable
 from typing import Protocol
@@ -19,19 +18,14 @@ import torch
 
 from autotune.core.bytesize import format_bytes
 from autotune.core.cuda_reserve import GpuBudget, budget_for
-from autotune.core.errors import DeviceError, SpecError
+from autotune.core.errors import SpecError
 from autotune.core.gpus import UnknownGpu, find_gpu
 from autotune.core.schemas import DeviceInfo, DeviceKind, Phase, StepOutcome
 from autotune.engine.attention import gpu_attention
-from autotune.engine.nvml import read_gpus
+from autotune.engine.cuda_device import CudaDevice
+from autotune.engine.out_of_memory import peak_phase, run_tracked
 from autotune.engine.tracker import CUDA_BLOCK_BYTES, LiveBytesTracker
 
-logger = logging.getLogger(__name__)
-
-# Out-of-memory failures that arrive as a plain RuntimeError: the CPU allocator's (e.g. under
-# RLIMIT_AS, see docs/design.md#a-real-cpu-out-of-memory-is-a-signal-not-a-budget) and a
-# failed raw cudaMalloc outside the caching allocator.
-_OOM_MESSAGES = ("DefaultCPUAllocator: can't allocate memory", "CUDA error: out of memory")
 _CUDA_NAME = re.compile(r"^cuda(?::(\d+))?$")
 
 
@@ -65,46 +59,12 @@ class Device(Protocol):
     def synchronize(self) -> None: ...
 
 
-def is_out_of_memory(error: BaseException) -> bool:
-    """True for `torch.OutOfMemoryError` (real CUDA or emulated) and for the RuntimeErrors that a
-    failed CPU allocation or raw cudaMalloc raise."""
-    if isinstance(error, torch.OutOfMemoryError):
-        return True
-    return isinstance(error, RuntimeError) and any(m in str(error) for m in _OOM_MESSAGES)
-
-
-def _run_tracked(step: Callable[[], object], tracker: LiveBytesTracker | None) -> Phase | None:
-    """Run `step()` under `tracker` (or bare); return None if it completed, else the phase that
-    ran out (FORWARD when untracked: nothing labels phases then)."""
-    oom_phase: Phase | None = None
-    try:
-        if tracker is None:
-            step()
-        else:
-            with tracker:
-                step()
-    except RuntimeError as error:  # torch.OutOfMemoryError is a RuntimeError
-        if not is_out_of_memory(error):
-            raise
-        # Only record here. pytorch#18853: the exception's traceback keeps the step's frames,
-        # and with them its tensors, alive; memory is freed only once we have left `except`.
-        oom_phase = tracker.phase if tracker is not None else Phase.FORWARD
-        logger.debug("trial ran out of memory in %s: %s", oom_phase.value, error)
-    if oom_phase is not None:
-        gc.collect()
-    return oom_phase
-
-
 def _with_gpu_attention(step: Callable[[], object]) -> Callable[[], object]:
     def attended() -> object:
         with gpu_attention():
             return step()
 
     return attended
-
-
-def _peak_phase(phase_peak_bytes: dict[Phase, int]) -> Phase | None:
-    return max(phase_peak_bytes, key=phase_peak_bytes.__getitem__, default=None)
 
 
 class EmulatedDevice:
@@ -179,7 +139,7 @@ class EmulatedDevice:
         # Attention keeps for backward what a GPU's fused kernel keeps, tracked or timed.
         step = _with_gpu_attention(step)
         if not track:
-            oom_phase = _run_tracked(step, None)
+            oom_phase = run_tracked(step, None)
             return StepOutcome(
                 micro_batch=micro_batch,
                 fits=oom_phase is None,
@@ -193,12 +153,12 @@ class EmulatedDevice:
             limit_bytes, block_bytes=self.block_bytes, record_series=record_series
         )
         tracker.add_resident(itertools.chain(resident, self._workspaces))
-        oom_phase = _run_tracked(step, tracker)
+        oom_phase = run_tracked(step, tracker)
         # The tracker raises before any op takes live bytes past capacity; only a resident
         # set that is already too big can leave a completed step over it.
         fits = oom_phase is None and tracker.peak_bytes <= limit_bytes
         if oom_phase is None and not fits:
-            oom_phase = _peak_phase(tracker.phase_peak_bytes) or Phase.FORWARD
+            oom_phase = peak_phase(tracker.phase_peak_bytes) or Phase.FORWARD
         return StepOutcome(
             micro_batch=micro_batch,
             fits=fits,
@@ -210,112 +170,6 @@ class EmulatedDevice:
 
     def synchronize(self) -> None:
         """Nothing to wait for: CPU ops are synchronous."""
-
-
-def _bare_uuid(uuid: str) -> str:
-    # torch prints a CUDA UUID bare ("5f9e...-..."), NVML prefixes it ("GPU-5f9e...-...").
-    uuid = uuid.strip().lower()
-    return uuid.removeprefix("gpu-")
-
-
-class CudaDevice:
-    """A real CUDA GPU. Its capacity is what is free once the CUDA context exists (NVML total
-    minus NVML used, plus what this process's caching allocator already holds), optionally
-    capped at `memory_cap_bytes`. Headroom is not subtracted here: the probe applies it."""
-
-    def __init__(self, index: int = 0, *, memory_cap_bytes: int | None = None) -> None:
-        if not torch.cuda.is_available():
-            raise DeviceError(
-                f"CUDA is not available (torch {torch.__version__}, "
-                f"built for CUDA {torch.version.cuda or 'none'}); "
-                "use --device cpu --memory SIZE to emulate a GPU"
-            )
-        count = torch.cuda.device_count()
-        if not 0 <= index < count:
-            raise DeviceError(f"no CUDA device {index}: torch sees {count} (cuda:0..{count - 1})")
-        self._index = index
-        self._device = torch.device("cuda", index)
-        # Create the context first, so NVML's "used" includes it: a step can never use it.
-        torch.zeros(1, device=self._device)
-        torch.cuda.synchronize(index)
-        torch.cuda.empty_cache()
-        props = torch.cuda.get_device_properties(index)
-        uuid = "GPU-" + _bare_uuid(str(props.uuid))
-        # NVML counts this process's cached blocks as used, but a trial's max_memory_reserved
-        # counts them too; add them back so they are not subtracted twice.
-        reserved_bytes = torch.cuda.memory_reserved(index)
-        gpu = next((g for g in read_gpus() if _bare_uuid(g.uuid) == _bare_uuid(uuid)), None)
-        if gpu is not None:
-            total_bytes = gpu.total_memory_bytes
-            capacity_bytes = gpu.total_memory_bytes - gpu.used_bytes + reserved_bytes
-        else:
-            logger.warning("NVML has no GPU with UUID %s; reading free memory from CUDA", uuid)
-            free_bytes, total_bytes = torch.cuda.mem_get_info(index)
-            capacity_bytes = free_bytes + reserved_bytes
-        if memory_cap_bytes is not None:
-            capacity_bytes = min(capacity_bytes, memory_cap_bytes)
-        self.capacity_bytes = max(capacity_bytes, 0)
-        self._info = DeviceInfo(
-            kind=DeviceKind.CUDA,
-            name=props.name,
-            index=index,
-            uuid=uuid,
-            total_memory_bytes=total_bytes,
-            capacity_bytes=self.capacity_bytes,
-            driver_version=gpu.driver_version if gpu else None,
-            cuda_version=gpu.cuda_version if gpu else torch.version.cuda,
-            torch_version=torch.__version__,
-        )
-
-    @property
-    def info(self) -> DeviceInfo:
-        return self._info
-
-    @property
-    def torch_device(self) -> torch.device:
-        return self._device
-
-    def run_trial(
-        self,
-        step: Callable[[], object],
-        *,
-        micro_batch: int,
-        resident: Iterable[torch.Tensor],
-        record_series: bool = False,
-        track: bool = True,
-    ) -> StepOutcome:
-        # Blocks cached by an earlier, larger trial would count in this trial's reserved peak.
-        self.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self._index)
-        # No capacity: the card enforces its own. The tracker only labels phases and series.
-        tracker = LiveBytesTracker(None, record_series=record_series) if track else None
-        if tracker is not None:
-            tracker.add_resident(resident)
-        oom_phase = _run_tracked(step, tracker)
-        if oom_phase is None:
-            self.synchronize()  # kernels may still be running; the peak is final only after
-        else:
-            torch.cuda.empty_cache()
-        peak_bytes = torch.cuda.max_memory_reserved(self._index)
-        # The user's --memory cap can be below the card, so completing is not enough.
-        fits = oom_phase is None and peak_bytes <= self.capacity_bytes
-        phase_peak_bytes = dict(tracker.phase_peak_bytes) if tracker is not None else {}
-        if oom_phase is None and not fits:
-            oom_phase = _peak_phase(phase_peak_bytes) or Phase.FORWARD
-        return StepOutcome(
-            micro_batch=micro_batch,
-            fits=fits,
-            peak_bytes=peak_bytes,
-            phase_peak_bytes=phase_peak_bytes,
-            oom_phase=oom_phase,
-            series=tuple(tracker.series)
-            if tracker is not None and record_series and fits
-            else None,
-        )
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self._index)
 
 
 def open_device(

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from autotune.core.schemas import DeviceKind, Phase
-from autotune.engine.device import CudaDevice, open_device
+from autotune.engine.cuda_device import CudaDevice
+from autotune.engine.device import open_device
 from autotune.engine.nvml import read_gpus
 
 pytestmark = [
