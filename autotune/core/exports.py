@@ -12,6 +12,12 @@ warns that v6 removes it). `hf` uses `activation_checkpointing` when the given t
 version is 5 or later and `gradient_checkpointing` for 4.x. When the version is unknown (None)
 it uses `gradient_checkpointing`, the one name every release before v6 accepts. The rendered
 text states which rule applied.
+
+Data parallel (world size > 1): the recommendation was measured for torch DDP with
+`gradient_as_bucket_view=True` (`autotune.engine.data_parallel`). The PyTorch loop and Lightning
+set it, the Hugging Face text shows where to set it (no `TrainingArguments` key does), and the
+Axolotl and DeepSpeed texts say what their runs hold instead
+(docs/design.md#data-parallel).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import yaml
 from autotune.core.schemas import Exports, Recommendation
 
 _ACTIVATION_CHECKPOINTING_SINCE_MAJOR = 5
+# How DDP must be built for a rank to hold what was measured.
+DDP_KWARGS = {"gradient_as_bucket_view": True}
 
 
 def _transformers_major(version: str) -> int:
@@ -84,11 +92,14 @@ def build_exports(
     }
     # Lightning splits these over three objects: the Trainer owns accumulation, the datamodule
     # owns the batch size, and checkpointing has no Trainer flag, so it lives in the module.
-    lightning = {
+    lightning: dict[str, Any] = {
         "trainer": {"accumulate_grad_batches": accumulation},
         "datamodule": {"batch_size": b},
         "module": {"gradient_checkpointing": rec.checkpointing},
     }
+    if world > 1:
+        # The Trainer's `strategy`: DDPStrategy passes these to DDP.
+        lightning["ddp_strategy"] = dict(DDP_KWARGS)
     return Exports(
         hf=hf,
         axolotl=axolotl,
@@ -100,46 +111,99 @@ def build_exports(
 
 def render_exports(exports: Exports) -> dict[str, str]:
     """Paste-ready text per target: `hf` and `lightning` as Python, `axolotl` as YAML,
-    `deepspeed` as JSON, `pytorch_loop` as is."""
+    `deepspeed` as JSON, `pytorch_loop` as is; on several ranks also `data_parallel`, what the
+    memory was measured with and what DeepSpeed (whose JSON cannot say it) does instead."""
     batch = _batch_comment(exports.deepspeed)
-    return {
-        "hf": _render_hf(exports.hf, batch),
+    ranks = _ranks(exports.deepspeed)
+    texts = {
+        "hf": _render_hf(exports.hf, batch, ranks),
         "axolotl": f"# Axolotl config (merge into your YAML)\n{batch}"
+        + _axolotl_ddp_comment(ranks)
         + yaml.safe_dump(exports.axolotl, sort_keys=False),
         "deepspeed": json.dumps(exports.deepspeed, indent=2) + "\n",
         "lightning": _render_lightning(exports.lightning, batch),
         "pytorch_loop": exports.pytorch_loop,
     }
+    if ranks > 1:
+        texts["data_parallel"] = _data_parallel_note(ranks)
+    return texts
+
+
+def _ranks(deepspeed: dict[str, Any]) -> int:
+    """The rank count, from DeepSpeed's invariant train_batch_size == micro * accumulation *
+    ranks."""
+    micro = deepspeed["train_micro_batch_size_per_gpu"]
+    accumulation = deepspeed["gradient_accumulation_steps"]
+    ranks: int = deepspeed["train_batch_size"] // (micro * accumulation)
+    return ranks
 
 
 def _batch_comment(deepspeed: dict[str, Any]) -> str:
-    """The batch arithmetic as a comment line; the rank count follows from DeepSpeed's
-    invariant train_batch_size == micro * accumulation * ranks."""
+    """The batch arithmetic as a comment line."""
     micro = deepspeed["train_micro_batch_size_per_gpu"]
     accumulation = deepspeed["gradient_accumulation_steps"]
-    ranks = deepspeed["train_batch_size"] // (micro * accumulation)
     return (
         f"# global batch {deepspeed['train_batch_size']} = {micro} per rank x {accumulation} "
-        f"accumulation steps x {ranks} rank(s)\n"
+        f"accumulation steps x {_ranks(deepspeed)} rank(s)\n"
     )
 
 
-def _render_hf(hf: dict[str, Any], batch: str) -> str:
+def _axolotl_ddp_comment(ranks: int) -> str:
+    if ranks == 1:
+        return ""
+    return (
+        "# On several ranks the memory was measured for DDP with gradient_as_bucket_view=True,\n"
+        "# which no Axolotl key sets: its runs keep DDP's default and hold one more copy of\n"
+        "# the gradients (4 bytes per fp32 parameter) at the end of backward and in the\n"
+        "# optimizer step. Leave that much free, e.g. a smaller micro_batch_size.\n"
+    )
+
+
+def _data_parallel_note(ranks: int) -> str:
+    return (
+        f"# {ranks} ranks: memory per rank was measured for torch DDP with\n"
+        "# gradient_as_bucket_view=True (gradients live in DDP's all-reduce buckets), default\n"
+        "# bucket sizes, buffers broadcast; the PyTorch loop and Lightning set it, the Hugging\n"
+        "# Face text shows where. DDP's default (False) holds a second copy of the gradients.\n"
+        "# DeepSpeed uses no torch DDP: without ZeRO it all-reduces after the last micro-batch's\n"
+        "# backward through flat copies of the gradients (up to 5e8 elements each), a second\n"
+        "# copy of the gradients at the end of backward that was not measured.\n"
+    )
+
+
+def _render_hf(hf: dict[str, Any], batch: str, ranks: int) -> str:
     if "activation_checkpointing" in hf:
         rule = "activation_checkpointing: the flag's name since transformers 5"
     else:
         rule = "gradient_checkpointing: the flag's name before transformers 5 (5.x: deprecated)"
     kwargs = "".join(f"    {key}={value!r},\n" for key, value in hf.items())
+    # No TrainingArguments key reaches DDP's gradient_as_bucket_view; the Trainer's accelerator
+    # reads its DDP kwargs only when train() wraps the model.
+    ddp = (
+        f"\n# {ranks} ranks: the memory was measured for DDP with gradient_as_bucket_view=True,\n"
+        "# which no TrainingArguments key sets. Set it between building the Trainer and train():\n"
+        "#     trainer = Trainer(model=model, args=args, ...)\n"
+        "#     trainer.accelerator.ddp_handler.gradient_as_bucket_view = True\n"
+        "# With accelerate alone: Accelerator(kwargs_handlers=[\n"
+        "#     DistributedDataParallelKwargs(gradient_as_bucket_view=True)])\n"
+        if ranks > 1
+        else ""
+    )
     return (
         f"# Hugging Face TrainingArguments; {rule}.\n{batch}"
         "from transformers import TrainingArguments\n\n"
-        f"args = TrainingArguments(\n{kwargs}    # ... your other arguments\n)\n"
+        f"args = TrainingArguments(\n{kwargs}    # ... your other arguments\n)\n{ddp}"
     )
 
 
 def _render_lightning(lightning: dict[str, Any], batch: str) -> str:
     trainer_kwargs = ", ".join(f"{k}={v!r}" for k, v in lightning["trainer"].items())
     datamodule_kwargs = ", ".join(f"{k}={v!r}" for k, v in lightning["datamodule"].items())
+    strategy_import = ""
+    if "ddp_strategy" in lightning:
+        strategy_kwargs = ", ".join(f"{k}={v!r}" for k, v in lightning["ddp_strategy"].items())
+        trainer_kwargs += f", strategy=DDPStrategy({strategy_kwargs})"
+        strategy_import = "from lightning.pytorch.strategies import DDPStrategy\n"
     if lightning["module"]["gradient_checkpointing"]:
         checkpointing = (
             "# Activation checkpointing: ON. Lightning has no Trainer flag for it; enable it in\n"
@@ -153,7 +217,7 @@ def _render_lightning(lightning: dict[str, Any], batch: str) -> str:
         checkpointing = "# Activation checkpointing: off (Lightning has no Trainer flag for it).\n"
     return (
         "# Lightning: the Trainer owns accumulation; batch_size is per rank, in your datamodule.\n"
-        f"{batch}import lightning as L\n\n"
+        f"{batch}import lightning as L\n{strategy_import}\n"
         f"trainer = L.Trainer({trainer_kwargs})\n"
         f"datamodule = YourDataModule({datamodule_kwargs})\n" + checkpointing
     )
@@ -230,6 +294,8 @@ def _pytorch_loop(rec: Recommendation, *, token_model: bool) -> str:
             f"\nOn {rec.world_size} ranks: launch with torchrun (one process per GPU); the label\n"
             "count is all-reduced across ranks before the first backward, and the loss is\n"
             f"multiplied by {rec.world_size} to undo DDP's averaging of gradients over ranks.\n"
+            "DDP keeps gradients as views of its buckets (gradient_as_bucket_view=True), the\n"
+            "memory the recommendation was measured with.\n"
         )
     else:
         ranks = ""

@@ -53,9 +53,14 @@ def _exports(rec: Recommendation, *, token_model: bool = True) -> Exports:
 
 
 def _call_kwargs(source: str, callee: str) -> dict[str, Any]:
+    """The literal keyword arguments of the first call to `callee` (calls left out)."""
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Call) and ast.unparse(node.func) == callee:
-            return {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg}
+            return {
+                kw.arg: ast.literal_eval(kw.value)
+                for kw in node.keywords
+                if kw.arg and not isinstance(kw.value, ast.Call)
+            }
     raise AssertionError(f"no call to {callee} in:\n{source}")
 
 
@@ -67,6 +72,7 @@ def test_texts_round_trip_through_their_formats(checkpointing: bool) -> None:
     assert json.loads(texts["deepspeed"]) == exports.deepspeed
     assert _call_kwargs(texts["hf"], "TrainingArguments") == exports.hf
     assert _call_kwargs(texts["lightning"], "L.Trainer") == exports.lightning["trainer"]
+    assert _call_kwargs(texts["lightning"], "DDPStrategy") == exports.lightning["ddp_strategy"]
     assert _call_kwargs(texts["lightning"], "YourDataModule") == exports.lightning["datamodule"]
     assert ("ON" in texts["lightning"]) is checkpointing
     for name in ("hf", "lightning", "pytorch_loop"):
@@ -97,7 +103,39 @@ def test_values_use_each_ecosystems_key_names() -> None:
         "trainer": {"accumulate_grad_batches": 4},
         "datamodule": {"batch_size": 8},
         "module": {"gradient_checkpointing": True},
+        "ddp_strategy": {"gradient_as_bucket_view": True},
     }
+
+
+def test_one_rank_says_nothing_about_ddp() -> None:
+    exports = _exports(_rec(8, 4, world=1))
+    texts = render_exports(exports)
+    assert "ddp_strategy" not in exports.lightning
+    assert "data_parallel" not in texts
+    # The loop's template builds DDP only on several ranks, whatever WORLD_SIZE is.
+    del texts["pytorch_loop"]
+    assert not [name for name, text in texts.items() if "bucket_view" in text]
+
+
+def test_every_export_on_several_ranks_says_how_ddp_was_measured() -> None:
+    exports = _exports(_rec(8, 4, world=2))
+    texts = render_exports(exports)
+    loop = texts["pytorch_loop"]
+    assert "DistributedDataParallel(model, gradient_as_bucket_view=True)" in loop
+    assert "strategy=DDPStrategy(gradient_as_bucket_view=True)" in texts["lightning"]
+    assert "trainer.accelerator.ddp_handler.gradient_as_bucket_view = True" in texts["hf"]
+    assert "DistributedDataParallelKwargs(gradient_as_bucket_view=True)" in texts["hf"]
+    axolotl_comment = [line for line in texts["axolotl"].splitlines() if line.startswith("#")]
+    assert any("one more copy of" in line for line in axolotl_comment)
+    assert "DeepSpeed uses no torch DDP" in texts["data_parallel"]
+    compile(texts["hf"], "<hf>", "exec")
+
+
+def test_no_training_arguments_key_sets_gradient_as_bucket_view() -> None:
+    """Why the Hugging Face text sets it on the Trainer's accelerator instead."""
+    transformers = pytest.importorskip("transformers")
+    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    assert not [name for name in fields if "bucket_view" in name]
 
 
 @pytest.mark.parametrize(("b", "accumulation", "world"), [(1, 1, 1), (3, 5, 2), (16, 2, 8)])
@@ -355,6 +393,10 @@ def _ddp_rank(
         accumulation = len(batches) // 2
         mine = batches[rank * accumulation : (rank + 1) * accumulation]
         loop["train_step"](model, torch.optim.SGD(model.parameters(), lr=0.1), mine)
+        # As measured: the gradients are views of DDP's buckets (fewer storages than params).
+        assert model.gradient_as_bucket_view
+        storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+        assert len(storages) < len(list(model.parameters()))
         if rank == 0:
             torch.save(_grads(model), f"{workdir}/grads.pt")
     finally:
