@@ -1,6 +1,9 @@
 """The real GPU: `CudaDevice` runs a trial on a CUDA device and measures it with the caching
 allocator's statistics; its capacity is read through NVML (`autotune.engine.nvml`). Out-of-memory
 is caught by `autotune.engine.out_of_memory`, as for the emulated device.
+
+It talks to CUDA only through a `CudaRuntime` (`autotune.engine.cuda_runtime`): torch.cuda and
+pynvml in production, the simulated backend (`autotune.engine.simulated_cuda`) in tests.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import torch
 
 from autotune.core.errors import DeviceError
 from autotune.core.schemas import DeviceInfo, DeviceKind, Phase, StepOutcome
+from autotune.engine.cuda_runtime import CudaRuntime, TorchCudaRuntime
 from autotune.engine.nvml import read_gpus
 from autotune.engine.out_of_memory import peak_phase, run_tracked
 from autotune.engine.tracker import LiveBytesTracker
@@ -30,34 +34,43 @@ class CudaDevice:
     minus NVML used, plus what this process's caching allocator already holds), optionally
     capped at `memory_cap_bytes`. Headroom is not subtracted here: the probe applies it."""
 
-    def __init__(self, index: int = 0, *, memory_cap_bytes: int | None = None) -> None:
-        if not torch.cuda.is_available():
+    def __init__(
+        self,
+        index: int = 0,
+        *,
+        memory_cap_bytes: int | None = None,
+        runtime: CudaRuntime | None = None,
+    ) -> None:
+        cuda = runtime if runtime is not None else TorchCudaRuntime()
+        if not cuda.is_available():
             raise DeviceError(
                 f"CUDA is not available (torch {torch.__version__}, "
-                f"built for CUDA {torch.version.cuda or 'none'}); "
+                f"built for CUDA {cuda.cuda_version or 'none'}); "
                 "use --device cpu --memory SIZE to emulate a GPU"
             )
-        count = torch.cuda.device_count()
+        count = cuda.device_count()
         if not 0 <= index < count:
             raise DeviceError(f"no CUDA device {index}: torch sees {count} (cuda:0..{count - 1})")
+        self._cuda = cuda
         self._index = index
-        self._device = torch.device("cuda", index)
+        self._device = cuda.torch_device(index)
         # Create the context first, so NVML's "used" includes it: a step can never use it.
-        torch.zeros(1, device=self._device)
-        torch.cuda.synchronize(index)
-        torch.cuda.empty_cache()
-        props = torch.cuda.get_device_properties(index)
-        uuid = "GPU-" + _bare_uuid(str(props.uuid))
+        cuda.initialize(index)
+        cuda.synchronize(index)
+        cuda.empty_cache()
+        props = cuda.properties(index)
+        uuid = "GPU-" + _bare_uuid(props.uuid)
         # NVML counts this process's cached blocks as used, but a trial's max_memory_reserved
         # counts them too; add them back so they are not subtracted twice.
-        reserved_bytes = torch.cuda.memory_reserved(index)
-        gpu = next((g for g in read_gpus() if _bare_uuid(g.uuid) == _bare_uuid(uuid)), None)
+        reserved_bytes = cuda.memory_reserved(index)
+        gpus = read_gpus(cuda.nvml())
+        gpu = next((g for g in gpus if _bare_uuid(g.uuid) == _bare_uuid(uuid)), None)
         if gpu is not None:
             total_bytes = gpu.total_memory_bytes
             capacity_bytes = gpu.total_memory_bytes - gpu.used_bytes + reserved_bytes
         else:
             logger.warning("NVML has no GPU with UUID %s; reading free memory from CUDA", uuid)
-            free_bytes, total_bytes = torch.cuda.mem_get_info(index)
+            free_bytes, total_bytes = cuda.mem_get_info(index)
             capacity_bytes = free_bytes + reserved_bytes
         if memory_cap_bytes is not None:
             capacity_bytes = min(capacity_bytes, memory_cap_bytes)
@@ -70,7 +83,7 @@ class CudaDevice:
             total_memory_bytes=total_bytes,
             capacity_bytes=self.capacity_bytes,
             driver_version=gpu.driver_version if gpu else None,
-            cuda_version=gpu.cuda_version if gpu else torch.version.cuda,
+            cuda_version=gpu.cuda_version if gpu else cuda.cuda_version,
             torch_version=torch.__version__,
         )
 
@@ -93,8 +106,8 @@ class CudaDevice:
     ) -> StepOutcome:
         # Blocks cached by an earlier, larger trial would count in this trial's reserved peak.
         self.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self._index)
+        self._cuda.empty_cache()
+        self._cuda.reset_peak_memory_stats(self._index)
         # No capacity: the card enforces its own. The tracker only labels phases and series.
         tracker = LiveBytesTracker(None, record_series=record_series) if track else None
         if tracker is not None:
@@ -103,8 +116,8 @@ class CudaDevice:
         if oom_phase is None:
             self.synchronize()  # kernels may still be running; the peak is final only after
         else:
-            torch.cuda.empty_cache()
-        peak_bytes = torch.cuda.max_memory_reserved(self._index)
+            self._cuda.empty_cache()
+        peak_bytes = self._cuda.max_memory_reserved(self._index)
         # The user's --memory cap can be below the card, so completing is not enough.
         fits = oom_phase is None and peak_bytes <= self.capacity_bytes
         phase_peak_bytes = dict(tracker.phase_peak_bytes) if tracker is not None else {}
@@ -122,4 +135,4 @@ class CudaDevice:
         )
 
     def synchronize(self) -> None:
-        torch.cuda.synchronize(self._index)
+        self._cuda.synchronize(self._index)
