@@ -112,7 +112,7 @@ class CudaDevice:
         tracker = LiveBytesTracker(None, record_series=record_series) if track else None
         if tracker is not None:
             tracker.add_resident(resident)
-        oom_phase = run_tracked(step, tracker)
+        oom_phase = run_tracked(step, tracker, micro_batch=micro_batch)
         if oom_phase is None:
             self.synchronize()  # kernels may still be running; the peak is final only after
         else:

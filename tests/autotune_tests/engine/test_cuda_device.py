@@ -3,6 +3,9 @@ NVML, trials measured with the caching allocator's statistics, out-of-memory as 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import pytest
 import torch
 
 from autotune.core.schemas import DeviceKind, Phase
@@ -56,3 +59,44 @@ def test_a_trial_that_runs_out_is_a_value_and_leaves_the_device_clean() -> None:
         assert outcome.peak_bytes >= 16 * MiB
         assert cuda.memory_allocated(0) == allocated_bytes
         assert cuda.memory_reserved(0) == 0
+
+
+def test_cuda_libraries_running_out_is_out_of_memory() -> None:
+    with SimulatedCuda(small_gpu(total_mib=400)) as cuda:
+        device = CudaDevice(0, runtime=cuda)
+        x = torch.ones(4, 4)
+
+        def step() -> None:
+            # The cache takes every free byte before the first matmul creates cuBLAS's handle
+            # (after aten.empty's kernels are loaded: they take memory too).
+            torch.empty(0, dtype=torch.uint8)
+            filler = torch.empty(cuda.free_bytes(), dtype=torch.uint8)
+            assert cuda.free_bytes() == 0
+            (x @ x).sum()
+            del filler
+
+        outcome = device.run_trial(step, micro_batch=8, resident=[x])
+        assert not outcome.fits and outcome.oom_phase is Phase.FORWARD
+        # The next trial finds the memory back, creates the handle and fits.
+        assert device.run_trial(lambda: (x @ x).sum(), micro_batch=1, resident=[x]).fits
+
+
+def test_cudnn_refusing_a_large_batch_is_out_of_memory_and_at_one_an_error() -> None:
+    with SimulatedCuda(small_gpu(), cudnn_max_elements=100 * 16) as cuda:
+        device = CudaDevice(0, runtime=cuda)
+        weight = torch.ones(1, 1, 3, 3)
+
+        def step(micro_batch: int, side: int = 4) -> Callable[[], object]:
+            image = (micro_batch, 1, side, side)
+            return lambda: torch.nn.functional.conv2d(torch.ones(image), weight).sum()
+
+        assert device.run_trial(step(100), micro_batch=100, resident=[weight]).fits
+        refused = device.run_trial(step(101), micro_batch=101, resident=[weight])
+        assert not refused.fits and refused.oom_phase is Phase.FORWARD
+        with pytest.raises(RuntimeError, match="CUDNN_STATUS_NOT_SUPPORTED"):
+            device.run_trial(step(1, side=41), micro_batch=1, resident=[weight])
+        # Any other error goes through unchanged.
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+            device.run_trial(
+                lambda: torch.ones(2, 3) @ torch.ones(2, 3), micro_batch=4, resident=[]
+            )
