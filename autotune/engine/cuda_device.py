@@ -32,7 +32,9 @@ def _bare_uuid(uuid: str) -> str:
 class CudaDevice:
     """A real CUDA GPU. Its capacity is what is free once the CUDA context exists (NVML total
     minus NVML used, plus what this process's caching allocator already holds), optionally
-    capped at `memory_cap_bytes`. Headroom is not subtracted here: the probe applies it."""
+    capped at `memory_cap_bytes`: the cap limits the caching allocator itself
+    (`set_per_process_memory_fraction`), so that a step runs as on a card of that size.
+    Headroom is not subtracted here: the probe applies it."""
 
     def __init__(
         self,
@@ -59,6 +61,13 @@ class CudaDevice:
         cuda.synchronize(index)
         cuda.empty_cache()
         props = cuda.properties(index)
+        self._limit_bytes: int | None = None
+        if memory_cap_bytes is not None and memory_cap_bytes < props.total_memory_bytes:
+            # Cap the allocator itself, as a card of that size would be: it frees its cache and
+            # retries before running out. torch's limit is int(fraction x total).
+            fraction = memory_cap_bytes / props.total_memory_bytes
+            cuda.set_per_process_memory_fraction(fraction, index)
+            self._limit_bytes = int(fraction * props.total_memory_bytes)
         uuid = "GPU-" + _bare_uuid(props.uuid)
         # NVML counts this process's cached blocks as used, but a trial's max_memory_reserved
         # counts them too; add them back so they are not subtracted twice.
@@ -72,8 +81,8 @@ class CudaDevice:
             logger.warning("NVML has no GPU with UUID %s; reading free memory from CUDA", uuid)
             free_bytes, total_bytes = cuda.mem_get_info(index)
             capacity_bytes = free_bytes + reserved_bytes
-        if memory_cap_bytes is not None:
-            capacity_bytes = min(capacity_bytes, memory_cap_bytes)
+        if self._limit_bytes is not None:
+            capacity_bytes = min(capacity_bytes, self._limit_bytes)
         self.capacity_bytes = max(capacity_bytes, 0)
         self._info = DeviceInfo(
             kind=DeviceKind.CUDA,
@@ -118,7 +127,7 @@ class CudaDevice:
         else:
             self._cuda.empty_cache()
         peak_bytes = self._cuda.max_memory_reserved(self._index)
-        # The user's --memory cap can be below the card, so completing is not enough.
+        # Completing is not enough: the capacity, not the card, is what the probe plans with.
         fits = oom_phase is None and peak_bytes <= self.capacity_bytes
         phase_peak_bytes = dict(tracker.phase_peak_bytes) if tracker is not None else {}
         if oom_phase is None and not fits:

@@ -100,3 +100,24 @@ def test_cudnn_refusing_a_large_batch_is_out_of_memory_and_at_one_an_error() -> 
             device.run_trial(
                 lambda: torch.ones(2, 3) @ torch.ones(2, 3), micro_batch=4, resident=[]
             )
+
+
+def test_a_memory_cap_limits_the_allocator_which_frees_its_cache_and_retries() -> None:
+    with SimulatedCuda(small_gpu()) as cuda:
+        device = CudaDevice(0, memory_cap_bytes=64 * MiB, runtime=cuda)
+        assert device.info.capacity_bytes == 64 * MiB
+
+        def step() -> None:
+            first = torch.empty(30 * MiB, dtype=torch.uint8)
+            del first  # its segment stays cached
+            torch.empty(40 * MiB, dtype=torch.uint8)  # 70 MiB reserved would pass the cap
+
+        # As on a 64 MiB card: the allocator frees its cache and retries, and the step fits.
+        outcome = device.run_trial(step, micro_batch=1, resident=[])
+        assert outcome.fits
+        assert outcome.peak_bytes == 40 * MiB
+        assert cuda.num_alloc_retries(0) == 1
+        over = device.run_trial(
+            lambda: torch.empty(66 * MiB, dtype=torch.uint8), micro_batch=1, resident=[]
+        )
+        assert not over.fits and over.oom_phase is Phase.FORWARD
