@@ -113,9 +113,13 @@ class CudaDevice:
         record_series: bool = False,
         track: bool = True,
     ) -> StepOutcome:
-        # Blocks cached by an earlier, larger trial would count in this trial's reserved peak.
         self.synchronize()
-        self._cuda.empty_cache()
+        if track:
+            # Blocks cached by an earlier, larger trial would count in this trial's reserved
+            # peak. An untracked run times steps right after the tracked check of the same
+            # configuration (`InProcessRunner.measure`): that check is their warm-up, and its
+            # segments must stay cached, or the first timed step would wait on cudaMalloc.
+            self._cuda.empty_cache()
         self._cuda.reset_peak_memory_stats(self._index)
         # No capacity: the card enforces its own. The tracker only labels phases and series.
         tracker = LiveBytesTracker(None, record_series=record_series) if track else None

@@ -39,7 +39,8 @@ class Device(Protocol):
 
     `track=False` runs without the dispatch-mode tracker, for timing: the tracker costs about
     10-30 us per op. The emulated device then cannot enforce its capacity (peak_bytes is 0),
-    so untracked trials are only for steps already shown to fit under tracking."""
+    so untracked trials are only for steps already shown to fit under tracking, right after
+    that tracked check: a CUDA device keeps the check's cached segments for them (its warm-up)."""
 
     @property
     def info(self) -> DeviceInfo: ...

@@ -8,9 +8,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from autotune.core.schemas import DeviceKind, Phase
+from autotune.core.schemas import DeviceKind, ModelSpec, Phase, Spec, TrainingSpec
 from autotune.engine.cuda_device import CudaDevice
 from autotune.engine.nvml import read_gpus
+from autotune.engine.runner import InProcessRunner
 from autotune.engine.simulated_cuda import SimulatedCuda
 from tests.autotune_tests.engine.simulated_gpus import MiB, small_gpu
 
@@ -121,3 +122,32 @@ def test_a_memory_cap_limits_the_allocator_which_frees_its_cache_and_retries() -
             lambda: torch.empty(66 * MiB, dtype=torch.uint8), micro_batch=1, resident=[]
         )
         assert not over.fits and over.oom_phase is Phase.FORWARD
+
+
+def _tiny_lm_spec(**training: object) -> Spec:
+    return Spec(
+        model=ModelSpec(factory="tests.autotune_tests.factories:tiny_lm"),
+        training=TrainingSpec.model_validate({"seq_len": 16, **training}),
+    )
+
+
+def _elementwise_spec(**training: object) -> Spec:
+    return Spec(
+        model=ModelSpec(factory="tests.autotune_tests.factories:elementwise"),
+        training=TrainingSpec.model_validate(training),
+    )
+
+
+def test_timed_steps_start_warm_and_take_no_new_memory_from_the_device() -> None:
+    with SimulatedCuda(small_gpu()) as cuda:
+        runner = InProcessRunner(_elementwise_spec(), CudaDevice(0, runtime=cuda))
+        runner.warm_up(checkpointing=False)
+        mallocs = cuda.device_mallocs
+        runner.trial(8)  # from an empty cache, as every tracked trial
+        trial_mallocs = cuda.device_mallocs - mallocs
+        mallocs = cuda.device_mallocs
+        measurement = runner.measure(8, 1, checkpointing=False, target_seconds=0.01)
+        assert measurement is not None
+        # The check step is the warm-up: the timed steps find its segments in the cache, and
+        # none of them waits on cudaMalloc.
+        assert cuda.device_mallocs - mallocs == trial_mallocs
