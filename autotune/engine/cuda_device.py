@@ -16,7 +16,7 @@ import torch
 from autotune.core.errors import DeviceError
 from autotune.core.schemas import DeviceInfo, DeviceKind, Phase, StepOutcome
 from autotune.engine.cuda_runtime import CudaRuntime, TorchCudaRuntime
-from autotune.engine.nvml import read_gpus
+from autotune.engine.nvml import GpuInfo, read_gpus
 from autotune.engine.out_of_memory import peak_phase, run_tracked
 from autotune.engine.tracker import LiveBytesTracker
 
@@ -24,14 +24,16 @@ logger = logging.getLogger(__name__)
 
 
 def _bare_uuid(uuid: str) -> str:
-    # torch prints a CUDA UUID bare ("5f9e...-..."), NVML prefixes it ("GPU-5f9e...-...").
+    # torch prints a CUDA UUID bare ("5f9e...-..."), NVML prefixes it ("GPU-5f9e...-...", or
+    # "MIG-..." for a MIG device).
     uuid = uuid.strip().lower()
-    return uuid.removeprefix("gpu-")
+    return uuid.removeprefix("gpu-").removeprefix("mig-")
 
 
 class CudaDevice:
-    """A real CUDA GPU. Its capacity is what is free once the CUDA context exists (NVML total
-    minus NVML used, plus what this process's caching allocator already holds), optionally
+    """A real CUDA GPU, or a MIG device of one. Its capacity is what is free once the CUDA
+    context exists (NVML total minus NVML used, plus what this process's caching allocator
+    already holds; when NVML cannot answer, cudaMemGetInfo's free plus the same), optionally
     capped at `memory_cap_bytes`: the cap limits the caching allocator itself
     (`set_per_process_memory_fraction`), so that a step runs as on a card of that size.
     Headroom is not subtracted here: the probe applies it."""
@@ -68,27 +70,46 @@ class CudaDevice:
             fraction = memory_cap_bytes / props.total_memory_bytes
             cuda.set_per_process_memory_fraction(fraction, index)
             self._limit_bytes = int(fraction * props.total_memory_bytes)
-        uuid = "GPU-" + _bare_uuid(props.uuid)
+        # CUDA names a MIG device "<card> MIG <profile>"; NVML lists it as "MIG-<uuid>".
+        prefix = "MIG-" if " MIG " in props.name else "GPU-"
+        self._uuid = prefix + _bare_uuid(props.uuid)
+        self._name = props.name
+        self._info = self._read_info()
+
+    def _nvml_gpu(self) -> GpuInfo | None:
+        """This device as NVML lists it (matched by UUID), or None when NVML cannot say."""
+        try:
+            gpus = read_gpus(self._cuda.nvml())
+        except DeviceError as error:
+            # No permission on a cgroup-isolated node or in a MIG slice, a driver mismatch: the
+            # memory CUDA reports is as good for the capacity.
+            logger.warning("%s; reading free memory from CUDA", error)
+            return None
+        gpu = next((g for g in gpus if _bare_uuid(g.uuid) == _bare_uuid(self._uuid)), None)
+        if gpu is None and gpus:
+            logger.warning("NVML has no device with UUID %s; reading memory from CUDA", self._uuid)
+        return gpu
+
+    def _read_info(self) -> DeviceInfo:
+        cuda, index = self._cuda, self._index
         # NVML counts this process's cached blocks as used, but a trial's max_memory_reserved
         # counts them too; add them back so they are not subtracted twice.
         reserved_bytes = cuda.memory_reserved(index)
-        gpus = read_gpus(cuda.nvml())
-        gpu = next((g for g in gpus if _bare_uuid(g.uuid) == _bare_uuid(uuid)), None)
+        gpu = self._nvml_gpu()
         if gpu is not None:
             total_bytes = gpu.total_memory_bytes
             capacity_bytes = gpu.total_memory_bytes - gpu.used_bytes + reserved_bytes
         else:
-            logger.warning("NVML has no GPU with UUID %s; reading free memory from CUDA", uuid)
             free_bytes, total_bytes = cuda.mem_get_info(index)
             capacity_bytes = free_bytes + reserved_bytes
         if self._limit_bytes is not None:
             capacity_bytes = min(capacity_bytes, self._limit_bytes)
         self.capacity_bytes = max(capacity_bytes, 0)
-        self._info = DeviceInfo(
+        return DeviceInfo(
             kind=DeviceKind.CUDA,
-            name=props.name,
+            name=self._name,
             index=index,
-            uuid=uuid,
+            uuid=self._uuid,
             total_memory_bytes=total_bytes,
             capacity_bytes=self.capacity_bytes,
             driver_version=gpu.driver_version if gpu else None,

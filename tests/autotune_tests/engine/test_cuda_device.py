@@ -4,6 +4,7 @@ NVML, trials measured with the caching allocator's statistics, out-of-memory as 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from autotune.core.schemas import DeviceKind, ModelSpec, Phase, Spec, TrainingSp
 from autotune.engine.cuda_device import CudaDevice
 from autotune.engine.nvml import read_gpus
 from autotune.engine.runner import InProcessRunner
-from autotune.engine.simulated_cuda import SimulatedCuda
+from autotune.engine.simulated_cuda import MigSlice, SimulatedCuda
 from tests.autotune_tests.engine.simulated_gpus import MiB, small_gpu
 
 
@@ -151,3 +152,28 @@ def test_timed_steps_start_warm_and_take_no_new_memory_from_the_device() -> None
         # The check step is the warm-up: the timed steps find its segments in the cache, and
         # none of them waits on cudaMalloc.
         assert cuda.device_mallocs - mallocs == trial_mallocs
+
+
+@pytest.mark.parametrize(
+    "nvml", [{"nvml": "no_permission"}, {"nvml": "not_loaded"}, {"nvml_installed": False}]
+)
+def test_without_nvml_the_capacity_comes_from_cuda(nvml: dict[str, Any]) -> None:
+    with SimulatedCuda(small_gpu(), other_processes_bytes=40 * MiB, **nvml) as cuda:
+        info = CudaDevice(0, runtime=cuda).info
+        free_bytes, total_bytes = cuda.mem_get_info(0)
+        assert info.total_memory_bytes == total_bytes
+        assert info.capacity_bytes == free_bytes + cuda.memory_reserved(0)
+        assert info.driver_version is None and info.cuda_version == cuda.cuda_version
+        assert info.uuid == f"GPU-{cuda.properties(0).uuid}"
+
+
+def test_a_mig_device_is_identified_as_its_slice() -> None:
+    mig = MigSlice(profile="3g.40gb", memory_bytes=400 * MiB, sm_count=1)
+    with SimulatedCuda(small_gpu(), mig=mig) as cuda:
+        info = CudaDevice(0, runtime=cuda).info
+        slice_device = next(gpu for gpu in read_gpus(cuda.nvml()) if gpu.mig)
+        assert info.uuid == slice_device.uuid and info.uuid.startswith("MIG-")
+        assert info.name == slice_device.name == cuda.properties(0).name
+        assert info.total_memory_bytes == 400 * MiB
+        assert info.capacity_bytes == slice_device.total_memory_bytes - slice_device.used_bytes
+        assert info.driver_version == slice_device.driver_version
