@@ -36,7 +36,9 @@ class CudaDevice:
     already holds; when NVML cannot answer, cudaMemGetInfo's free plus the same), optionally
     capped at `memory_cap_bytes`: the cap limits the caching allocator itself
     (`set_per_process_memory_fraction`), so that a step runs as on a card of that size.
-    Headroom is not subtracted here: the probe applies it."""
+    The capacity is read again after the first step that completes (the runner's warm-up):
+    CUDA loads kernels and creates library handles on first use, hundreds of MB on a large
+    card. Headroom is not subtracted here: the probe applies it."""
 
     def __init__(
         self,
@@ -74,7 +76,11 @@ class CudaDevice:
         prefix = "MIG-" if " MIG " in props.name else "GPU-"
         self._uuid = prefix + _bare_uuid(props.uuid)
         self._name = props.name
+        # Provisional until a step has run: CUDA loads kernels, and cuBLAS/cuDNN create their
+        # handles, at their first use, outside the allocator
+        # (docs/design.md#named-gpus-and-what-cuda-takes).
         self._info = self._read_info()
+        self._step_loaded = False
 
     def _nvml_gpu(self) -> GpuInfo | None:
         """This device as NVML lists it (matched by UUID), or None when NVML cannot say."""
@@ -149,6 +155,11 @@ class CudaDevice:
         oom_phase = run_tracked(step, tracker, micro_batch=micro_batch)
         if oom_phase is None:
             self.synchronize()  # kernels may still be running; the peak is final only after
+            if not self._step_loaded:
+                # The first complete step loaded its kernels and handles: read the capacity
+                # again, now that what CUDA takes outside the allocator is in NVML's "used".
+                self._step_loaded = True
+                self._info = self._read_info()
         else:
             self._cuda.empty_cache()
         peak_bytes = self._cuda.max_memory_reserved(self._index)

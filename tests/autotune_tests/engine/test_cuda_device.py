@@ -12,8 +12,9 @@ import torch
 from autotune.core.schemas import DeviceKind, ModelSpec, Phase, Spec, TrainingSpec
 from autotune.engine.cuda_device import CudaDevice
 from autotune.engine.nvml import read_gpus
+from autotune.engine.probe import probe_session
 from autotune.engine.runner import InProcessRunner
-from autotune.engine.simulated_cuda import MigSlice, SimulatedCuda
+from autotune.engine.simulated_cuda import KERNEL_MODULE_BYTES, MigSlice, SimulatedCuda
 from tests.autotune_tests.engine.simulated_gpus import MiB, small_gpu
 
 
@@ -128,7 +129,7 @@ def test_a_memory_cap_limits_the_allocator_which_frees_its_cache_and_retries() -
 def _tiny_lm_spec(**training: object) -> Spec:
     return Spec(
         model=ModelSpec(factory="tests.autotune_tests.factories:tiny_lm"),
-        training=TrainingSpec.model_validate({"seq_len": 16, **training}),
+        training=TrainingSpec.model_validate({"seq_len": 16, "max_micro_batch": 8, **training}),
     )
 
 
@@ -177,3 +178,18 @@ def test_a_mig_device_is_identified_as_its_slice() -> None:
         assert info.total_memory_bytes == 400 * MiB
         assert info.capacity_bytes == slice_device.total_memory_bytes - slice_device.used_bytes
         assert info.driver_version == slice_device.driver_version
+
+
+def test_the_capacity_is_read_once_a_step_s_kernels_and_handles_exist() -> None:
+    with SimulatedCuda(small_gpu()) as cuda:
+        runner = InProcessRunner(_tiny_lm_spec(), CudaDevice(0, runtime=cuda))
+        kernel_bytes = cuda.kernel_bytes  # those building the model ran
+        assert cuda.handle_bytes == 0
+        result = probe_session(runner)
+        # The step's kernels and cuBLAS's handles (one per thread) are loaded now, outside the
+        # allocator: what it can still get is the capacity, and what the result reports.
+        assert cuda.kernel_bytes > kernel_bytes + 10 * KERNEL_MODULE_BYTES
+        assert cuda.handle_bytes > 0
+        capacity_bytes = cuda.free_bytes() + cuda.memory_reserved(0)
+        assert runner.device_info.capacity_bytes == capacity_bytes
+        assert result.device.capacity_bytes == capacity_bytes
