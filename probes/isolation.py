@@ -45,7 +45,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Literal
 
 from autotune.core.errors import AutotuneError
-from autotune.core.schemas import DeviceInfo, Spec, StepOutcome
+from autotune.core.schemas import DeviceInfo, DeviceKind, Spec, StepOutcome
 from autotune.core.throughput import Measurement
 from probes.errors import TrialCrashed, TrialError
 
@@ -207,6 +207,10 @@ def _perform(request: ChildRequest) -> object:
         allowed_factory_prefixes=request.allowed_factories,
     )
     if request.operation == "describe":
+        if device.info.kind is DeviceKind.CUDA:
+            # A CUDA device's capacity is final once a step's kernels are loaded (kernels
+            # and library handles take memory on first use); the trials' children warm up too.
+            session.warm_up(checkpointing=False)
         return Description(
             device_info=session.device_info,
             supports_checkpointing=session.supports_checkpointing,

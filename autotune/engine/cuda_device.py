@@ -1,6 +1,9 @@
 """The real GPU: `CudaDevice` runs a trial on a CUDA device and measures it with the caching
 allocator's statistics; its capacity is read through NVML (`autotune.engine.nvml`). Out-of-memory
 is caught by `autotune.engine.out_of_memory`, as for the emulated device.
+
+It talks to CUDA only through a `CudaRuntime` (`autotune.engine.cuda_runtime`): torch.cuda and
+pynvml in production, the simulated backend (`autotune.engine.simulated_cuda`) in tests.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import torch
 
 from autotune.core.errors import DeviceError
 from autotune.core.schemas import DeviceInfo, DeviceKind, Phase, StepOutcome
-from autotune.engine.nvml import read_gpus
+from autotune.engine.cuda_runtime import CudaRuntime, TorchCudaRuntime
+from autotune.engine.nvml import GpuInfo, read_gpus
 from autotune.engine.out_of_memory import peak_phase, run_tracked
 from autotune.engine.tracker import LiveBytesTracker
 
@@ -20,57 +24,102 @@ logger = logging.getLogger(__name__)
 
 
 def _bare_uuid(uuid: str) -> str:
-    # torch prints a CUDA UUID bare ("5f9e...-..."), NVML prefixes it ("GPU-5f9e...-...").
+    # torch prints a CUDA UUID bare ("5f9e...-..."), NVML prefixes it ("GPU-5f9e...-...", or
+    # "MIG-..." for a MIG device).
     uuid = uuid.strip().lower()
-    return uuid.removeprefix("gpu-")
+    return uuid.removeprefix("gpu-").removeprefix("mig-")
 
 
 class CudaDevice:
-    """A real CUDA GPU. Its capacity is what is free once the CUDA context exists (NVML total
-    minus NVML used, plus what this process's caching allocator already holds), optionally
-    capped at `memory_cap_bytes`. Headroom is not subtracted here: the probe applies it."""
+    """A real CUDA GPU, or a MIG device of one. Its capacity is what is free once the CUDA
+    context exists (NVML total minus NVML used, plus what this process's caching allocator
+    already holds; when NVML cannot answer, cudaMemGetInfo's free plus the same), optionally
+    capped at `memory_cap_bytes`: the cap limits the caching allocator itself
+    (`set_per_process_memory_fraction`), so that a step runs as on a card of that size.
+    The capacity is read again after the first step that completes (the runner's warm-up):
+    CUDA loads kernels and creates library handles on first use, hundreds of MB on a large
+    card. Headroom is not subtracted here: the probe applies it."""
 
-    def __init__(self, index: int = 0, *, memory_cap_bytes: int | None = None) -> None:
-        if not torch.cuda.is_available():
+    def __init__(
+        self,
+        index: int = 0,
+        *,
+        memory_cap_bytes: int | None = None,
+        runtime: CudaRuntime | None = None,
+    ) -> None:
+        cuda = runtime if runtime is not None else TorchCudaRuntime()
+        if not cuda.is_available():
             raise DeviceError(
                 f"CUDA is not available (torch {torch.__version__}, "
-                f"built for CUDA {torch.version.cuda or 'none'}); "
+                f"built for CUDA {cuda.cuda_version or 'none'}); "
                 "use --device cpu --memory SIZE to emulate a GPU"
             )
-        count = torch.cuda.device_count()
+        count = cuda.device_count()
         if not 0 <= index < count:
             raise DeviceError(f"no CUDA device {index}: torch sees {count} (cuda:0..{count - 1})")
+        self._cuda = cuda
         self._index = index
-        self._device = torch.device("cuda", index)
+        self._device = cuda.torch_device(index)
         # Create the context first, so NVML's "used" includes it: a step can never use it.
-        torch.zeros(1, device=self._device)
-        torch.cuda.synchronize(index)
-        torch.cuda.empty_cache()
-        props = torch.cuda.get_device_properties(index)
-        uuid = "GPU-" + _bare_uuid(str(props.uuid))
+        cuda.initialize(index)
+        cuda.synchronize(index)
+        cuda.empty_cache()
+        props = cuda.properties(index)
+        self._limit_bytes: int | None = None
+        if memory_cap_bytes is not None and memory_cap_bytes < props.total_memory_bytes:
+            # Cap the allocator itself, as a card of that size would be: it frees its cache and
+            # retries before running out. torch's limit is int(fraction x total).
+            fraction = memory_cap_bytes / props.total_memory_bytes
+            cuda.set_per_process_memory_fraction(fraction, index)
+            self._limit_bytes = int(fraction * props.total_memory_bytes)
+        # CUDA names a MIG device "<card> MIG <profile>"; NVML lists it as "MIG-<uuid>".
+        prefix = "MIG-" if " MIG " in props.name else "GPU-"
+        self._uuid = prefix + _bare_uuid(props.uuid)
+        self._name = props.name
+        # Provisional until a step has run: CUDA loads kernels, and cuBLAS/cuDNN create their
+        # handles, at their first use, outside the allocator
+        # (docs/design.md#named-gpus-and-what-cuda-takes).
+        self._info = self._read_info()
+        self._step_loaded = False
+
+    def _nvml_gpu(self) -> GpuInfo | None:
+        """This device as NVML lists it (matched by UUID), or None when NVML cannot say."""
+        try:
+            gpus = read_gpus(self._cuda.nvml())
+        except DeviceError as error:
+            # No permission on a cgroup-isolated node or in a MIG slice, a driver mismatch: the
+            # memory CUDA reports is as good for the capacity.
+            logger.warning("%s; reading free memory from CUDA", error)
+            return None
+        gpu = next((g for g in gpus if _bare_uuid(g.uuid) == _bare_uuid(self._uuid)), None)
+        if gpu is None and gpus:
+            logger.warning("NVML has no device with UUID %s; reading memory from CUDA", self._uuid)
+        return gpu
+
+    def _read_info(self) -> DeviceInfo:
+        cuda, index = self._cuda, self._index
         # NVML counts this process's cached blocks as used, but a trial's max_memory_reserved
         # counts them too; add them back so they are not subtracted twice.
-        reserved_bytes = torch.cuda.memory_reserved(index)
-        gpu = next((g for g in read_gpus() if _bare_uuid(g.uuid) == _bare_uuid(uuid)), None)
+        reserved_bytes = cuda.memory_reserved(index)
+        gpu = self._nvml_gpu()
         if gpu is not None:
             total_bytes = gpu.total_memory_bytes
             capacity_bytes = gpu.total_memory_bytes - gpu.used_bytes + reserved_bytes
         else:
-            logger.warning("NVML has no GPU with UUID %s; reading free memory from CUDA", uuid)
-            free_bytes, total_bytes = torch.cuda.mem_get_info(index)
+            free_bytes, total_bytes = cuda.mem_get_info(index)
             capacity_bytes = free_bytes + reserved_bytes
-        if memory_cap_bytes is not None:
-            capacity_bytes = min(capacity_bytes, memory_cap_bytes)
+        if self._limit_bytes is not None:
+            capacity_bytes = min(capacity_bytes, self._limit_bytes)
         self.capacity_bytes = max(capacity_bytes, 0)
-        self._info = DeviceInfo(
+        return DeviceInfo(
             kind=DeviceKind.CUDA,
-            name=props.name,
+            name=self._name,
             index=index,
-            uuid=uuid,
+            uuid=self._uuid,
             total_memory_bytes=total_bytes,
             capacity_bytes=self.capacity_bytes,
             driver_version=gpu.driver_version if gpu else None,
-            cuda_version=gpu.cuda_version if gpu else torch.version.cuda,
+            cuda_version=gpu.cuda_version if gpu else cuda.cuda_version,
             torch_version=torch.__version__,
         )
 
@@ -91,21 +140,30 @@ class CudaDevice:
         record_series: bool = False,
         track: bool = True,
     ) -> StepOutcome:
-        # Blocks cached by an earlier, larger trial would count in this trial's reserved peak.
         self.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self._index)
+        if track:
+            # Blocks cached by an earlier, larger trial would count in this trial's reserved
+            # peak. An untracked run times steps right after the tracked check of the same
+            # configuration (`InProcessRunner.measure`): that check is their warm-up, and its
+            # segments must stay cached, or the first timed step would wait on cudaMalloc.
+            self._cuda.empty_cache()
+        self._cuda.reset_peak_memory_stats(self._index)
         # No capacity: the card enforces its own. The tracker only labels phases and series.
         tracker = LiveBytesTracker(None, record_series=record_series) if track else None
         if tracker is not None:
             tracker.add_resident(resident)
-        oom_phase = run_tracked(step, tracker)
+        oom_phase = run_tracked(step, tracker, micro_batch=micro_batch)
         if oom_phase is None:
             self.synchronize()  # kernels may still be running; the peak is final only after
+            if not self._step_loaded:
+                # The first complete step loaded its kernels and handles: read the capacity
+                # again, now that what CUDA takes outside the allocator is in NVML's "used".
+                self._step_loaded = True
+                self._info = self._read_info()
         else:
-            torch.cuda.empty_cache()
-        peak_bytes = torch.cuda.max_memory_reserved(self._index)
-        # The user's --memory cap can be below the card, so completing is not enough.
+            self._cuda.empty_cache()
+        peak_bytes = self._cuda.max_memory_reserved(self._index)
+        # Completing is not enough: the capacity, not the card, is what the probe plans with.
         fits = oom_phase is None and peak_bytes <= self.capacity_bytes
         phase_peak_bytes = dict(tracker.phase_peak_bytes) if tracker is not None else {}
         if oom_phase is None and not fits:
@@ -122,4 +180,4 @@ class CudaDevice:
         )
 
     def synchronize(self) -> None:
-        torch.cuda.synchronize(self._index)
+        self._cuda.synchronize(self._index)

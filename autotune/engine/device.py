@@ -23,6 +23,7 @@ from autotune.core.gpus import UnknownGpu, find_gpu
 from autotune.core.schemas import DeviceInfo, DeviceKind, Phase, StepOutcome
 from autotune.engine.attention import gpu_attention
 from autotune.engine.cuda_device import CudaDevice
+from autotune.engine.cuda_runtime import CudaRuntime
 from autotune.engine.out_of_memory import peak_phase, run_tracked
 from autotune.engine.tracker import CUDA_BLOCK_BYTES, LiveBytesTracker
 
@@ -38,7 +39,8 @@ class Device(Protocol):
 
     `track=False` runs without the dispatch-mode tracker, for timing: the tracker costs about
     10-30 us per op. The emulated device then cannot enforce its capacity (peak_bytes is 0),
-    so untracked trials are only for steps already shown to fit under tracking."""
+    so untracked trials are only for steps already shown to fit under tracking, right after
+    that tracked check: a CUDA device keeps the check's cached segments for them (its warm-up)."""
 
     @property
     def info(self) -> DeviceInfo: ...
@@ -173,11 +175,17 @@ class EmulatedDevice:
 
 
 def open_device(
-    name: str, memory_bytes: int | None = None, *, gpu: str | None = None, world_size: int = 1
+    name: str,
+    memory_bytes: int | None = None,
+    *,
+    gpu: str | None = None,
+    world_size: int = 1,
+    cuda: CudaRuntime | None = None,
 ) -> Device:
     """The device for a `--device` argument: "cpu" (emulated: `memory_bytes`, or the named `gpu`
     as one of `world_size` ranks sees it), "cuda" or "cuda:N" (where `memory_bytes`, if given,
-    caps the capacity).
+    caps the capacity). `cuda` is the CUDA runtime a cuda device runs on: torch.cuda when None,
+    the simulated backend in tests.
 
     Raises:
         SpecError: unknown device or GPU name; "cpu" without a memory size or a GPU, or with
@@ -209,4 +217,4 @@ def open_device(
     match = _CUDA_NAME.match(name)
     if match is None:
         raise SpecError(f'device: unknown device {name!r}; use "cpu", "cuda" or "cuda:N"')
-    return CudaDevice(int(match.group(1) or 0), memory_cap_bytes=memory_bytes)
+    return CudaDevice(int(match.group(1) or 0), memory_cap_bytes=memory_bytes, runtime=cuda)

@@ -112,12 +112,13 @@ def probe_session(
     session: TrialRunner, *, on_attempt: AttemptCallback | None = None
 ) -> ProbeResult:
     """`probe` on an existing session, which stays usable (warm, in steady state) afterwards."""
-    device_info = session.device_info
     modes_to_probe = [False, True] if session.supports_checkpointing else [False]
     if not session.supports_checkpointing:
         logger.warning("this model cannot toggle gradient checkpointing; probing without only")
 
     failed_warm_ups = _warm_up(session, modes_to_probe)
+    # Read after the warm-up: a CUDA device knows its capacity once a step's kernels are loaded.
+    device_info = session.device_info
     if len(failed_warm_ups) == len(modes_to_probe):
         # Not even micro-batch 1 fits, in any mode: report how far each got.
         return ProbeResult(

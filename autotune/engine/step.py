@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from autotune.core.errors import SpecError
 from autotune.core.schemas import OptimizerName, Precision, TrainingSpec
@@ -176,11 +177,14 @@ class TrainingStep:
         scaler_state = None
         if self.scaler is not None and self.scaler._scale is not None:
             scaler_state = self.scaler.state_dict()
-        return StateSnapshot(
-            model_state=_copy_to_cpu(self.model.state_dict()),
-            optimizer_state=_copy_to_cpu(self.optimizer.state_dict()),
-            scaler_state=scaler_state,
-        )
+        # Host memory, not the device's: a dispatch mode that counts device memory (the
+        # simulated CUDA backend, whose device tensors are CPU tensors too) must not see it.
+        with _disable_current_modes():
+            return StateSnapshot(
+                model_state=_copy_to_cpu(self.model.state_dict()),
+                optimizer_state=_copy_to_cpu(self.optimizer.state_dict()),
+                scaler_state=scaler_state,
+            )
 
     def restore(self, snapshot: object) -> None:
         """Put back a snapshot from `snapshot()`, e.g. after an OOM inside `optimizer.step()`

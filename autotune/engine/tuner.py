@@ -122,8 +122,8 @@ def tune_session(
     spec = session.spec
     training = spec.training
     target_global_batch = training.required_target_global_batch()
-    device_info = session.device_info
     probe_result = probe_session(session, on_attempt=on_attempt)
+    device_info = probe_result.device  # as measured: after the probe's warm-up
     limits = {mode.checkpointing: mode.recommended_micro_batch for mode in probe_result.modes}
     candidates = enumerate_candidates(target_global_batch, training.world_size, limits)
     infeasible = None

@@ -123,3 +123,38 @@ def returns_a_module(training: TrainingSpec) -> nn.Module:
 def raises_inside(training: TrainingSpec) -> Workload:
     """Wrong: the user's code fails."""
     raise RuntimeError("the user's factory broke")
+
+
+class _Elementwise(nn.Module):
+    """Layers of elementwise scales: activations of `features` floats per sample and layer, no
+    matmul, so memory grows fast with the batch at little compute."""
+
+    def __init__(self, features: int, layers: int = 3) -> None:
+        super().__init__()
+        self.scales = nn.ParameterList(
+            nn.Parameter(torch.full((features,), 0.5)) for _ in range(layers)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for scale in self.scales:
+            x = torch.tanh(x * scale)
+        return x
+
+
+def elementwise(training: TrainingSpec) -> Workload:
+    """Large activations, cheap steps: `training.input_shape` = (features,), 2^18 (1 MiB of
+    fp32 a sample) by default. For allocator behaviour that needs large tensors."""
+    features = training.input_shape[0] if training.input_shape else 2**18
+    model = _Elementwise(features)
+
+    def make_batch(micro_batch: int, device: torch.device) -> Batch:
+        return torch.randn(micro_batch, features, device=device)
+
+    def loss_sum(module: nn.Module, batch: Batch) -> torch.Tensor:
+        out: torch.Tensor = module(batch).square().sum()
+        return out
+
+    def num_items(batch: Batch) -> int:
+        return int(batch.shape[0])
+
+    return Workload(model, make_batch, loss_sum, num_items)

@@ -10,8 +10,10 @@ from torch import nn
 
 from autotune.core.errors import SpecError
 from autotune.core.schemas import OptimizerName, Precision, TrainingSpec
+from autotune.engine.simulated_cuda import SimulatedCuda
 from autotune.engine.step import TrainingStep, accumulate_gradients
 from autotune.engine.workload import Batch, Workload
+from tests.autotune_tests.engine.simulated_gpus import small_gpu
 from tests.autotune_tests.factories import (
     TINY_LLAMA,
     padded_lm,
@@ -174,3 +176,16 @@ def test_restore_undoes_steps_exactly(optimizer: OptimizerName) -> None:
     step.run(2)
     step.restore(snapshot)
     torch.testing.assert_close(_state(step)[1], saved[1], rtol=0, atol=0)
+
+
+def test_a_snapshot_is_host_memory_not_the_device_s() -> None:
+    # On the simulated GPU, device tensors are CPU tensors too: the snapshot's copies must not
+    # count as device memory, as they do not on a card.
+    with SimulatedCuda(small_gpu()) as cuda:
+        training = TrainingSpec(seq_len=8)
+        step = TrainingStep(tiny_lm(training), training, CPU)
+        step.run(2)
+        allocated_bytes = cuda.memory_allocated(0)
+        snapshot = step.snapshot()
+        assert cuda.memory_allocated(0) == allocated_bytes
+        del snapshot
