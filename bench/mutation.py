@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -39,6 +40,8 @@ RESULTS_MD = ROOT / "bench" / "results" / "mutation.md"
 REASONS = ROOT / "bench" / "mutation_survivors.toml"
 # The whole tree the tests import: mutmut puts `mutants/` first on sys.path and removes the
 # checkout, so a package missing there would be imported from the editable install instead.
+# Lines left unmutated: a call of a module's logger (the whole call, however many lines).
+LOG_CALL = r"^\s*logger\.(debug|info|warning|error|exception)\("
 COPIED = ("autotune", "api", "probes", "tests", "docs", "pyproject.toml", "README.md")
 
 
@@ -73,6 +76,9 @@ def _mutmut_section(target: Target) -> str:
         # bench/mutation_order.py makes it the fastest test's. No xdist: mutmut already runs
         # --max-children test processes side by side.
         'pytest_add_cli_args = ["-n", "0", "-p", "mutation_order"]',
+        # Log calls are not mutated: no behaviour depends on them, and each of their mutants
+        # would survive through every test of the target (the report says so).
+        f"do_not_mutate_patterns = [{json.dumps(LOG_CALL)}]",
         # A mutant that loops forever is stopped after twice its tests' CPU time in the clean
         # run, plus 5 s (mutmut's default of 15 times would spend many minutes on each).
         "timeout_multiplier = 2.0",
@@ -116,8 +122,10 @@ def run(name: str, max_children: int) -> dict[str, Any]:
         workdir = Path(tmp)
         _prepare(workdir, target)
         started = time.monotonic()
+        cpu_before_s = _children_cpu_s()
         done = _mutmut(workdir, "run", "--max-children", str(max_children))
         elapsed_s = time.monotonic() - started
+        cpu_s = _children_cpu_s() - cpu_before_s
         if done.returncode != 0:
             raise SystemExit(
                 f"mutmut run failed ({done.returncode}):\n{done.stdout[-3000:]}\n"
@@ -137,14 +145,21 @@ def run(name: str, max_children: int) -> dict[str, Any]:
         "module": target.source,
         "tests": list(target.tests),
         "elapsed_s": round(elapsed_s, 1),
+        # mutmut and every test process it forked and waited for, user and system.
+        "cpu_s": round(cpu_s, 1),
         "stats": {"mutants": sum(statuses.values()), **statuses},
         "survivors": survivors,
     }
     results = _load_results()
     results[name] = summary
     RESULTS_JSON.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-    print(f"{name}: {json.dumps(summary['stats'])} in {elapsed_s:.0f} s")
+    print(f"{name}: {json.dumps(summary['stats'])} in {elapsed_s:.0f} s ({cpu_s:.0f} s CPU)")
     return summary
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _load_results() -> dict[str, dict[str, Any]]:
@@ -176,8 +191,10 @@ def render_report() -> list[str]:
         "mutant is killed when one of them fails). Every mutant that is not killed is listed",
         "below with why it is harmless; the reasons live in `bench/mutation_survivors.toml`.",
         "",
-        "| target | module | tests | mutants | " + " | ".join(statuses) + " | time (s) |",
-        "|---|---|---|---:|" + "---:|" * len(statuses) + "---:|",
+        "| target | module | tests | mutants | "
+        + " | ".join(statuses)
+        + " | wall (s) | CPU (s) |",
+        "|---|---|---|---:|" + "---:|" * len(statuses) + "---:|---:|",
     ]
     for name, result in results.items():
         stats: dict[str, int] = result["stats"]
@@ -185,7 +202,7 @@ def render_report() -> list[str]:
         counts = " | ".join(str(stats.get(s, 0)) for s in statuses)
         out.append(
             f"| {name} | `{result['module']}` | {tests} | {stats['mutants']} | {counts} "
-            f"| {result['elapsed_s']:.0f} |"
+            f"| {result['elapsed_s']:.0f} | {result['cpu_s']:.0f} |"
         )
     unexplained = []
     for name, result in results.items():
