@@ -73,16 +73,12 @@ def _mutmut_section(target: Target) -> str:
         f"also_copy = {toml_list(('autotune', 'api', 'probes', 'docs', 'README.md'))}",
         f"pytest_add_cli_args_test_selection = {toml_list(target.tests)}",
         # mutmut adds -x -q -p no:randomly itself: the first failure kills, and
-        # bench/mutation_order.py makes it the fastest test's. No xdist: mutmut already runs
-        # --max-children test processes side by side.
-        'pytest_add_cli_args = ["-n", "0", "-p", "mutation_order"]',
+        # bench/mutation_schedule.py makes it the fastest test's and stops a test that runs
+        # far past its CPU time. No xdist: mutmut already runs --max-children test processes.
+        'pytest_add_cli_args = ["-n", "0", "-p", "mutation_schedule"]',
         # Log calls are not mutated: no behaviour depends on them, and each of their mutants
         # would survive through every test of the target (the report says so).
         f"do_not_mutate_patterns = [{json.dumps(LOG_CALL)}]",
-        # A mutant that loops forever is stopped after twice its tests' CPU time in the clean
-        # run, plus 5 s (mutmut's default of 15 times would spend many minutes on each).
-        "timeout_multiplier = 2.0",
-        "timeout_constant = 5.0",
     ]
     return "\n".join(lines) + "\n"
 
@@ -103,7 +99,7 @@ def _prepare(workdir: Path, target: Target) -> None:
     # Exists before Python starts: a PYTHONPATH entry that does not exist yet is cached as
     # "no finder" and never searched, even once mutmut creates it.
     (workdir / "mutants").mkdir()
-    shutil.copy2(ROOT / "bench" / "mutation_order.py", workdir / "mutants")
+    shutil.copy2(ROOT / "bench" / "mutation_schedule.py", workdir / "mutants")
 
 
 def _mutmut(workdir: Path, *args: str) -> subprocess.CompletedProcess[str]:
