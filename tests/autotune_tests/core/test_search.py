@@ -261,6 +261,13 @@ def test_peak_model_refuses_to_fit(
     assert PeakModel.fit(b1, series1, b2, series2) is None
 
 
+def test_peak_model_refuses_a_negative_micro_batch() -> None:
+    model = PeakModel.fit(2, [10], 3, [12])
+    assert model is not None
+    with pytest.raises(ValueError, match="micro_batch must be >= 0, got -1"):
+        model.peak_bytes(-1)
+
+
 def test_peak_model_matches_exact_fractions() -> None:
     rng = random.Random(7)
     for _ in range(300):
@@ -621,10 +628,14 @@ def test_overestimate_tries_the_size_below_the_miss_first() -> None:
     assert result.max_micro_batch == 16
 
 
-def test_new_op_sequence_past_an_underestimate_takes_the_next_size() -> None:
+@pytest.mark.parametrize(("hint", "calls"), [(0, [2, 3, 7, 8, 9]), (20, [20, 2, 3, 7, 8, 9])])
+def test_new_op_sequence_past_an_underestimate_takes_the_next_size(
+    hint: int, calls: list[int]
+) -> None:
     # From b=8 on the step runs other ops and needs less per sample. With exactly b=8's peak as
     # capacity, the fit at 2, 3 predicts 7; 8 fits with an op count no other trace has, so 9 is
-    # tried next, as the nearest candidate and as that sequence's second trace.
+    # tried next, as the nearest candidate and as that sequence's second trace. A hint that
+    # does not fit leaves a trial without a trace, which counting op sequences must skip.
     series = _chunked_logits(
         CKPT_STEP, transformer_step(layers=5, logits_bytes_per_sample=256 * KiB), 8
     )
@@ -632,8 +643,8 @@ def test_new_op_sequence_past_an_underestimate_takes_the_next_size() -> None:
     model = PeakModel.fit(2, series(2), 3, series(3))
     assert model is not None and model.max_micro_batch(capacity_bytes) == 7
     device = FakeDevice(series, capacity_bytes)
-    result = search(device, 1024)
-    assert device.calls == [2, 3, 7, 8, 9]
+    result = search(device, 1024, known_fitting=hint)
+    assert device.calls == calls
     assert result.max_micro_batch == 8
     assert_certified(result, device, 1024)
 
@@ -734,3 +745,36 @@ def test_a_missed_prediction_gallops_away_from_the_miss(threshold: int, calls: l
     result = search(device, 1024)
     assert device.calls == calls
     assert_certified(result, device, 1024)
+
+
+@pytest.mark.parametrize(
+    ("series", "capacity_bytes", "threshold", "calls"),
+    [
+        # cap 32: budget 5 + 2. The fit at 2, 3 predicts 30, which fails (an overestimate: 4
+        # more calls, 11). Galloping down 29, 27, 23, 15 fails too; the next step would go
+        # below 0, and with 4 calls left the guard keeps the bracket (3, 15) within 8: 7, then
+        # bisection finds 9.
+        (CKPT_STEP.series, max(CKPT_STEP.series(30)), 9, [2, 3, 30, 29, 27, 23, 15, 7, 11, 9, 10]),
+        # The op sequence changes at 8 (less per sample beyond): 2, 3 predict 7; 7 and 8 fit
+        # (an underestimate: 2 more calls) and 8's sequence is new, so 9 is tried (1 more
+        # call); the refit on 8, 9 predicts no more than 9, and 10 fits (2 more: 12 calls).
+        # Galloping up, 11 fits; with 5 calls left the guard moves 13 to 17, where a failure
+        # still leaves a bracket that bisection closes in time, and bisection finds 13.
+        (
+            _chunked_logits(
+                CKPT_STEP, transformer_step(layers=5, logits_bytes_per_sample=256 * KiB), 8
+            ),
+            max(CKPT_STEP.series(7)),
+            13,
+            [2, 3, 7, 8, 9, 10, 11, 17, 14, 12, 13],
+        ),
+    ],
+    ids=["overestimate", "new-op-sequence"],
+)
+def test_each_missed_bet_buys_its_calls_for_the_fallback(
+    series: SeriesFn, capacity_bytes: int, threshold: int, calls: list[int]
+) -> None:
+    device = FakeDevice(series, capacity_bytes, threshold=threshold)
+    result = search(device, 32)
+    assert device.calls == calls
+    assert result.max_micro_batch == threshold
