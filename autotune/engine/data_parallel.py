@@ -31,6 +31,7 @@ from torch import nn
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.utils.hooks import RemovableHandle
 
+from autotune.core.bytesize import format_bytes
 from autotune.core.gradient_buckets import (
     BROADCAST_IN_FLIGHT,
     BROADCAST_LIMITS,
@@ -99,6 +100,16 @@ class EmulatedReducer:
     def bucket_sizes_bytes(self) -> list[int]:
         return [b.numel() * b.element_size() for b in self._buckets]
 
+    def assumption(self, world_size: int) -> str:
+        """What a trial counts for data parallelism, as `DeviceInfo.assumptions` states it."""
+        flag = self.gradient_as_bucket_view
+        return (
+            f"data parallel, {world_size} ranks: each holds torch DDP's gradient buckets "
+            f"({format_bytes(sum(self.bucket_sizes_bytes()))}, resident) with "
+            f"gradient_as_bucket_view={flag}, 25 MiB buckets, buffers flattened before each "
+            "step; the all-reduce itself and NCCL's buffers are not tensors of the step"
+        )
+
     def remove(self) -> None:
         """Stop acting on the model's gradients (the hooks go; the buckets are dropped)."""
         for handle in self._hooks:
@@ -112,7 +123,7 @@ class EmulatedReducer:
         then rebuilds the buckets once, and flattens the buffers to broadcast them), and whether
         its backward synchronises (the last micro-batch; the others run under `no_sync()`)."""
         if first:
-            self._rebuild_if_due()
+            self.rebuild_if_due()
             self._flatten_buffers()
         self._syncing = sync
         try:
@@ -159,7 +170,11 @@ class EmulatedReducer:
                     view.copy_(param.grad)
                     param.grad = view
 
-    def _rebuild_if_due(self) -> None:
+    def rebuild_if_due(self) -> None:
+        """Rebuild the buckets in gradient-ready order once a synchronised backward has
+        recorded it (the reducer does so before the next forward). Call it between steps, when
+        nothing but the resident state is alive, so that the old buckets are gone before the
+        new ones exist; the next step's first micro-batch does it otherwise."""
         if self._rebuilt or len(self._ready_order) != len(self._params):
             return
         self._build(self._ready_order, REBUILT_LIMITS, ready_order=True, reverse=False)

@@ -82,7 +82,11 @@ class InProcessRunner:
 
     @property
     def device_info(self) -> DeviceInfo:
-        return self.device.info
+        """The device's info, with what the training step itself counts (data parallelism)."""
+        info = self.device.info
+        if not self.step.assumptions:
+            return info
+        return info.model_copy(update={"assumptions": [*info.assumptions, *self.step.assumptions]})
 
     @property
     def supports_checkpointing(self) -> bool:
@@ -96,6 +100,7 @@ class InProcessRunner:
         """Returns the outcome: when even this does not fit, nothing will."""
         outcome = self.trial(1, checkpointing=checkpointing)
         if outcome.fits:
+            self.step.settle()
             self._snapshot = self.step.snapshot()
         return outcome
 

@@ -107,6 +107,10 @@ class TrainingStep:
         if workload.set_checkpointing is not None:
             workload.set_checkpointing(False)
         self.reducer = EmulatedReducer(self.model) if training.world_size > 1 else None
+        # What the step counts beyond the device's own accounting, for the result to state.
+        self.assumptions: tuple[str, ...] = (
+            (self.reducer.assumption(training.world_size),) if self.reducer is not None else ()
+        )
 
     @property
     def checkpointing(self) -> bool:
@@ -154,6 +158,13 @@ class TrainingStep:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(step_loss)
+
+    def settle(self) -> None:
+        """After the first complete step, outside any trial: DDP's reducer rebuilds its buckets
+        now rather than inside the next trial, where the caller's list of resident tensors
+        would keep the old buckets alive beside the new ones."""
+        if self.reducer is not None:
+            self.reducer.rebuild_if_due()
 
     def resident_tensors(self) -> list[torch.Tensor]:
         """Tensors that live across steps: parameters, buffers, gradients, optimizer state, the

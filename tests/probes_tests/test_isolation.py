@@ -100,7 +100,10 @@ def test_children_open_a_named_gpu_for_the_world_size_of_the_run() -> None:
     runner = ChildProcessRunner(
         spec, "cpu", None, gpu="L4", start_method="forkserver", allowed_factories=TESTS
     )
-    assert runner.device_info == open_device("cpu", gpu="L4", world_size=4).info
+    *gpu_assumptions, data_parallel = runner.device_info.assumptions
+    opened = open_device("cpu", gpu="L4", world_size=4).info
+    assert runner.device_info.model_copy(update={"assumptions": gpu_assumptions}) == opened
+    assert data_parallel.startswith("data parallel, 4 ranks")  # what the step itself counts
     assert runner.device_info.gpu == "L4"
     assert runner.device_info.reserve is not None and runner.device_info.reserve.nccl_bytes > 0
     outcome = runner.trial(8, checkpointing=False)

@@ -147,7 +147,9 @@ def test_probe_on_a_named_gpu_states_the_gpu_its_reserve_and_assumptions(tmp_pat
     assert device["capacity_bytes"] == expected.capacity_bytes
     assert device["reserve"] == expected.reserve.model_dump(mode="json")
     assert device["reserve"]["nccl_bytes"] > 0  # world_size 2
-    assert device["assumptions"] == list(expected.assumptions)
+    *gpu_assumptions, data_parallel = device["assumptions"]
+    assert gpu_assumptions == list(expected.assumptions)
+    assert data_parallel.startswith("data parallel, 2 ranks")  # what the step itself counts
     for mode in result["modes"]:
         assert mode["max_micro_batch"] == 2 and mode["capped"]
         # Every step holds the BLAS workspaces (66 MiB on an H100).

@@ -16,8 +16,11 @@ from torch import nn
 from torch.multiprocessing.spawn import spawn
 
 from autotune.core.gradient_buckets import REBUILT_LIMITS, BucketTensor, assign_buckets
-from autotune.core.schemas import TrainingSpec
+from autotune.core.schemas import Phase, Spec, TrainingSpec
 from autotune.engine.data_parallel import EmulatedReducer, trainable_parameters
+from autotune.engine.device import EmulatedDevice
+from autotune.engine.probe import probe
+from autotune.engine.runner import InProcessRunner
 from autotune.engine.step import TrainingStep
 from autotune.engine.tracker import CUDA_BLOCK_BYTES, LiveBytesTracker
 from autotune.engine.workload import Workload
@@ -27,6 +30,7 @@ pytestmark = pytest.mark.xdist_group("real-ddp")
 
 WIDTH = 256
 BATCH = 8
+HUGE_BYTES = 1 << 40
 STEPS = 3  # the first synchronises once, the second rebuilds the buckets, the third is steady
 CONFIGS = [(view, accumulation) for view in (True, False) for accumulation in (1, 3)]
 
@@ -228,3 +232,54 @@ def test_training_step_counts_ddp_on_several_ranks_only(accumulation: int) -> No
     # Gradient values are a single process's: the emulation copies, it never scales.
     for p, q in zip(single.model.parameters(), ranked.model.parameters(), strict=True):
         torch.testing.assert_close(p, q)
+
+
+# ---------------------------------------------------------------------------------------------
+# Trials and the probe: one rank of a data-parallel spec.
+
+
+def _mlp_spec(world_size: int) -> Spec:
+    training = {"world_size": world_size, "max_micro_batch": 1024}
+    return Spec.model_validate({"model": {"preset": "mlp"}, "training": training})
+
+
+def test_a_rank_holds_the_buckets_from_the_first_op_and_no_more_in_the_optimizer_step() -> None:
+    outcomes = {}
+    for world_size in (1, 2):
+        runner = InProcessRunner(_mlp_spec(world_size), EmulatedDevice(HUGE_BYTES))
+        assert runner.warm_up().fits
+        outcomes[world_size] = [runner.trial(16) for _ in range(2)]
+        if world_size == 2:
+            assert runner.step.reducer is not None
+            sizes = runner.step.reducer.bucket_sizes_bytes()
+    assert len(sizes) > 1  # rebuilt after the warm-up
+    # The first trial after the warm-up is already steady: the rebuild happened in between.
+    assert outcomes[2][0] == outcomes[2][1]
+    single, ranked = outcomes[1][0], outcomes[2][0]
+    assert single.series is not None and ranked.series is not None
+    assert ranked.series[0] == single.series[0] + sum(_rounded(s) for s in sizes)
+    # Gradients are the buckets' views when every gradient exists, in the optimizer step.
+    assert ranked.phase_peak_bytes[Phase.OPTIMIZER] == single.phase_peak_bytes[Phase.OPTIMIZER]
+
+
+def test_results_state_the_data_parallel_assumption() -> None:
+    device = EmulatedDevice(HUGE_BYTES)
+    assert InProcessRunner(_mlp_spec(1), device).device_info.assumptions == []
+    (stated,) = InProcessRunner(_mlp_spec(4), device).device_info.assumptions
+    assert stated.startswith("data parallel, 4 ranks") and "gradient_as_bucket_view=True" in stated
+
+
+def test_the_probe_of_a_rank_is_certified_and_ddp_is_what_stops_it() -> None:
+    capacity_bytes = 38 * 2**20
+    ranked_spec = _mlp_spec(2)
+    ranked = probe(ranked_spec, EmulatedDevice(capacity_bytes))
+    for mode in ranked.modes:
+        b = mode.max_micro_batch
+        assert b >= 1 and not mode.capped
+        for world_size, fits_one_more in ((2, False), (1, True)):
+            fresh = InProcessRunner(_mlp_spec(world_size), EmulatedDevice(capacity_bytes))
+            assert fresh.warm_up(checkpointing=mode.checkpointing).fits
+            assert fresh.trial(b, checkpointing=mode.checkpointing).fits
+            # One process, without DDP's buckets, still fits one more.
+            after = fresh.trial(b + 1, checkpointing=mode.checkpointing)
+            assert after.fits is fits_one_more
