@@ -390,6 +390,14 @@ def test_hint_above_the_cap_is_clamped() -> None:
     assert result.capped
 
 
+def test_a_fits_callback_reporting_another_size_is_refused() -> None:
+    def fits(micro_batch: int) -> StepOutcome:
+        return StepOutcome(micro_batch=micro_batch + 1, fits=True, peak_bytes=0)
+
+    with pytest.raises(AssertionError, match=r"fits\(2\) reported micro-batch 3"):
+        find_max_micro_batch(fits, cap=8, capacity_bytes=None)
+
+
 def test_invalid_arguments() -> None:
     device = FakeDevice(CKPT_STEP.series, 10**15)
     with pytest.raises(ValueError, match="cap"):
@@ -726,6 +734,16 @@ def test_a_fitting_hint_of_two_without_traces_is_not_tried_again() -> None:
     result = search(device, 64, known_fitting=2)
     assert device.calls == [2, 4, 33, 49, 41, 37, 39, 40]
     assert_certified(result, device, 64)
+
+
+def test_an_underestimate_gallops_up_in_doubling_steps() -> None:
+    # The series say 3 is the largest size that fits, the device fits up to 9. 2, 3 predict 3
+    # and 4 fits; the refit on (2, 4) predicts 3 again and 5 fits. From 5, gallop up in steps
+    # of 1, 2 and 4 (6, 8, 12), then bisect (8, 12).
+    device = FakeDevice(CKPT_STEP.series, max(CKPT_STEP.series(3)), threshold=9)
+    result = search(device, 16)
+    assert device.calls == [2, 3, 4, 5, 6, 8, 12, 10, 9]
+    assert result.max_micro_batch == 9
 
 
 @pytest.mark.parametrize(
