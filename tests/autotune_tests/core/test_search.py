@@ -311,6 +311,8 @@ def test_two_points_then_prediction_then_its_neighbour() -> None:
     assert_certified(result, device, 1024)
     assert result.peak_model is not None
     assert result.peak_model.peak_bytes(17) == max(CKPT_STEP.series(17))
+    # The model the answer came from: nothing is refitted once the answer is certified.
+    assert (result.peak_model.base_micro_batch, result.peak_model.span_micro_batches) == (2, 1)
 
 
 def test_prediction_equal_to_a_fit_point_checks_only_the_next_size() -> None:
@@ -390,10 +392,22 @@ def test_hint_above_the_cap_is_clamped() -> None:
     assert result.capped
 
 
+def test_a_fits_callback_reporting_another_size_is_refused() -> None:
+    def fits(micro_batch: int) -> StepOutcome:
+        return StepOutcome(micro_batch=micro_batch + 1, fits=True, peak_bytes=0)
+
+    with pytest.raises(AssertionError, match=r"fits\(2\) reported micro-batch 3"):
+        find_max_micro_batch(fits, cap=8, capacity_bytes=None)
+
+
 def test_invalid_arguments() -> None:
     device = FakeDevice(CKPT_STEP.series, 10**15)
-    with pytest.raises(ValueError, match="cap"):
+    with pytest.raises(ValueError, match="cap must be >= 1, got 0"):
         find_max_micro_batch(device.fits, cap=0, capacity_bytes=None)
+    with pytest.raises(ValueError, match="known_fitting must be >= 0, got -1"):
+        find_max_micro_batch(device.fits, cap=8, capacity_bytes=None, known_fitting=-1)
+    with pytest.raises(ValueError, match="capacity_bytes must be >= 0, got -1"):
+        find_max_micro_batch(device.fits, cap=8, capacity_bytes=-1)
     assert device.calls == []
 
 
@@ -728,6 +742,16 @@ def test_a_fitting_hint_of_two_without_traces_is_not_tried_again() -> None:
     assert_certified(result, device, 64)
 
 
+def test_an_underestimate_gallops_up_in_doubling_steps() -> None:
+    # The series say 3 is the largest size that fits, the device fits up to 9. 2, 3 predict 3
+    # and 4 fits; the refit on (2, 4) predicts 3 again and 5 fits. From 5, gallop up in steps
+    # of 1, 2 and 4 (6, 8, 12), then bisect (8, 12).
+    device = FakeDevice(CKPT_STEP.series, max(CKPT_STEP.series(3)), threshold=9)
+    result = search(device, 16)
+    assert device.calls == [2, 3, 4, 5, 6, 8, 12, 10, 9]
+    assert result.max_micro_batch == 9
+
+
 @pytest.mark.parametrize(
     ("threshold", "calls"),
     [
@@ -748,13 +772,19 @@ def test_a_missed_prediction_gallops_away_from_the_miss(threshold: int, calls: l
 
 
 @pytest.mark.parametrize(
-    ("series", "capacity_bytes", "threshold", "calls"),
+    ("series", "capacity_bytes", "threshold", "hint", "calls"),
     [
         # cap 32: budget 5 + 2. The fit at 2, 3 predicts 30, which fails (an overestimate: 4
         # more calls, 11). Galloping down 29, 27, 23, 15 fails too; the next step would go
         # below 0, and with 4 calls left the guard keeps the bracket (3, 15) within 8: 7, then
         # bisection finds 9.
-        (CKPT_STEP.series, max(CKPT_STEP.series(30)), 9, [2, 3, 30, 29, 27, 23, 15, 7, 11, 9, 10]),
+        (
+            CKPT_STEP.series,
+            max(CKPT_STEP.series(30)),
+            9,
+            0,
+            [2, 3, 30, 29, 27, 23, 15, 7, 11, 9, 10],
+        ),
         # The op sequence changes at 8 (less per sample beyond): 2, 3 predict 7; 7 and 8 fit
         # (an underestimate: 2 more calls) and 8's sequence is new, so 9 is tried (1 more
         # call); the refit on 8, 9 predicts no more than 9, and 10 fits (2 more: 12 calls).
@@ -766,15 +796,26 @@ def test_a_missed_prediction_gallops_away_from_the_miss(threshold: int, calls: l
             ),
             max(CKPT_STEP.series(7)),
             13,
+            0,
             [2, 3, 7, 8, 9, 10, 11, 17, 14, 12, 13],
         ),
+        # The hint 20 does not fit (1 more call: 8). 2, 3 predict 5; 5, 6 fit (2 more); the
+        # refit on 2, 6 predicts 5 again and 7 fits (2 more: 12). Galloping up 8, 10, 14 fits;
+        # with 3 calls left the guard keeps the next step within 4 of 14: 18, then 19.
+        (
+            CKPT_STEP.series,
+            max(CKPT_STEP.series(5)),
+            19,
+            20,
+            [20, 2, 3, 5, 6, 7, 8, 10, 14, 18, 19],
+        ),
     ],
-    ids=["overestimate", "new-op-sequence"],
+    ids=["overestimate", "new-op-sequence", "wrong-hint"],
 )
 def test_each_missed_bet_buys_its_calls_for_the_fallback(
-    series: SeriesFn, capacity_bytes: int, threshold: int, calls: list[int]
+    series: SeriesFn, capacity_bytes: int, threshold: int, hint: int, calls: list[int]
 ) -> None:
     device = FakeDevice(series, capacity_bytes, threshold=threshold)
-    result = search(device, 32)
+    result = search(device, 32, known_fitting=hint)
     assert device.calls == calls
     assert result.max_micro_batch == threshold
