@@ -29,7 +29,9 @@ from tests.probes_tests.live import MARK_VARIABLE, REPO, marked_pids, new_mark, 
 TESTS = ("tests",)  # the test factories' package, allowed as a worker's --allow-factory would
 
 MIB = 2**20
-CAPACITY_BYTES = 4 * MIB
+# Above the wide model's resident segments and a few 2 MiB ones for activations; at b = 65 an
+# activation passes 1 MiB and needs a 20 MiB segment, so 64 is the max.
+CAPACITY_BYTES = 8 * MIB
 METHODS: list[StartMethod] = ["spawn", "forkserver"]
 
 
@@ -78,15 +80,15 @@ def test_child_trials_equal_the_same_trials_in_one_process() -> None:
     assert runner.supports_checkpointing is False
     assert runner.tokens_per_sample is None
     assert runner.warm_up(checkpointing=False) == session.warm_up(checkpointing=False)
-    for micro_batch, accumulation_steps in [(8, 1), (54, 1), (55, 1), (30, 2)]:
+    for micro_batch, accumulation_steps in [(8, 1), (64, 1), (65, 1), (30, 2)]:
         in_child = runner.trial(micro_batch, accumulation_steps, checkpointing=False)
         in_process = session.trial(micro_batch, accumulation_steps, checkpointing=False)
         assert in_child == in_process, (micro_batch, accumulation_steps)
-    assert runner.trial(55, checkpointing=False).fits is False  # out of memory is a verdict
+    assert runner.trial(65, checkpointing=False).fits is False  # out of memory is a verdict
     measured = runner.measure(16, 2, checkpointing=False, target_seconds=0.05)
     assert measured is not None and measured.samples_per_s > 0
     assert measured.peak_bytes == session.trial(16, 2, checkpointing=False).peak_bytes
-    assert runner.measure(55, 1, checkpointing=False, target_seconds=0.05) is None
+    assert runner.measure(65, 1, checkpointing=False, target_seconds=0.05) is None
     # One describe child, one warm-up, seven trials and measurements.
     assert runner.children_run == 9
     assert _trial_children() == set()
@@ -185,10 +187,13 @@ def test_a_hang_is_killed_at_the_time_limit(start_method: StartMethod) -> None:
 
 
 def test_an_interrupt_kills_the_running_child_at_once() -> None:
-    deadline_s = time.monotonic() + 3.0
+    # Timed from the shutdown, not from the start: a loaded machine takes seconds to start a
+    # forkserver that imports torch, and the interrupt is polled only once a child runs.
+    polled_at: list[float] = []
 
     def interrupt() -> None:
-        if time.monotonic() > deadline_s:
+        polled_at.append(time.monotonic())
+        if polled_at[-1] - polled_at[0] > 1.0:
             raise WorkerShutdown("worker shutting down")
 
     runner = ChildProcessRunner(
@@ -202,7 +207,8 @@ def test_an_interrupt_kills_the_running_child_at_once() -> None:
     )
     with pytest.raises(WorkerShutdown):
         runner.trial(8, checkpointing=False)
-    assert time.monotonic() - deadline_s < 2.0
+    assert time.monotonic() - polled_at[-1] < 2.0
+    assert _trial_children() == set()
 
 
 def test_a_user_exception_comes_back_with_its_type_message_and_traceback() -> None:

@@ -5,6 +5,7 @@ and what DDP adds per rank is what the bucket model says."""
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable
 from pathlib import Path
 
@@ -97,6 +98,11 @@ def _real_rank(rank: int, workdir: str) -> None:
             tracker = _tracker(model)
             with tracker:
                 ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=view)
+                # The constructor's broadcast of the module's state runs asynchronously, and its
+                # coalesced buffer lives until the work is done and collected: on a loaded
+                # machine one rank still held it when the first step began (flaky by 1.5 MiB).
+                dist.barrier()
+                gc.collect()
 
                 def micro_batch(
                     first: bool, sync: bool, ddp: nn.Module = ddp
@@ -270,7 +276,7 @@ def test_results_state_the_data_parallel_assumption() -> None:
 
 
 def test_the_probe_of_a_rank_is_certified_and_ddp_is_what_stops_it() -> None:
-    capacity_bytes = 38 * 2**20
+    capacity_bytes = 44 * 2**20
     ranked_spec = _mlp_spec(2)
     ranked = probe(ranked_spec, EmulatedDevice(capacity_bytes))
     for mode in ranked.modes:
