@@ -176,6 +176,8 @@ class AttemptRow(TableBase):
     micro_batch: Mapped[int]
     fits: Mapped[bool]
     peak_bytes: Mapped[int]
+    peak_allocated_bytes: Mapped[int | None]
+    num_alloc_retries: Mapped[int | None]
     phase_peak_bytes: Mapped[dict[str, Any]]
     oom_phase: Mapped[str | None] = mapped_column(String(16))
     created_at: Mapped[datetime]

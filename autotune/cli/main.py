@@ -51,9 +51,11 @@ def progress_printer(console: Console) -> Callable[[bool, StepOutcome], None]:
         verdict = "[green]fits[/green]" if attempt.fits else "[red]OOM[/red] "
         where = f" in {attempt.oom_phase.value}" if attempt.oom_phase else ""
         mode = "on " if checkpointing else "off"
+        allocated = attempt.peak_allocated_bytes
+        held = "" if allocated is None else f" ({format_bytes(allocated)} allocated)"
         console.print(
             f"  checkpointing {mode}  micro-batch {attempt.micro_batch:>5}"
-            f"  {verdict}  peak {format_bytes(attempt.peak_bytes)}{where}"
+            f"  {verdict}  peak {format_bytes(attempt.peak_bytes)} reserved{held}{where}"
         )
 
     return show

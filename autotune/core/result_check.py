@@ -123,6 +123,10 @@ class _Check:
                 self.fail(f"{at}.peak_bytes", "a fitting step above the device's capacity")
             if attempt.fits and attempt.oom_phase is not None:
                 self.fail(f"{at}.oom_phase", "set on a step that fits")
+            allocated = attempt.peak_allocated_bytes
+            if allocated is not None and allocated > attempt.peak_bytes:
+                # Allocated blocks live in reserved segments: torch's own invariant.
+                self.fail(f"{at}.peak_allocated_bytes", "above the peak reserved (peak_bytes)")
         top = mode.max_micro_batch
         if top >= 1 and verdicts.get(top) is not True:
             self.fail(f"{field}.max_micro_batch", "no attempt at the max that fits")

@@ -268,12 +268,33 @@ class StepOutcome(FrozenModel):
 
     micro_batch: int = Field(ge=1)
     fits: bool
-    peak_bytes: int = Field(ge=0, description="Peak of what ran (before the OOM, if any).")
-    phase_peak_bytes: dict[Phase, int] = Field(default_factory=dict)
+    peak_bytes: int = Field(
+        ge=0,
+        description="Peak reserved memory (the caching allocator's segments: what has to fit "
+        "in the capacity) of what ran, before the OOM if any.",
+    )
+    peak_allocated_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="Peak allocated memory (live tensor blocks, torch.cuda.max_memory_allocated); "
+        "None when not measured.",
+    )
+    num_alloc_retries: int | None = Field(
+        default=None,
+        ge=0,
+        description="Times the allocator freed its cache and retried a malloc; None when not "
+        "measured.",
+    )
+    phase_peak_bytes: dict[Phase, int] = Field(
+        default_factory=dict, description="Peak live tensor bytes in each phase that ran."
+    )
     oom_phase: Phase | None = None
     # Live bytes after every op of a complete tracked step, for the search's per-op fit. It stays
     # in the process that measured it (and its parent, which unpickles it): never serialised.
     series: tuple[int, ...] | None = Field(default=None, exclude=True, repr=False)
+    # The step's allocations and frees in order, encoded as autotune.core.allocation_trace
+    # reads them, for the search's replay through the allocator model; kept like `series`.
+    allocations: tuple[int, ...] | None = Field(default=None, exclude=True, repr=False)
 
 
 class ModeProbe(FrozenModel):

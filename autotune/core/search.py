@@ -13,8 +13,13 @@ Algorithm (the memory model and the proof: docs/design.md#search, docs/design.md
    fit, try 1; if the second point does not fit, the first is the answer. b=1 is never a fit
    point: it runs a different op sequence and its peak sits elsewhere (a 25-49 % error).
 2. Predict: live bytes after each op are affine in b, so two traces with the same op sequence
-   give every op's line, and the peak at any b is the max over ops (`PeakModel`). Predict p, the
-   largest b whose predicted peak fits, clamped into the bracket already known. Verify p (unless
+   give every op's line, and the peak at any b is the max over ops (`PeakModel`). What must fit
+   is the allocator's reserved memory, which caches and rounds on top of the live bytes: when
+   the trials also recorded their allocations, every allocation's size is affine in b too, and
+   replaying the predicted allocations through the allocator model says where the step runs out
+   (`AllocationModel`); without them the capacity is scaled to live bytes by the largest fitting
+   trial's ratio of the two (`live_budget_bytes`). Predict p, the largest b predicted to fit,
+   clamped into the bracket already known. Verify p (unless
    already seen fitting) and p + 1 (unless p is the cap). p fits and p + 1 does not: done,
    certified from both sides, in 4 calls.
 3. Refit once after an underestimate (p and p + 1 both fit): fit again on the widest pair of
@@ -47,6 +52,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from autotune.core.allocation_trace import AllocationModel
+from autotune.core.allocator_config import AllocatorConfig
 from autotune.core.schemas import StepOutcome
 
 logger = logging.getLogger(__name__)
@@ -123,6 +130,26 @@ class PeakModel:
         return upper if upper >= lower else 0
 
 
+def live_budget_bytes(budget_bytes: int, attempts: Sequence[StepOutcome]) -> int:
+    """The live-bytes budget (what `PeakModel` predicts) that stands for `budget_bytes` of the
+    peak a trial reports, by the ratio of the two at the largest fitting trial with a series.
+
+    On the emulated GPU and on CUDA a trial's peak is the allocator's reserved memory, which is
+    above its live tensor bytes by cached blocks, rounding and fragmentation; the ratio at the
+    largest trial seen is the one nearest the sizes being predicted. With no such trial, or a
+    device whose peak is the live bytes, the budget is unchanged.
+    """
+    traced = [a for a in attempts if a.fits and a.series]
+    if not traced:
+        return budget_bytes
+    largest = max(traced, key=lambda a: a.micro_batch)
+    assert largest.series is not None
+    live_bytes = max(largest.series)
+    if largest.peak_bytes <= live_bytes:
+        return budget_bytes
+    return budget_bytes * live_bytes // largest.peak_bytes
+
+
 @dataclass(frozen=True)
 class SearchResult:
     """The certified answer and how it was found."""
@@ -130,6 +157,7 @@ class SearchResult:
     max_micro_batch: int  # 0 when micro-batch 1 does not fit
     attempts: tuple[StepOutcome, ...]  # in the order tried
     peak_model: PeakModel | None  # the last model fitted, if any
+    allocation_model: AllocationModel | None  # fitted on the same pair, when both recorded one
     capped: bool  # max_micro_batch == cap and cap fits
 
 
@@ -147,14 +175,22 @@ def _ceil_log2(n: int) -> int:
 class _Search:
     """One search's state: the bracket (lo fits, hi does not), the trials and the budget."""
 
-    def __init__(self, fits: Callable[[int], StepOutcome], cap: int, capacity_bytes: int | None):
+    def __init__(
+        self,
+        fits: Callable[[int], StepOutcome],
+        cap: int,
+        capacity_bytes: int | None,
+        allocator_config: AllocatorConfig | None,
+    ):
         self._fits = fits
         self.capacity_bytes = capacity_bytes
+        self.allocator_config = allocator_config
         self.lo = 0  # largest size seen fitting (0: none yet)
         self.hi = cap + 1  # smallest size seen failing (cap + 1: none yet)
         self.attempts: list[StepOutcome] = []
         self.budget_calls = _ceil_log2(cap) + 2
         self.model: PeakModel | None = None
+        self.allocation_model: AllocationModel | None = None
         self.fitted_on: tuple[int, int] | None = None
         self.gallop = _Gallop.UP
         self.step = 0  # 0: double from lo, as there is no prediction to stay close to
@@ -201,11 +237,12 @@ class _Search:
     def refit(self) -> PeakModel | None:
         """A model on the widest pair of complete traces (b >= 2) with the newest one's op count,
         or None when there is no such pair or it is the pair already used."""
-        traces = sorted(
-            (obs.micro_batch, obs.series)
+        traced = {
+            obs.micro_batch: obs
             for obs in self.attempts
             if obs.fits and obs.series is not None and obs.micro_batch >= 2
-        )
+        }
+        traces = sorted((b, obs.series) for b, obs in traced.items() if obs.series is not None)
         if not traces:
             return None
         newest_b, newest_series = traces[-1]
@@ -216,11 +253,23 @@ class _Search:
         model = PeakModel.fit(oldest_b, oldest_series, newest_b, newest_series)
         if model is not None:
             self.model, self.fitted_on = model, (oldest_b, newest_b)
+            oldest_allocations = traced[oldest_b].allocations
+            newest_allocations = traced[newest_b].allocations
+            self.allocation_model = (
+                AllocationModel.fit(oldest_b, oldest_allocations, newest_b, newest_allocations)
+                if oldest_allocations and newest_allocations
+                else None
+            )
         return model
 
     def follow_prediction(self, model: PeakModel, capacity_bytes: int) -> None:
         """Verify the predicted p (p fits, p + 1 does not), else aim the gallop at the miss."""
-        predicted = model.max_micro_batch(capacity_bytes)
+        if self.allocation_model is not None:
+            predicted = self.allocation_model.max_micro_batch(
+                capacity_bytes, self.allocator_config, low=self.lo, high=self.hi
+            )
+        else:
+            predicted = model.max_micro_batch(live_budget_bytes(capacity_bytes, self.attempts))
         target = min(max(predicted, self.lo), self.hi - 1)
         logger.debug("model predicts %d, trying %d", predicted, target)
         overestimate = target > self.lo and not self.trial(target).fits
@@ -284,6 +333,7 @@ def find_max_micro_batch(
     cap: int,
     capacity_bytes: int | None,
     known_fitting: int = 0,
+    allocator_config: AllocatorConfig | None = None,
 ) -> SearchResult:
     """Find the exact largest micro-batch <= `cap` whose training step fits, in few trials.
 
@@ -291,10 +341,12 @@ def find_max_micro_batch(
         fits: runs one training step at a micro-batch and reports what happened; memory must be
             monotone in the micro-batch.
         cap: the largest micro-batch worth trying; never exceeded.
-        capacity_bytes: the live bytes a step may reach; needed to predict from the traces.
-            None: the trials are the only evidence.
+        capacity_bytes: the peak a step may reach (the device's measure: reserved memory on
+            a GPU); needed to predict from the traces. None: the trials are the only evidence.
         known_fitting: a micro-batch expected to fit (e.g. the other checkpointing mode's max);
             a first guess, tried like any other size.
+        allocator_config: the device's caching-allocator settings, for predictions replayed
+            through the allocator model (torch's defaults when None).
 
     Returns:
         The certified answer, every trial in order and the last `PeakModel` fitted.
@@ -318,7 +370,7 @@ def find_max_micro_batch(
         raise ValueError(f"known_fitting must be >= 0, got {known_fitting}")
     if capacity_bytes is not None and capacity_bytes < 0:
         raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
-    search = _Search(fits, cap, capacity_bytes)
+    search = _Search(fits, cap, capacity_bytes, allocator_config)
 
     hint = min(known_fitting, cap)
     if hint >= 2:
@@ -342,5 +394,6 @@ def find_max_micro_batch(
         max_micro_batch=search.lo,
         attempts=tuple(search.attempts),
         peak_model=search.model,
+        allocation_model=search.allocation_model,
         capped=search.lo == cap,
     )

@@ -148,6 +148,9 @@ class CudaDevice:
             # segments must stay cached, or the first timed step would wait on cudaMalloc.
             self._cuda.empty_cache()
         self._cuda.reset_peak_memory_stats(self._index)
+        # Cumulative in torch (reset only with the accumulated statistics): this trial's count
+        # is the difference.
+        retries_before = self._cuda.num_alloc_retries(self._index)
         # No capacity: the card enforces its own. The tracker only labels phases and series.
         tracker = LiveBytesTracker(None, record_series=record_series) if track else None
         if tracker is not None:
@@ -163,6 +166,8 @@ class CudaDevice:
         else:
             self._cuda.empty_cache()
         peak_bytes = self._cuda.max_memory_reserved(self._index)
+        peak_allocated_bytes = self._cuda.max_memory_allocated(self._index)
+        num_alloc_retries = self._cuda.num_alloc_retries(self._index) - retries_before
         # Completing is not enough: the capacity, not the card, is what the probe plans with.
         fits = oom_phase is None and peak_bytes <= self.capacity_bytes
         phase_peak_bytes = dict(tracker.phase_peak_bytes) if tracker is not None else {}
@@ -172,9 +177,14 @@ class CudaDevice:
             micro_batch=micro_batch,
             fits=fits,
             peak_bytes=peak_bytes,
+            peak_allocated_bytes=peak_allocated_bytes,
+            num_alloc_retries=num_alloc_retries,
             phase_peak_bytes=phase_peak_bytes,
             oom_phase=oom_phase,
             series=tuple(tracker.series)
+            if tracker is not None and record_series and fits
+            else None,
+            allocations=tuple(tracker.allocations)
             if tracker is not None and record_series and fits
             else None,
         )

@@ -1,8 +1,9 @@
 """The device layer: run one training step as a trial and report whether it fit and its peak.
 
-`Device` is the contract, `EmulatedDevice` a CPU step under a `LiveBytesTracker` that raises
-out-of-memory at a capacity, and `open_device` picks a device for a `--device` argument (a real
-GPU is `autotune.engine.cuda_device.CudaDevice`). Out-of-memory is caught in one module only,
+`Device` is the contract, `EmulatedDevice` a CPU step under a `LiveBytesTracker` whose storages
+live in a model of the CUDA caching allocator that runs out at a capacity, and `open_device`
+picks a device for a `--device` argument (a real GPU is
+`autotune.engine.cuda_device.CudaDevice`). Out-of-memory is caught in one module only,
 `autotune.engine.out_of_memory`: it becomes `StepOutcome(fits=False)`, and every other exception
 goes through unchanged.
 """
@@ -16,6 +17,8 @@ from typing import Protocol
 
 import torch
 
+from autotune.core.allocator import CachingAllocator
+from autotune.core.allocator_config import AllocatorConfig
 from autotune.core.bytesize import format_bytes
 from autotune.core.cuda_reserve import GpuBudget, budget_for
 from autotune.core.errors import SpecError
@@ -71,10 +74,17 @@ def _with_gpu_attention(step: Callable[[], object]) -> Callable[[], object]:
 
 class EmulatedDevice:
     """A GPU emulated on the CPU: real CPU steps, GPU-like accounting. Either `capacity_bytes`
-    (`--memory`: what the step's tensors may use, nothing taken off) or `gpu`, a named GPU as one
-    rank sees it (`autotune.core.cuda_reserve`): its capacity is the card's total less what CUDA
-    takes outside the allocator, and the BLAS workspaces torch keeps inside the allocator are
-    resident in every step, as on the card (docs/design.md#named-gpus-and-what-cuda-takes)."""
+    (`--memory`: what the caching allocator may reserve, nothing taken off) or `gpu`, a named GPU
+    as one rank sees it (`autotune.core.cuda_reserve`): its capacity is the card's total less what
+    CUDA takes outside the allocator, and the BLAS workspaces torch keeps inside the allocator are
+    resident in every step, as on the card (docs/design.md#named-gpus-and-what-cuda-takes).
+
+    Every trial's storages are malloc'd from a fresh model of the caching allocator
+    (`allocator_config`: torch's defaults when None), residents first, so a step runs out where
+    its *reserved* memory would pass the capacity after the allocator freed its cache and retried
+    (docs/design.md#the-caching-allocator-on-the-emulated-gpu). `model_allocator=False` counts
+    live tensor bytes against the capacity instead, as the emulated GPU did before: for
+    comparisons only."""
 
     def __init__(
         self,
@@ -82,10 +92,14 @@ class EmulatedDevice:
         *,
         gpu: GpuBudget | None = None,
         block_bytes: int = CUDA_BLOCK_BYTES,
+        allocator_config: AllocatorConfig | None = None,
+        model_allocator: bool = True,
     ) -> None:
         if (capacity_bytes is None) == (gpu is None):
             raise ValueError("the emulated device takes exactly one of capacity_bytes and gpu")
         self.block_bytes = block_bytes
+        self.allocator_config = allocator_config
+        self.model_allocator = model_allocator
         # Untouched CPU buffers standing for the workspaces: counted, never written, so they
         # cost address space only.
         self._workspaces: tuple[torch.Tensor, ...] = ()
@@ -151,11 +165,51 @@ class EmulatedDevice:
                 series=None,
             )
         limit_bytes = self.capacity_bytes - self._kept_free_bytes
+        if not self.model_allocator:
+            return self._run_live_bytes(step, micro_batch, resident, limit_bytes, record_series)
+        allocator = CachingAllocator(
+            limit_bytes, self.allocator_config, device_total_bytes=self._info.total_memory_bytes
+        )
+        tracker = LiveBytesTracker(
+            None, allocator=allocator, block_bytes=self.block_bytes, record_series=record_series
+        )
+        residents = [*resident, *self._workspaces]
+
+        def resident_then_step() -> object:
+            # Inside the tracked run: a resident set the allocator cannot hold is an
+            # out-of-memory of this trial like any other.
+            tracker.add_resident(residents)
+            return step()
+
+        oom_phase = run_tracked(resident_then_step, tracker, micro_batch=micro_batch)
+        # The allocator never reserves past its capacity, so a step that completed fits.
+        stats = allocator.stats
+        fits = oom_phase is None
+        return StepOutcome(
+            micro_batch=micro_batch,
+            fits=fits,
+            peak_bytes=stats.peak_reserved_bytes,
+            peak_allocated_bytes=stats.peak_allocated_bytes,
+            num_alloc_retries=stats.num_alloc_retries,
+            phase_peak_bytes=dict(tracker.phase_peak_bytes),
+            oom_phase=oom_phase,
+            series=tuple(tracker.series) if record_series and fits else None,
+            allocations=tuple(tracker.allocations) if record_series and fits else None,
+        )
+
+    def _run_live_bytes(
+        self,
+        step: Callable[[], object],
+        micro_batch: int,
+        resident: Iterable[torch.Tensor],
+        limit_bytes: int,
+        record_series: bool,
+    ) -> StepOutcome:
         tracker = LiveBytesTracker(
             limit_bytes, block_bytes=self.block_bytes, record_series=record_series
         )
         tracker.add_resident(itertools.chain(resident, self._workspaces))
-        oom_phase = run_tracked(step, tracker)
+        oom_phase = run_tracked(step, tracker, micro_batch=micro_batch)
         # The tracker raises before any op takes live bytes past capacity; only a resident
         # set that is already too big can leave a completed step over it.
         fits = oom_phase is None and tracker.peak_bytes <= limit_bytes

@@ -12,9 +12,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from autotune.core.allocation_trace import AllocationModel
+from autotune.core.allocator_config import AllocatorConfig
 from autotune.core.errors import SpecError
 from autotune.core.schemas import ModeProbe, ProbeResult, Spec, StepOutcome
-from autotune.core.search import PeakModel, SearchResult, find_max_micro_batch
+from autotune.core.search import PeakModel, SearchResult, find_max_micro_batch, live_budget_bytes
 from autotune.engine.device import Device
 from autotune.engine.runner import InProcessRunner, TrialRunner
 
@@ -24,32 +26,72 @@ AttemptCallback = Callable[[bool, StepOutcome], None]
 """Called with (checkpointing, attempt) as soon as a trial finishes, for progress displays."""
 
 
-def recommended_micro_batch(search: SearchResult, *, capacity_bytes: int, headroom: float) -> int:
-    """Largest micro-batch <= the raw max whose peak leaves `headroom` of capacity free.
+def recommended_micro_batch(
+    search: SearchResult,
+    *,
+    capacity_bytes: int,
+    headroom: float,
+    allocator_config: AllocatorConfig | None = None,
+) -> int:
+    """Largest micro-batch <= the raw max whose peak (reserved memory) leaves `headroom` of the
+    capacity free (docs/design.md#from-the-maximum-to-the-recommendation).
 
-    Uses the fitted per-op model when there is one (exact on the emulated device); otherwise
-    the largest measured size whose peak is within budget.
+    By the best model the trials agree with: the allocations replayed through the allocator
+    model (exact on the emulated GPU); else the per-op live-bytes model with the budget scaled
+    to live bytes (`live_budget_bytes`); else the largest measured size within the budget.
     """
     budget_bytes = int(capacity_bytes * (1.0 - headroom))
     if search.max_micro_batch == 0:
         return 0
+    replayed = search.allocation_model
+    if replayed is not None and _replay_agrees(replayed, search, capacity_bytes, allocator_config):
+        return replayed.max_micro_batch(
+            capacity_bytes,
+            allocator_config,
+            low=0,
+            high=search.max_micro_batch + 1,
+            budget_bytes=budget_bytes,
+        )
     model = search.peak_model
-    if model is not None and _model_agrees(model, search, capacity_bytes):
-        return min(search.max_micro_batch, model.max_micro_batch(budget_bytes))
+    if model is not None and _model_agrees(model, search):
+        live_budget = live_budget_bytes(budget_bytes, search.attempts)
+        return min(search.max_micro_batch, model.max_micro_batch(live_budget))
     within = [a.micro_batch for a in search.attempts if a.fits and a.peak_bytes <= budget_bytes]
     return max(within, default=0)
 
 
-def _model_agrees(model: PeakModel, search: SearchResult, capacity_bytes: int) -> bool:
-    """Trust the fitted model only where every real trial agrees with it: same verdict, and
-    (for micro-batches >= 2, where the op sequence is the fitted one) the same peak within 1 %
-    (512-byte rounding of small tensors makes the fit approximate on tiny models)."""
+def _replay_agrees(
+    model: AllocationModel,
+    search: SearchResult,
+    capacity_bytes: int,
+    allocator_config: AllocatorConfig | None,
+) -> bool:
+    """Trust the replayed allocations only where every trial at b >= 2 (b = 1 runs another op
+    sequence) agrees: the same verdict and, for a step that fits, the same reserved peak within
+    1 % (a real card's allocator also serves what the dispatcher does not see)."""
     for attempt in search.attempts:
-        predicted_bytes = model.peak_bytes(attempt.micro_batch)
-        if (predicted_bytes <= capacity_bytes) != attempt.fits:
+        if attempt.micro_batch < 2:
+            continue
+        predicted = model.replay(attempt.micro_batch, capacity_bytes, allocator_config)
+        if predicted.fits != attempt.fits:
             return False
-        if attempt.fits and attempt.micro_batch >= 2:
-            if abs(predicted_bytes - attempt.peak_bytes) > attempt.peak_bytes // 100:
+        peak_bytes = predicted.stats.peak_reserved_bytes
+        if attempt.fits and abs(peak_bytes - attempt.peak_bytes) > attempt.peak_bytes // 100:
+            return False
+    return True
+
+
+def _model_agrees(model: PeakModel, search: SearchResult) -> bool:
+    """Trust the fitted model only where every traced trial agrees with it: for micro-batches
+    >= 2, where the op sequence is the fitted one, the same live-bytes peak within 1 % (512-byte
+    rounding of small tensors makes the fit approximate on tiny models). The live bytes, not the
+    trial's peak: on a GPU that is reserved memory, which the model does not predict (review
+    item 1 of issue 9: comparing the two rejected every model on CUDA)."""
+    for attempt in search.attempts:
+        if attempt.fits and attempt.series and attempt.micro_batch >= 2:
+            predicted_bytes = model.peak_bytes(attempt.micro_batch)
+            live_bytes = max(attempt.series)
+            if abs(predicted_bytes - live_bytes) > live_bytes // 100:
                 return False
     return True
 
@@ -91,7 +133,9 @@ def probe_mode(
         ),
         capped=search.capped,
         # The series served the fit; a result keeps what the wire and the store keep.
-        attempts=[a.model_copy(update={"series": None}) for a in search.attempts],
+        attempts=[
+            a.model_copy(update={"series": None, "allocations": None}) for a in search.attempts
+        ],
     )
 
 

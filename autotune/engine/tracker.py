@@ -3,9 +3,12 @@
 `LiveBytesTracker` is a `TorchDispatchMode`. After every aten op it adds each output storage it has
 not seen before (rounded up like the CUDA caching allocator) and a weakref callback subtracts it
 when the storage dies. With a capacity it raises `torch.OutOfMemoryError` at the op that would
-exceed it, which is what turns a CPU step into an emulated GPU (`autotune.engine.device`). It also
-labels every op with the training phase (forward, backward, optimizer) and can record the live
-bytes after every op for the per-op affine peak model.
+exceed it, which is what turns a CPU step into an emulated GPU (`autotune.engine.device`). Given
+the caching-allocator model (`autotune.core.allocator`) it also mallocs every storage there and
+frees it when the storage dies, and the capacity is then the allocator's: out-of-memory comes when
+*reserved* memory would exceed it, as on a card. It labels every op with the training phase
+(forward, backward, optimizer) and can record the live bytes after every op for the per-op affine
+peak model.
 
 What a live-byte count leaves out of a GPU's memory: docs/design.md#what-it-does-not-model.
 """
@@ -27,6 +30,12 @@ from torch.optim.optimizer import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
+from autotune.core.allocator import (
+    NO_BLOCK,
+    AllocatorOutOfMemory,
+    BlockId,
+    CachingAllocator,
+)
 from autotune.core.schemas import Phase
 
 logger = logging.getLogger(__name__)
@@ -55,12 +64,15 @@ _PROFILER_OP_IDS: frozenset[int] = frozenset(
 
 
 class _StorageRef(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference to one counted storage that remembers its key and its counted bytes."""
+    """A weak reference to one counted storage that remembers its key, its counted bytes and
+    its block in the allocator model (`NO_BLOCK` without one)."""
 
-    __slots__ = ("key", "counted_bytes")
+    __slots__ = ("key", "counted_bytes", "block", "event")
 
     key: int
     counted_bytes: int
+    block: BlockId
+    event: int  # its allocation's position in `allocations` (-1: not recorded)
 
 
 # TorchDispatchMode's own methods carry no annotations, hence the no-untyped-call ignores.
@@ -69,10 +81,15 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     Args:
         capacity_bytes: raise `torch.OutOfMemoryError` when live bytes would exceed this;
-            None only measures.
+            None only measures (or leaves the limit to `allocator`).
+        allocator: the caching allocator the storages live in: each new storage is malloc'd
+            from it and freed when it dies, and its out-of-memory (reserved memory past its
+            capacity, after freeing its cache and retrying) is raised as `torch.OutOfMemoryError`.
         block_bytes: every storage is counted rounded up to a multiple of this (512 like the
             CUDA caching allocator; 1 counts exact bytes).
-        record_series: keep the live bytes after every op in `series`.
+        record_series: keep the live bytes after every op in `series`, and every allocation
+            and free in `allocations` (encoded as `autotune.core.allocation_trace` reads it:
+            a size for a storage allocated, -(n + 1) for the free of allocation event n).
 
     Storages that exist before the step (parameters, gradients, optimizer state, buffers,
     inputs) are invisible to a dispatch mode until an op returns them, so count them first
@@ -84,6 +101,7 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self,
         capacity_bytes: int | None,
         *,
+        allocator: CachingAllocator | None = None,
         block_bytes: int = CUDA_BLOCK_BYTES,
         record_series: bool = False,
     ) -> None:
@@ -93,6 +111,7 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if capacity_bytes is not None and capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
+        self.allocator = allocator
         self.block_bytes = block_bytes
         self.record_series = record_series
         self.live_bytes = 0
@@ -100,6 +119,8 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.phase = Phase.FORWARD
         self.phase_peak_bytes: dict[Phase, int] = {}
         self.series: list[int] = []
+        self.allocations: list[int] = []
+        self._active = False
         self.op_count = 0
         # id(storage) -> its weakref. The id is stable while the storage lives because torch
         # preserves a storage's Python object as long as the C++ storage exists, and the
@@ -142,25 +163,68 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         key = id(storage)
         ref = self._storages.get(key)
         if ref is None:
+            # Malloc first: a storage the allocator refuses is never counted, and the op's
+            # outputs are released (and their blocks freed) as the exception unwinds.
+            block = self._malloc(storage.nbytes())
             ref = _StorageRef(storage, self._release)
             ref.key = key
             ref.counted_bytes = self._rounded(storage.nbytes())
+            ref.block = block
+            ref.event = self._record_allocation(storage.nbytes())
             self._storages[key] = ref
             self.live_bytes += ref.counted_bytes
             return ref.counted_bytes
         # A known storage can only change size in place (resize_, set_, out= ops).
-        counted_bytes = self._rounded(storage.nbytes())
+        return self._resized(ref, storage.nbytes())
+
+    def _resized(self, ref: _StorageRef, nbytes: int) -> int:
+        """Account a known storage's new size; return the bytes it grew by (0 if it shrank)."""
+        counted_bytes = self._rounded(nbytes)
         grown_bytes = counted_bytes - ref.counted_bytes
+        if grown_bytes and self.allocator is not None:
+            # A resized storage is a new allocation the data is copied into, then the old one is
+            # freed, growing or shrinking (`resize_bytes_cuda`, aten/src/ATen/native/cuda/
+            # Resize.cpp); a resize to 0 (how FSDP frees a parameter) mallocs nothing.
+            block = self._malloc(nbytes)
+            self.allocator.free(ref.block)
+            ref.block = block
+        if grown_bytes:
+            event = self._record_allocation(nbytes)
+            self._record_free(ref)
+            ref.event = event
         if grown_bytes:
             ref.counted_bytes = counted_bytes
             self.live_bytes += grown_bytes
         return max(grown_bytes, 0)
+
+    def _malloc(self, nbytes: int) -> BlockId:
+        if self.allocator is None:
+            return NO_BLOCK
+        try:
+            return self.allocator.malloc(nbytes)
+        except AllocatorOutOfMemory as error:
+            raise torch.OutOfMemoryError(_out_of_memory_message(error, self.phase)) from None
 
     def _release(self, ref: weakref.ref[Any]) -> None:
         # Runs when a counted storage is freed, whenever that is (mid-op, after the step, in gc).
         assert isinstance(ref, _StorageRef)
         if self._storages.pop(ref.key, None) is ref:
             self.live_bytes -= ref.counted_bytes
+            if self.allocator is not None:
+                self.allocator.free(ref.block)
+            self._record_free(ref)
+
+    def _record_allocation(self, nbytes: int) -> int:
+        if not self.record_series:
+            return -1
+        self.allocations.append(nbytes)
+        return len(self.allocations) - 1
+
+    def _record_free(self, ref: _StorageRef) -> None:
+        # Only frees of recorded allocations, and only while the tracker is active: storages of
+        # the step that die after it (its outputs, in the caller's hands) are not the step's.
+        if ref.event >= 0 and self._active:
+            self.allocations.append(-(ref.event + 1))
 
     def _count_outputs(self, out: object) -> int:
         if isinstance(out, torch.Tensor):
@@ -230,6 +294,7 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             register_optimizer_step_post_hook(self._leave_optimizer),
         ]
         self._patch_storage_resize()
+        self._active = True
         super().__enter__()  # type: ignore[no-untyped-call]
         return self
 
@@ -240,6 +305,7 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         traceback: TracebackType | None,
     ) -> None:
         super().__exit__(exc_type, exc_value, traceback)  # type: ignore[no-untyped-call]
+        self._active = False
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -258,9 +324,7 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             result = original(storage, size)
             ref = tracker._storages.get(id(storage))
             if ref is not None:
-                counted_bytes = tracker._rounded(storage.nbytes())
-                tracker.live_bytes += counted_bytes - ref.counted_bytes
-                ref.counted_bytes = counted_bytes
+                tracker._resized(ref, storage.nbytes())
                 tracker.peak_bytes = max(tracker.peak_bytes, tracker.live_bytes)
             return result
 
@@ -270,6 +334,18 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if self._original_storage_resize is not None:
             torch.UntypedStorage.resize_ = self._original_storage_resize  # type: ignore[method-assign]
             self._original_storage_resize = None
+
+
+def _out_of_memory_message(error: AllocatorOutOfMemory, phase: Phase) -> str:
+    # The figures torch's message gives (c10/cuda/CUDACachingAllocator.cpp, malloc).
+    unallocated_bytes = error.reserved_bytes - error.allocated_bytes
+    return (
+        f"CUDA out of memory (emulated). Tried to allocate {error.allocation_bytes / _MiB:.2f} "
+        f"MiB; capacity {error.capacity_bytes / _MiB:.2f} MiB, of which "
+        f"{error.allocated_bytes / _MiB:.2f} MiB is allocated by PyTorch and "
+        f"{unallocated_bytes / _MiB:.2f} MiB is reserved by PyTorch but unallocated; "
+        f"phase {phase.value}"
+    )
 
 
 def resident_tensors(

@@ -138,8 +138,10 @@ def tune_session(
         if not candidates:
             infeasible = _accumulation_does_not_fit(training.world_size, limits)
     if not candidates:
-        infeasible = infeasible or explain_infeasible(
-            target_global_batch, training.world_size, limits
+        infeasible = (
+            infeasible
+            or _headroom_leaves_nothing(probe_result, training.headroom)
+            or explain_infeasible(target_global_batch, training.world_size, limits)
         )
         return _checked(
             TuneResult(
@@ -213,6 +215,22 @@ def _checked(result: TuneResult) -> TuneResult:
             "tuner bug: its result breaks " + "; ".join(str(v) for v in violations)
         )
     return result
+
+
+def _headroom_leaves_nothing(probe_result: ProbeResult, headroom: float) -> Infeasible | None:
+    """Steps fit, but none leaves the headroom free: say so, rather than that nothing fits."""
+    if any(m.recommended_micro_batch > 0 for m in probe_result.modes):
+        return None
+    largest_fitting = max((m.max_micro_batch for m in probe_result.modes), default=0)
+    if largest_fitting < 1:
+        return None
+    return Infeasible(
+        reason=f"micro-batches up to {largest_fitting} fit, but none leaves the {headroom:.0%} "
+        "headroom free: their peak reserved memory is above "
+        f"{1 - headroom:.0%} of the capacity; lower `headroom` or use a larger device",
+        nearest_below=None,
+        nearest_above=None,
+    )
 
 
 def _accumulation_does_not_fit(world_size: int, max_micro_batch: dict[bool, int]) -> Infeasible:

@@ -92,6 +92,8 @@ def attempt(micro_batch: int, fits: bool) -> StepOutcome:
         micro_batch=micro_batch,
         fits=fits,
         peak_bytes=micro_batch * 10_000_000,
+        peak_allocated_bytes=micro_batch * 8_000_000,
+        num_alloc_retries=0 if fits else 1,
         phase_peak_bytes={Phase.FORWARD: micro_batch * 6_000_000},
         oom_phase=None if fits else Phase.BACKWARD,
     )

@@ -14,7 +14,7 @@ from autotune.engine.tuner import tune
 from autotune.remote.client import ServerClient
 from autotune.remote.protocol import EmulatedTarget, RunStatus
 
-CAPACITY_BYTES = 120 * 2**20
+CAPACITY_BYTES = 180 * 2**20
 
 
 def test_a_local_tuning_run_is_served_and_answers_the_cache(

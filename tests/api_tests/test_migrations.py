@@ -119,3 +119,23 @@ def test_the_unfinished_twin_index_goes_down_and_up(db_url: str) -> None:
             connection.execute(text(row), {"status": "running", "now": now})
         connection.rollback()
     database.dispose()
+
+
+def test_the_attempt_allocator_figures_go_down_and_up(db_url: str) -> None:
+    from alembic import command
+
+    database = Database(db_url)
+    migrate(database)
+
+    def attempt_columns() -> set[str]:
+        with database.engine.connect() as connection:
+            return {c["name"] for c in inspect(connection).get_columns("autotune_probe_attempts")}
+
+    assert {"peak_allocated_bytes", "num_alloc_retries"} <= attempt_columns()
+    with database.engine.connect() as connection:
+        command.downgrade(alembic_config(connection), "0004")
+        connection.commit()
+    assert not {"peak_allocated_bytes", "num_alloc_retries"} & attempt_columns()
+    migrate(database)
+    assert {"peak_allocated_bytes", "num_alloc_retries"} <= attempt_columns()
+    database.dispose()

@@ -119,6 +119,8 @@ def test_events_are_stored_once_per_key(user: ServerClient, worker: ServerClient
         (1, 16, False),
     ]
     assert run.attempts[1].attempt.oom_phase == "backward"
+    # Reserved and allocated peaks and the allocator's retries are stored as posted.
+    assert [a.attempt for a in run.attempts] == [attempt(8, True), attempt(16, False)]
     assert [t.trial.number for t in run.trials] == [0]
     assert run.trials[0].trial == trial(0)
 

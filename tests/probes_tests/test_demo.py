@@ -37,7 +37,7 @@ def _demo(
             "--spec",
             str(spec_path),
             "--memory",
-            "4MiB",
+            "5MiB",
             "--data-dir",
             str(tmp_path / "data"),
             "--seconds-per-trial",
@@ -69,7 +69,7 @@ def test_demo_with_stop_prints_the_result_and_leaves_no_process(tmp_path: Path) 
     assert "per_device_train_batch_size" in out and "train_micro_batch_size_per_gpu" in out
     url = re.search(r"Run URL: (http://127\.0\.0\.1:\d+/api/v1/runs/1)", out)
     assert url is not None, out
-    assert "emulates a GPU of 4.00 MiB" in out
+    assert "emulates a GPU of 5.00 MiB" in out
     assert re.search(r"client token: \S+", out) and re.search(r"worker token: \S+", out)
     # Progress arrived while the run ran, not only at the end.
     assert "micro-batch" in err and "run 1: running" in err and "run 1: succeeded" in err

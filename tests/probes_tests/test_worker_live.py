@@ -153,14 +153,14 @@ def _assert_recommendation_fits_target(run: Run) -> None:
 
 def test_two_workers_finish_every_run_each_on_a_matching_device(fleet: Fleet) -> None:
     fleet.serve()
-    small = fleet.worker("small", "4MiB")
-    large = fleet.worker("large", "6MiB")
-    by_memory = {4 * MIB: small.name, 6 * MIB: large.name}
+    small = fleet.worker("small", "5MiB")
+    large = fleet.worker("large", "7MiB")
+    by_memory = {5 * MIB: small.name, 7 * MIB: large.name}
     submissions: list[tuple[Spec, int]] = [
-        (wide_spec(features=16, target_global_batch=32), 4 * MIB),
-        (wide_spec(features=16, target_global_batch=32), 6 * MIB),
-        (wide_spec(features=24, target_global_batch=48), 4 * MIB),
-        (wide_spec(features=24, target_global_batch=48), 6 * MIB),
+        (wide_spec(features=16, target_global_batch=32), 5 * MIB),
+        (wide_spec(features=16, target_global_batch=32), 7 * MIB),
+        (wide_spec(features=24, target_global_batch=48), 5 * MIB),
+        (wide_spec(features=24, target_global_batch=48), 7 * MIB),
     ]
     with fleet.user() as user:
         run_ids = [
@@ -188,11 +188,11 @@ def test_two_workers_finish_every_run_each_on_a_matching_device(fleet: Fleet) ->
 
 def test_a_killed_workers_run_is_released_and_finished_by_the_other(fleet: Fleet) -> None:
     fleet.serve(AUTOTUNE_LEASE_S="3")
-    first = fleet.worker("first", "4MiB", "--seconds-per-trial", "0.5")
-    second = fleet.worker("second", "4MiB", "--seconds-per-trial", "0.5")
+    first = fleet.worker("first", "5MiB", "--seconds-per-trial", "0.5")
+    second = fleet.worker("second", "5MiB", "--seconds-per-trial", "0.5")
     workers = {first.name: first, second.name: second}
     with fleet.user() as user:
-        run_id = user.submit_run(wide_spec(features=16), EmulatedTarget(memory_bytes=4 * MIB)).id
+        run_id = user.submit_run(wide_spec(features=16), EmulatedTarget(memory_bytes=5 * MIB)).id
         running = _wait_until(user, run_id, _streamed(2))
         assert running.status is RunStatus.RUNNING
         assert running.worker_id is not None
@@ -259,13 +259,13 @@ def test_a_worker_refuses_factories_outside_its_allow_list_and_imports_nothing(
 ) -> None:
     """`builtins:print` once ran in a trial child for anyone with a client token."""
     fleet.serve()
-    worker = fleet.worker("strict", "4MiB")  # --allow-factory tests
+    worker = fleet.worker("strict", "5MiB")  # --allow-factory tests
     spec = wide_spec(features=16)
     spec = spec.model_copy(
         update={"model": spec.model.model_copy(update={"factory": "builtins:print"})}
     )
     with fleet.user() as user:
-        run = _wait(user, user.submit_run(spec, EmulatedTarget(memory_bytes=4 * MIB)).id)
+        run = _wait(user, user.submit_run(spec, EmulatedTarget(memory_bytes=5 * MIB)).id)
     assert run.status is RunStatus.FAILED
     # Refused by this worker, not by the spec: retried (another worker may allow it).
     assert run.claim_count == 3 and len(run.failures) == 3
@@ -287,8 +287,8 @@ def test_crashing_and_hanging_trials_fail_their_runs_and_the_worker_goes_on(
     fleet.serve()
     # The limit covers a child's start-up too (and the forkserver's own, torch imported, for
     # the first child): 5 s was seen to time out a healthy `describe` on a loaded machine.
-    worker = fleet.worker("crashy", "4MiB", "--trial-timeout", "20")
-    target = EmulatedTarget(memory_bytes=4 * MIB)
+    worker = fleet.worker("crashy", "5MiB", "--trial-timeout", "20")
+    target = EmulatedTarget(memory_bytes=5 * MIB)
     with fleet.user() as user:
         aborting = user.submit_run(wide_spec("abort_above_4", features=16), target).id
         hanging = user.submit_run(wide_spec("hang_above_4", features=16), target).id
@@ -338,8 +338,8 @@ def test_crashing_and_hanging_trials_fail_their_runs_and_the_worker_goes_on(
 
 def test_a_cancelled_run_stops_at_once_and_the_worker_goes_on(fleet: Fleet) -> None:
     fleet.serve(AUTOTUNE_LEASE_S="3")
-    worker = fleet.worker("patient", "4MiB", "--trial-timeout", "600")
-    target = EmulatedTarget(memory_bytes=4 * MIB)
+    worker = fleet.worker("patient", "5MiB", "--trial-timeout", "600")
+    target = EmulatedTarget(memory_bytes=5 * MIB)
     with fleet.user() as user:
         hanging = user.submit_run(wide_spec("hang_above_4", features=16), target).id
         # The trial child says so on stderr, which is the worker's log.
@@ -357,7 +357,7 @@ def test_a_cancelled_run_stops_at_once_and_the_worker_goes_on(fleet: Fleet) -> N
 
 def test_sigterm_stops_an_idle_worker_with_exit_code_0(fleet: Fleet) -> None:
     fleet.serve()
-    worker = fleet.worker("idle", "4MiB", start_method="spawn")
+    worker = fleet.worker("idle", "5MiB", start_method="spawn")
     worker.wait_for_log("waiting for runs")
     started_s = time.monotonic()
     assert stop_worker(worker) == 0
@@ -369,11 +369,11 @@ def test_sigterm_stops_an_idle_worker_with_exit_code_0(fleet: Fleet) -> None:
 def test_sigterm_releases_a_run_in_progress_and_exits_0(fleet: Fleet) -> None:
     fleet.serve()
     worker = fleet.worker(
-        "leaving", "4MiB", "--trial-timeout", "600", "--shutdown-grace", "1", start_method="spawn"
+        "leaving", "5MiB", "--trial-timeout", "600", "--shutdown-grace", "1", start_method="spawn"
     )
     with fleet.user() as user:
         run_id = user.submit_run(
-            wide_spec("hang_above_4", features=16), EmulatedTarget(memory_bytes=4 * MIB)
+            wide_spec("hang_above_4", features=16), EmulatedTarget(memory_bytes=5 * MIB)
         ).id
         _wait_until(user, run_id, _streamed(1), timeout_s=120)
         assert stop_worker(worker, timeout_s=20) == 0
@@ -387,10 +387,10 @@ def test_sigterm_releases_a_run_in_progress_and_exits_0(fleet: Fleet) -> None:
 
 def test_sigterm_lets_a_run_that_can_finish_in_the_grace_period_finish(fleet: Fleet) -> None:
     fleet.serve()
-    worker = fleet.worker("finishing", "4MiB", "--shutdown-grace", "120")
+    worker = fleet.worker("finishing", "5MiB", "--shutdown-grace", "120")
     probe_only = wide_spec(features=16, target_global_batch=None)
     with fleet.user() as user:
-        run_id = user.submit_run(probe_only, EmulatedTarget(memory_bytes=4 * MIB)).id
+        run_id = user.submit_run(probe_only, EmulatedTarget(memory_bytes=5 * MIB)).id
         _wait_until(user, run_id, _streamed(1))
         worker.process.send_signal(signal.SIGTERM)
         assert worker.process.wait(timeout=120) == 0
@@ -427,13 +427,13 @@ def _start_server_on(port: int, tmp_path: Path, **extra_env: str) -> LiveServer:
 
 def test_the_worker_waits_for_a_server_that_is_down(fleet: Fleet, tmp_path: Path) -> None:
     port = free_port()
-    worker = start_worker(f"http://127.0.0.1:{port}", tmp_path, "waiting", memory="4MiB")
+    worker = start_worker(f"http://127.0.0.1:{port}", tmp_path, "waiting", memory="5MiB")
     fleet.workers.append(worker)
     worker.wait_for_log("server unreachable")
     fleet.server = _start_server_on(port, tmp_path)
     with fleet.user() as user:
         run_id = user.submit_run(
-            wide_spec(features=16, target_global_batch=None), EmulatedTarget(memory_bytes=4 * MIB)
+            wide_spec(features=16, target_global_batch=None), EmulatedTarget(memory_bytes=5 * MIB)
         ).id
         assert _wait(user, run_id).status is RunStatus.SUCCEEDED
     # Logged at the first answer; waited for, as the log is written by another process.
@@ -451,9 +451,9 @@ def test_a_server_outage_longer_than_the_lease_keeps_the_claims_work(
     port = free_port()
     lease = {"AUTOTUNE_LEASE_S": "2", "AUTOTUNE_WAIT_POLL_S": "0.05"}
     fleet.server = _start_server_on(port, tmp_path, **lease)
-    worker = fleet.worker("steady", "4MiB", "--seconds-per-trial", "0.5")
+    worker = fleet.worker("steady", "5MiB", "--seconds-per-trial", "0.5")
     with fleet.user() as user:
-        run_id = user.submit_run(wide_spec(features=16), EmulatedTarget(memory_bytes=4 * MIB)).id
+        run_id = user.submit_run(wide_spec(features=16), EmulatedTarget(memory_bytes=5 * MIB)).id
         _wait_until(user, run_id, _streamed(2))
     stop_server(fleet.server)
     worker.wait_for_log(rf"run {run_id}: heartbeat failed")
@@ -475,9 +475,9 @@ def test_a_study_store_kept_from_an_earlier_server_does_not_fail_claims(
     # The same worker (same name, so the same --db) serves a server, then a fresh server with
     # a fresh database, whose run numbers start again at 1.
     spec = wide_spec(features=16)
-    target = EmulatedTarget(memory_bytes=4 * MIB)
+    target = EmulatedTarget(memory_bytes=5 * MIB)
     fleet.serve()
-    first = fleet.worker("keeper", "4MiB")
+    first = fleet.worker("keeper", "5MiB")
     with fleet.user() as user:
         earlier = _wait(user, user.submit_run(spec, target).id)
     assert earlier.status is RunStatus.SUCCEEDED, earlier.error
@@ -485,7 +485,7 @@ def test_a_study_store_kept_from_an_earlier_server_does_not_fail_claims(
     assert fleet.server is not None
     stop_server(fleet.server)
     fleet.server = _start_server_on(free_port(), tmp_path)
-    fleet.worker("keeper", "4MiB")
+    fleet.worker("keeper", "5MiB")
     with fleet.user() as user:
         later = _wait(user, user.submit_run(spec, target).id)
     assert later.id == earlier.id  # the same run number, on another server
@@ -496,6 +496,6 @@ def test_a_study_store_kept_from_an_earlier_server_does_not_fail_claims(
 
 def test_a_wrong_token_stops_the_worker_with_an_error(fleet: Fleet) -> None:
     fleet.serve()
-    worker = fleet.worker("intruder", "4MiB", token="not-a-worker-token")
+    worker = fleet.worker("intruder", "5MiB", token="not-a-worker-token")
     assert worker.process.wait(timeout=60) == 1
     assert "autotune: error: 401 invalid_token" in worker.log()

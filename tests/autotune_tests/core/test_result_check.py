@@ -130,6 +130,13 @@ BROKEN: list[tuple[str, Callable[[Data], object], str]] = [
         "probe.modes[0].attempts[4].micro_batch",
     ),
     (
+        "allocated above reserved",
+        lambda d: _attempts(d, 0)[0].update(
+            peak_allocated_bytes=_attempts(d, 0)[0]["peak_bytes"] + 1
+        ),
+        "probe.modes[0].attempts[0].peak_allocated_bytes",
+    ),
+    (
         "an attempt above the cap",
         lambda d: _attempts(d, 1).append(attempt(2000, False).model_dump(mode="json")),
         "probe.modes[1].attempts[2].micro_batch",

@@ -19,7 +19,14 @@ from fractions import Fraction
 
 import pytest
 
-from autotune.core.search import PeakModel, SearchResult, StepOutcome, find_max_micro_batch
+from autotune.core.allocation_trace import replay_encoded
+from autotune.core.search import (
+    PeakModel,
+    SearchResult,
+    StepOutcome,
+    find_max_micro_batch,
+    live_budget_bytes,
+)
 
 KiB = 2**10
 MiB = 2**20
@@ -819,3 +826,110 @@ def test_each_missed_bet_buys_its_calls_for_the_fallback(
     result = search(device, 32, known_fitting=hint)
     assert device.calls == calls
     assert result.max_micro_batch == threshold
+
+
+# ---------------------------------------------------------------------------------------------
+# Reserved memory: a device whose trials run an allocation trace through the allocator model,
+# as the emulated GPU does (docs/design.md#predicting-reserved-memory).
+
+
+def layered_allocations(micro_batch: int, *, layers: int = 6) -> tuple[int, ...]:
+    """An encoded allocation trace: weights and moments resident, per layer an activation kept
+    for backward and a temporary freed at once (sizes in the 1-10 MiB class at small b, where
+    the allocator makes 20 MiB segments), then backward frees the activations."""
+    trace: list[int] = []
+
+    def alloc(size_bytes: int) -> int:
+        trace.append(size_bytes)
+        return len(trace) - 1
+
+    def free(event: int) -> None:
+        trace.append(-(event + 1))
+
+    for _ in range(3):
+        alloc(24 * MiB)  # weights, two moments
+    kept = []
+    for _ in range(layers):
+        temporary = alloc(micro_batch * 700 * KiB)
+        kept.append(alloc(micro_batch * 300 * KiB + 512))
+        free(temporary)
+    for event in reversed(kept):
+        gradient = alloc(micro_batch * 300 * KiB + 512)
+        free(event)
+        free(gradient)
+    return tuple(trace)
+
+
+def live_series(trace: tuple[int, ...]) -> tuple[int, ...]:
+    sizes: dict[int, int] = {}
+    live_bytes, series = 0, []
+    for position, event in enumerate(trace):
+        if event >= 0:
+            sizes[position] = event
+            live_bytes += event
+        else:
+            live_bytes -= sizes.pop(-event - 1)
+        series.append(live_bytes)
+    return tuple(series)
+
+
+class AllocatorDevice:
+    """Trials replayed on the allocator model: they fit when reserved memory fits."""
+
+    def __init__(self, capacity_bytes: int, *, record_allocations: bool = True) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.record_allocations = record_allocations
+        self.calls: list[int] = []
+
+    def outcome(self, micro_batch: int) -> StepOutcome:
+        trace = layered_allocations(micro_batch)
+        replayed = replay_encoded(trace, self.capacity_bytes)
+        return StepOutcome(
+            micro_batch=micro_batch,
+            fits=replayed.fits,
+            peak_bytes=replayed.stats.peak_reserved_bytes,
+            peak_allocated_bytes=replayed.stats.peak_allocated_bytes,
+            series=live_series(trace) if replayed.fits else None,
+            allocations=trace if replayed.fits and self.record_allocations else None,
+        )
+
+    def fits(self, micro_batch: int) -> StepOutcome:
+        self.calls.append(micro_batch)
+        return self.outcome(micro_batch)
+
+    def brute_force_max(self, cap: int) -> int:
+        return max((b for b in range(1, cap + 1) if self.outcome(b).fits), default=0)
+
+
+@pytest.mark.parametrize("capacity_mib", [200, 333, 512, 640])
+def test_replayed_allocations_predict_where_reserved_memory_runs_out(capacity_mib: int) -> None:
+    device = AllocatorDevice(capacity_mib * MiB)
+    result = find_max_micro_batch(device.fits, cap=256, capacity_bytes=device.capacity_bytes)
+    assert 3 < result.max_micro_batch == device.brute_force_max(256) < 256
+    assert result.allocation_model is not None
+    assert device.calls == [2, 3, result.max_micro_batch, result.max_micro_batch + 1]
+
+
+def test_without_allocations_the_live_budget_is_scaled_and_the_answer_still_exact() -> None:
+    device = AllocatorDevice(512 * MiB, record_allocations=False)
+    result = find_max_micro_batch(device.fits, cap=256, capacity_bytes=device.capacity_bytes)
+    assert result.allocation_model is None
+    assert result.max_micro_batch == device.brute_force_max(256)
+    # Predicting live bytes against the capacity itself would overestimate: reserved memory is
+    # above them, and the scaled budget is what keeps the first prediction below the answer.
+    model = result.peak_model
+    assert model is not None
+    assert model.max_micro_batch(device.capacity_bytes) > result.max_micro_batch
+
+
+def test_live_budget_bytes_scales_by_the_largest_fitting_trace() -> None:
+    def outcome(micro_batch: int, peak_bytes: int, live_bytes: int) -> StepOutcome:
+        return StepOutcome(
+            micro_batch=micro_batch, fits=True, peak_bytes=peak_bytes, series=(1, live_bytes)
+        )
+
+    attempts = [outcome(2, 300, 100), outcome(9, 400, 200), outcome(3, 1000, 100)]
+    assert live_budget_bytes(1000, attempts) == 500  # b = 9's ratio, not b = 3's
+    assert live_budget_bytes(1000, [outcome(2, 100, 100)]) == 1000  # peak is the live bytes
+    failed = StepOutcome(micro_batch=4, fits=False, peak_bytes=10)
+    assert live_budget_bytes(1000, [failed]) == 1000

@@ -119,7 +119,7 @@ def test_a_memory_cap_limits_the_allocator_which_frees_its_cache_and_retries() -
         outcome = device.run_trial(step, micro_batch=1, resident=[])
         assert outcome.fits
         assert outcome.peak_bytes == 40 * MiB
-        assert cuda.num_alloc_retries(0) == 1
+        assert cuda.num_alloc_retries(0) == outcome.num_alloc_retries == 1
         over = device.run_trial(
             lambda: torch.empty(66 * MiB, dtype=torch.uint8), micro_batch=1, resident=[]
         )
@@ -193,3 +193,22 @@ def test_the_capacity_is_read_once_a_step_s_kernels_and_handles_exist() -> None:
         capacity_bytes = cuda.free_bytes() + cuda.memory_reserved(0)
         assert runner.device_info.capacity_bytes == capacity_bytes
         assert result.device.capacity_bytes == capacity_bytes
+
+
+def test_the_recommendation_leaves_the_headroom_on_reserved_memory() -> None:
+    """Review item 1 of issue 9: the per-op model predicts live bytes, was checked against
+    `max_memory_reserved`, always larger, and was rejected: the recommendation fell back to a
+    fit point (3 where about 747 fitted)."""
+    with SimulatedCuda(small_gpu()) as cuda:
+        device = CudaDevice(0, memory_cap_bytes=160 * MiB, runtime=cuda)
+        runner = InProcessRunner(_tiny_lm_spec(max_micro_batch=4096), device)
+        result = probe_session(runner)
+        budget_bytes = int(device.info.capacity_bytes * 0.95)
+        for mode in result.modes:
+            b, recommended = mode.max_micro_batch, mode.recommended_micro_batch
+            assert not mode.capped and b > 20, b
+            assert b * 0.8 <= recommended <= b
+            at = runner.trial(recommended, checkpointing=mode.checkpointing)
+            assert at.fits and at.peak_bytes <= budget_bytes
+            assert at.peak_allocated_bytes is not None
+            assert at.peak_allocated_bytes <= at.peak_bytes

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from autotune.core.allocator_config import parse_alloc_conf
 from autotune.core.cuda_reserve import budget_for
 from autotune.core.errors import DeviceError, SpecError
 from autotune.core.gpus import Gpu, find_gpu
@@ -62,7 +63,11 @@ def test_emulated_trial_that_fits(trainer: MlpTrainer) -> None:
     assert outcome.fits
     assert outcome.oom_phase is None
     assert set(outcome.phase_peak_bytes) == {Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER}
-    assert outcome.peak_bytes == max(outcome.phase_peak_bytes.values())
+    # Live tensor bytes <= allocated blocks <= reserved segments, as torch.cuda reports them.
+    assert outcome.peak_allocated_bytes is not None
+    assert max(outcome.phase_peak_bytes.values()) <= outcome.peak_allocated_bytes
+    assert outcome.peak_allocated_bytes <= outcome.peak_bytes
+    assert outcome.num_alloc_retries == 0
     params_bytes = sum(p.numel() * 4 for p in trainer.model.parameters())
     # Parameters and momentum are resident; the step adds activations and gradients on top.
     assert 2 * params_bytes < outcome.peak_bytes < 64 * MiB
@@ -72,7 +77,9 @@ def test_emulated_trial_that_fits(trainer: MlpTrainer) -> None:
 def test_emulated_trial_that_does_not_fit_then_recovers(trainer: MlpTrainer) -> None:
     roomy = EmulatedDevice(64 * MiB)
     clean = roomy.run_trial(trainer.step_fn(512), micro_batch=512, resident=trainer.resident())
-    capacity_bytes = clean.peak_bytes - 4096
+    assert clean.peak_allocated_bytes is not None
+    # Below the allocated peak no allocator can hold the step.
+    capacity_bytes = clean.peak_allocated_bytes - 4096
     tight = EmulatedDevice(capacity_bytes)
     outcome = tight.run_trial(trainer.step_fn(512), micro_batch=512, resident=trainer.resident())
     assert not outcome.fits
@@ -85,7 +92,7 @@ def test_emulated_trial_that_does_not_fit_then_recovers(trainer: MlpTrainer) -> 
     )
     assert again.fits
     assert again.peak_bytes == clean.peak_bytes
-    assert again.series is not None and max(again.series) == again.peak_bytes
+    assert again.series is not None and max(again.series) == clean.peak_allocated_bytes
 
 
 def test_emulated_device_info() -> None:
@@ -110,15 +117,21 @@ def test_a_named_gpu_holds_its_blas_workspaces_and_runs_out_at_total_less_contex
     clean = EmulatedDevice(64 * MiB).run_trial(
         trainer.step_fn(512), micro_batch=512, resident=trainer.resident()
     )
+    assert clean.peak_allocated_bytes is not None
     reserve = budget_for(_card(1)).reserve
     inside_bytes, outside_bytes = reserve.blas_workspace_bytes, reserve.context_bytes
-    exact = EmulatedDevice(gpu=budget_for(_card(clean.peak_bytes + inside_bytes + outside_bytes)))
-    assert exact.capacity_bytes == clean.peak_bytes + inside_bytes
-    outcome = exact.run_trial(trainer.step_fn(512), micro_batch=512, resident=trainer.resident())
-    # The workspaces are live in every step, as the allocator holds them on the card.
-    assert outcome.fits
-    assert outcome.peak_bytes == clean.peak_bytes + inside_bytes
-    short = EmulatedDevice(gpu=budget_for(_card(exact.capacity_bytes + outside_bytes - 512)))
+    roomy = EmulatedDevice(gpu=budget_for(_card(clean.peak_bytes + 64 * MiB + outside_bytes)))
+    assert roomy.capacity_bytes == clean.peak_bytes + 64 * MiB
+    held = roomy.run_trial(trainer.step_fn(512), micro_batch=512, resident=trainer.resident())
+    # The workspaces are allocated in every step, as the allocator holds them on the card.
+    assert held.fits and held.peak_allocated_bytes is not None
+    assert held.peak_allocated_bytes == clean.peak_allocated_bytes + inside_bytes
+    exact = EmulatedDevice(gpu=budget_for(_card(held.peak_bytes + outside_bytes)))
+    assert exact.capacity_bytes == held.peak_bytes
+    fits = exact.run_trial(trainer.step_fn(512), micro_batch=512, resident=trainer.resident())
+    assert fits.fits
+    short_total_bytes = held.peak_allocated_bytes - 512 + outside_bytes
+    short = EmulatedDevice(gpu=budget_for(_card(short_total_bytes)))
     refused = short.run_trial(trainer.step_fn(512), micro_batch=512, resident=trainer.resident())
     assert not refused.fits
     trainer.optimizer.zero_grad(set_to_none=True)
@@ -191,7 +204,7 @@ _CHILD = textwrap.dedent(
     small = device.run_trial(lambda: torch.ones(2**20).sum(), micro_batch=1, resident=[])
     print(json.dumps({
         "huge_fits": huge.fits, "huge_oom_phase": huge.oom_phase,
-        "small_fits": small.fits, "small_peak_bytes": small.peak_bytes,
+        "small_fits": small.fits, "small_allocated_bytes": small.peak_allocated_bytes,
     }))
     """
 )
@@ -207,7 +220,7 @@ def test_a_real_cpu_allocator_failure_is_out_of_memory() -> None:
         "huge_fits": False,
         "huge_oom_phase": "forward",
         "small_fits": True,
-        "small_peak_bytes": 4 * MiB + 512,  # the sum's scalar takes one block
+        "small_allocated_bytes": 4 * MiB + 512,  # the sum's scalar takes one block
     }
 
 
@@ -295,3 +308,72 @@ def test_untracked_trials_still_catch_only_out_of_memory(trainer: MlpTrainer) ->
 
     with pytest.raises(KeyError, match="input_ids"):
         device.run_trial(bug, micro_batch=1, resident=[], track=False)
+
+
+# The caching allocator on the emulated GPU
+# (docs/design.md#the-caching-allocator-on-the-emulated-gpu).
+
+
+def _allocating(*sizes_mib: float, keep: bool) -> Callable[[], None]:
+    """A step that allocates tensors of these sizes one after another, keeping each alive
+    (`keep`) or dropping it before the next."""
+
+    def step() -> None:
+        kept = []
+        for size in sizes_mib:
+            tensor = torch.empty(int(size * MiB), dtype=torch.uint8)
+            if keep:
+                kept.append(tensor)
+            del tensor  # else the name keeps it alive while the next one is allocated
+
+    return step
+
+
+def test_a_step_runs_out_where_its_reserved_memory_would_pass_the_capacity() -> None:
+    # 1.5 MiB is a 1-10 MiB request: the allocator makes a 20 MiB segment for it
+    # (get_allocation_size), so a 10 MiB card cannot hold it though its bytes would fit.
+    step = _allocating(1.5, keep=True)
+    live = EmulatedDevice(10 * MiB, model_allocator=False).run_trial(
+        step, micro_batch=1, resident=[]
+    )
+    assert live.fits and live.peak_bytes == int(1.5 * MiB)
+    reserved = EmulatedDevice(10 * MiB).run_trial(step, micro_batch=1, resident=[])
+    assert not reserved.fits and reserved.oom_phase is Phase.FORWARD
+    assert reserved.peak_bytes == 0
+    roomy = EmulatedDevice(20 * MiB).run_trial(step, micro_batch=1, resident=[])
+    assert roomy.fits
+    assert (roomy.peak_bytes, roomy.peak_allocated_bytes) == (20 * MiB, int(1.5 * MiB))
+
+
+def test_the_allocator_frees_its_cache_and_retries_before_running_out() -> None:
+    # 12 MiB is freed and cached; 14 MiB finds no cached block and no room for a new segment
+    # next to it, so the allocator returns the cached one and retries (malloc's last resort).
+    step = _allocating(12, 14, keep=False)
+    outcome = EmulatedDevice(16 * MiB).run_trial(step, micro_batch=1, resident=[])
+    assert outcome.fits
+    assert outcome.num_alloc_retries == 1
+    assert outcome.peak_bytes == 14 * MiB
+    both_live = EmulatedDevice(16 * MiB).run_trial(
+        _allocating(12, 14, keep=True), micro_batch=1, resident=[]
+    )
+    assert not both_live.fits
+
+
+def test_the_allocator_configuration_changes_what_is_reserved() -> None:
+    step = _allocating(12, 12, keep=True)
+    plain = EmulatedDevice(64 * MiB).run_trial(step, micro_batch=1, resident=[])
+    expandable = EmulatedDevice(
+        64 * MiB, allocator_config=parse_alloc_conf("expandable_segments:True")
+    ).run_trial(step, micro_batch=1, resident=[])
+    # Two 12 MiB segments, against whole 20 MiB pages of one expandable segment.
+    assert plain.peak_bytes == 24 * MiB
+    assert expandable.peak_bytes == 40 * MiB
+
+
+def test_residents_the_allocator_cannot_hold_are_an_out_of_memory_of_the_trial() -> None:
+    weights = torch.empty(4 * MiB, dtype=torch.uint8)
+    outcome = EmulatedDevice(2 * MiB).run_trial(
+        _allocating(0.5, keep=True), micro_batch=1, resident=[weights]
+    )
+    assert not outcome.fits
+    assert outcome.series is None

@@ -12,6 +12,8 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.optim import optimizer as optimizer_module
 
+from autotune.core.allocation_trace import replay_encoded
+from autotune.core.allocator import CachingAllocator
 from autotune.core.schemas import Phase
 from autotune.engine.tracker import LiveBytesTracker, resident_tensors
 
@@ -283,3 +285,38 @@ def test_series_has_one_entry_per_op_and_is_affine_in_batch(trainer: Trainer) ->
     predicted = max(s2 + (6 - 2) * k for s2, k in zip(runs[2].series, slopes, strict=True))
     assert predicted == runs[6].peak_bytes
     assert _run(trainer, 2).series == []  # not recorded unless asked
+
+
+# With the caching-allocator model (docs/design.md#the-caching-allocator-on-the-emulated-gpu).
+
+
+def test_storages_live_in_the_allocator_and_the_trace_records_them() -> None:
+    allocator = CachingAllocator(64 * 2**20)
+    weights = torch.empty(1000)
+    tracker = LiveBytesTracker(None, allocator=allocator, record_series=True)
+    tracker.add_resident([weights])
+    with tracker:
+        x = torch.ones(3 * 2**20, dtype=torch.uint8)  # a 1-10 MiB request: a 20 MiB segment
+        x.resize_(5 * 2**20)  # a new block, the old one freed
+        x.untyped_storage().resize_(0)  # how FSDP frees: nothing left to hold
+        del x
+    stats = allocator.stats
+    assert stats.allocated_bytes == 4096  # the weights only
+    assert stats.peak_reserved_bytes == 2 * 2**20 + 20 * 2**20
+    assert tracker.allocations == [4000, 3 * 2**20, 5 * 2**20, -2, 0, -3, -5]
+    # Replayed, the recorded trace reserves what the step reserved.
+    replayed = replay_encoded(tracker.allocations, 64 * 2**20)
+    assert replayed.stats.peak_reserved_bytes == stats.peak_reserved_bytes
+
+
+def test_the_allocator_running_out_is_an_out_of_memory_at_that_op() -> None:
+    tracker = LiveBytesTracker(None, allocator=CachingAllocator(20 * 2**20))
+    kept = []
+    with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 20\.00 MiB"), tracker:
+        for _ in range(4):
+            kept.append(torch.ones(6 * 2**20, dtype=torch.uint8))
+    # Three 6 MiB blocks share one 20 MiB segment; the fourth needs another.
+    assert len(kept) == 3
+    del kept
+    gc.collect()
+    assert tracker.allocator is not None and tracker.allocator.stats.allocated_bytes == 0
