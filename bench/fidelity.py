@@ -124,7 +124,7 @@ BERT_SEQ_LEN = 512
 # the CUDA context of that setup (CUDA 11 without lazy loading: every kernel loaded).
 PUBLISHED_CONTEXT_MIB = 1343
 PUBLISHED_SOURCE = (
-    "huggingface/transformers docs/source/en/perf_train_gpu_one.mdx (2022), "
+    'the transformers documentation, "Efficient training on a single GPU" (2022 version), '
     "bert-large-uncased, 512 x 512 tokens, V100 16 GB, NVML used"
 )
 
