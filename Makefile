@@ -50,6 +50,8 @@ bench: env
 	$(PY) bench/tuner_regret.py
 	$(PY) bench/api_load.py
 	$(PY) bench/long_poll.py
+	$(PY) bench/fidelity.py grid
+	$(PY) bench/fidelity.py published
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache
