@@ -34,17 +34,22 @@ def recommended_micro_batch(
     allocator_config: AllocatorConfig | None = None,
 ) -> int:
     """Largest micro-batch <= the raw max whose peak (reserved memory) leaves `headroom` of the
-    capacity free (docs/design.md#from-the-maximum-to-the-recommendation).
+    capacity free, as the best model predicts it
+    (docs/design.md#from-the-maximum-to-the-recommendation).
 
     By the best model the trials agree with: the allocations replayed through the allocator
-    model (exact on the emulated GPU); else the per-op live-bytes model with the budget scaled
-    to live bytes (`live_budget_bytes`); else the largest measured size within the budget.
+    model; else the per-op live-bytes model with the budget scaled to live bytes
+    (`live_budget_bytes`); else the largest measured size within the budget. Only the replay
+    reproducing every trial exactly makes this exact (`replay_is_exact`); `probe_mode` certifies
+    any other answer with trials.
     """
     budget_bytes = int(capacity_bytes * (1.0 - headroom))
     if search.max_micro_batch == 0:
         return 0
     replayed = search.allocation_model
-    if replayed is not None and _replay_agrees(replayed, search, capacity_bytes, allocator_config):
+    if replayed is not None and _replay_agrees(
+        replayed, search, capacity_bytes, allocator_config, tolerance=100
+    ):
         return replayed.max_micro_batch(
             capacity_bytes,
             allocator_config,
@@ -60,25 +65,71 @@ def recommended_micro_batch(
     return max(within, default=0)
 
 
+def replay_is_exact(
+    search: SearchResult, capacity_bytes: int, allocator_config: AllocatorConfig | None = None
+) -> bool:
+    """Whether replaying the fitted allocations reproduces every trial at b >= 2 to the byte: then
+    the device runs the allocator model itself on what the tracker sees (the emulated GPU), and
+    every prediction of it is exact."""
+    replayed = search.allocation_model
+    return replayed is not None and _replay_agrees(
+        replayed, search, capacity_bytes, allocator_config, tolerance=None
+    )
+
+
 def _replay_agrees(
     model: AllocationModel,
     search: SearchResult,
     capacity_bytes: int,
     allocator_config: AllocatorConfig | None,
+    *,
+    tolerance: int | None,
 ) -> bool:
     """Trust the replayed allocations only where every trial at b >= 2 (b = 1 runs another op
     sequence) agrees: the same verdict and, for a step that fits, the same reserved peak within
-    1 % (a real card's allocator also serves what the dispatcher does not see)."""
+    1 / `tolerance` of it (None: to the byte). On a real card the allocator also serves what the
+    dispatcher does not see, and its cache holds what earlier steps left."""
     for attempt in search.attempts:
         if attempt.micro_batch < 2:
             continue
         predicted = model.replay(attempt.micro_batch, capacity_bytes, allocator_config)
         if predicted.fits != attempt.fits:
             return False
-        peak_bytes = predicted.stats.peak_reserved_bytes
-        if attempt.fits and abs(peak_bytes - attempt.peak_bytes) > attempt.peak_bytes // 100:
+        if not attempt.fits:
+            continue
+        off_bytes = abs(predicted.stats.peak_reserved_bytes - attempt.peak_bytes)
+        if off_bytes > (0 if tolerance is None else attempt.peak_bytes // tolerance):
             return False
     return True
+
+
+def certify_within_budget(
+    fits: Callable[[int], StepOutcome],
+    search: SearchResult,
+    *,
+    budget_bytes: int,
+    guess: int,
+) -> tuple[int, list[StepOutcome]]:
+    """The largest micro-batch <= the max whose peak is within `budget_bytes`, certified by trials
+    as the max is (it is within, the next size is not), starting from the model's `guess`. Sizes
+    the search already ran are not run again. Returns the answer and the new trials."""
+    seen = {attempt.micro_batch: attempt for attempt in search.attempts}
+    new: list[StepOutcome] = []
+
+    def within(micro_batch: int) -> StepOutcome:
+        outcome = seen.get(micro_batch)
+        if outcome is None:
+            outcome = fits(micro_batch)
+            seen[micro_batch] = outcome
+            new.append(outcome)
+        return outcome.model_copy(
+            update={"fits": outcome.fits and outcome.peak_bytes <= budget_bytes}
+        )
+
+    answer = find_max_micro_batch(
+        within, cap=search.max_micro_batch, capacity_bytes=None, known_fitting=guess
+    )
+    return answer.max_micro_batch, new
 
 
 def _model_agrees(model: PeakModel, search: SearchResult) -> bool:
@@ -125,17 +176,32 @@ def probe_mode(
         search.max_micro_batch,
         len(search.attempts),
     )
+    recommended = recommended_micro_batch(
+        search, capacity_bytes=capacity_bytes, headroom=training.headroom
+    )
+    attempts = list(search.attempts)
+    if search.max_micro_batch > 0 and not replay_is_exact(search, capacity_bytes):
+        # A model's guess (a real card, or no replay): certified with trials, like the max.
+        recommended, certifying = certify_within_budget(
+            fits,
+            search,
+            budget_bytes=int(capacity_bytes * (1.0 - training.headroom)),
+            guess=recommended,
+        )
+        attempts += certifying
+        logger.info(
+            "checkpointing=%s: recommended micro-batch %d certified with %d more trials",
+            checkpointing,
+            recommended,
+            len(certifying),
+        )
     return ModeProbe(
         checkpointing=checkpointing,
         max_micro_batch=search.max_micro_batch,
-        recommended_micro_batch=recommended_micro_batch(
-            search, capacity_bytes=capacity_bytes, headroom=training.headroom
-        ),
+        recommended_micro_batch=recommended,
         capped=search.capped,
         # The series served the fit; a result keeps what the wire and the store keep.
-        attempts=[
-            a.model_copy(update={"series": None, "allocations": None}) for a in search.attempts
-        ],
+        attempts=[a.model_copy(update={"series": None, "allocations": None}) for a in attempts],
     )
 
 
