@@ -107,7 +107,7 @@ def test_cudnn_refusing_a_large_batch_is_out_of_memory_and_at_one_an_error() -> 
 
 def test_a_memory_cap_limits_the_allocator_which_frees_its_cache_and_retries() -> None:
     with SimulatedCuda(small_gpu()) as cuda:
-        device = CudaDevice(0, memory_cap_bytes=64 * MiB, runtime=cuda)
+        device = CudaDevice(0, memory_cap_bytes=40 * MiB, runtime=cuda)
         assert device.info.capacity_bytes == 64 * MiB
 
         def step() -> None:
@@ -200,7 +200,7 @@ def test_the_recommendation_leaves_the_headroom_on_reserved_memory() -> None:
     `max_memory_reserved`, always larger, and was rejected: the recommendation fell back to a
     fit point (3 where about 747 fitted)."""
     with SimulatedCuda(small_gpu()) as cuda:
-        device = CudaDevice(0, memory_cap_bytes=64 * MiB, runtime=cuda)
+        device = CudaDevice(0, memory_cap_bytes=40 * MiB, runtime=cuda)
         # A headroom the maximum's reserved peak does not leave, so the model has to answer.
         runner = InProcessRunner(_tiny_lm_spec(max_micro_batch=4096, headroom=0.3), device)
         result = probe_session(runner)
