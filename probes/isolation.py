@@ -205,6 +205,8 @@ def _perform(request: ChildRequest) -> object:
         spec,
         device,
         allowed_factory_prefixes=request.allowed_factories,
+        # One operation, then the process exits: nothing to undo, so no host copy of the state.
+        keeps_state=False,
     )
     if request.operation == "describe":
         if device.info.kind is DeviceKind.CUDA:

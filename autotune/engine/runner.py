@@ -72,12 +72,18 @@ class InProcessRunner:
         device: Device,
         *,
         allowed_factory_prefixes: Sequence[str] | None = None,
+        keeps_state: bool = True,
     ) -> None:
-        """`allowed_factory_prefixes`: see `autotune.engine.workload.build_factory`."""
+        """`allowed_factory_prefixes`: see `autotune.engine.workload.build_factory`.
+        `keeps_state`: the session outlives an out-of-memory inside `optimizer.step()`, so the
+        warm-up snapshots the model and optimizer state to host memory to undo it. A process
+        that exits after one trial passes False: the copy would cost host memory the size of
+        the whole training state (18 GB for a 1.5B-parameter model) for nothing."""
         self.spec = spec
         self.device = device
         self.workload = build_workload(spec, allowed_factory_prefixes=allowed_factory_prefixes)
         self.step = TrainingStep(self.workload, spec.training, device.torch_device)
+        self.keeps_state = keeps_state
         self._snapshot: object | None = None
 
     @property
@@ -101,7 +107,8 @@ class InProcessRunner:
         outcome = self.trial(1, checkpointing=checkpointing)
         if outcome.fits:
             self.step.settle()
-            self._snapshot = self.step.snapshot()
+            if self.keeps_state:
+                self._snapshot = self.step.snapshot()
         return outcome
 
     def trial(

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.amp.grad_scaler import _refresh_per_optimizer_state
 from torch.utils._python_dispatch import _disable_current_modes
 
 from autotune.core.errors import SpecError
@@ -218,8 +220,16 @@ class TrainingStep:
         self.optimizer.state.clear()
 
     def clear_grads(self) -> None:
-        """Drop all gradients (after an OOM, so that a failed step leaves nothing behind)."""
+        """Drop all gradients (after an OOM, so that a failed step leaves nothing behind), and
+        the gradient scaler's record of this step."""
         self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            # `scaler.step()` marks the optimizer UNSCALED before `optimizer.step()` runs, and
+            # only `update()` forgets it. After an out-of-memory inside the step, the next step
+            # would skip unscale_ and apply gradients still multiplied by the scale (2^16), with
+            # the failed step's inf checks (review item 8 of issue 9). What update() does to
+            # the per-optimizer records, without touching the scale.
+            self.scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
 
 def _build_optimizer(model: nn.Module, name: OptimizerName) -> torch.optim.Optimizer:

@@ -139,6 +139,25 @@ def abort_in_measurement(training: TrainingSpec) -> Workload:
     return _workload(training, _abort_on_call(5))
 
 
+def heavy_state(training: TrainingSpec) -> Workload:
+    """200 MB of parameters (an embedding table) and next to no activations: the training state
+    (weights, gradients, AdamW's two moments: 800 MB) is what a process's memory holds."""
+    model = nn.Sequential(nn.Embedding(12_500_000, 4), nn.Flatten(), nn.Linear(4, CLASSES))
+
+    def make_batch(micro_batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.randint(0, 12_500_000, (micro_batch, 1), device=device)
+        return rows, torch.randint(0, CLASSES, (micro_batch,), device=device)
+
+    def loss_sum(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        rows, labels = batch
+        return nn.functional.cross_entropy(module(rows), labels, reduction="sum")
+
+    def num_items(batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+        return int(batch[1].shape[0])
+
+    return Workload(model=model, make_batch=make_batch, loss_sum=loss_sum, num_items=num_items)
+
+
 FACTORIES = "tests.probes_tests.factories"
 
 

@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from autotune.core.errors import SpecError
-from autotune.core.schemas import OptimizerName, Precision, TrainingSpec
+from autotune.core.schemas import OptimizerName, Phase, Precision, Spec, TrainingSpec
+from autotune.engine.device import EmulatedDevice
+from autotune.engine.runner import InProcessRunner
 from autotune.engine.simulated_cuda import SimulatedCuda
 from autotune.engine.step import TrainingStep, accumulate_gradients
 from autotune.engine.workload import Batch, Workload
@@ -22,6 +24,7 @@ from tests.autotune_tests.factories import (
 )
 
 CPU = torch.device("cpu")
+HUGE_BYTES = 1 << 40
 # Very different lengths, so that per-micro-batch token counts differ a lot: this is where the
 # mean-of-means normalisation goes wrong.
 LENGTHS = [3, 29, 5, 24, 2, 9, 31, 12]
@@ -189,3 +192,37 @@ def test_a_snapshot_is_host_memory_not_the_device_s() -> None:
         snapshot = step.snapshot()
         assert cuda.memory_allocated(0) == allocated_bytes
         del snapshot
+
+
+def test_an_out_of_memory_inside_the_scaled_optimizer_step_leaves_the_next_step_unharmed() -> None:
+    """Review item 8 of issue 9: `scaler.step()` marks the optimizer UNSCALED before
+    `optimizer.step()` runs out of memory, and only `update()` would forget it; the next trial
+    in the process then stepped with gradients still multiplied by the scale."""
+    spec = Spec.model_validate(
+        {
+            "model": {"factory": "tests.autotune_tests.factories:tiny_lm"},
+            "training": {"seq_len": 8, "precision": "fp16"},
+        }
+    )
+
+    def runner() -> InProcessRunner:
+        torch.manual_seed(0)
+        session = InProcessRunner(spec, EmulatedDevice(HUGE_BYTES, model_allocator=False))
+        assert session.warm_up().fits
+        return session
+
+    failed, fresh = runner(), runner()
+    peaks = fresh.trial(2).phase_peak_bytes  # AdamW's temporaries make the optimizer the peak
+    assert peaks[Phase.OPTIMIZER] > max(peaks[Phase.FORWARD], peaks[Phase.BACKWARD])
+    fresh = runner()
+    tight = EmulatedDevice(peaks[Phase.OPTIMIZER] - 512, model_allocator=False)
+    roomy, failed.device = failed.device, tight
+    outcome = failed.trial(2)
+    assert not outcome.fits and outcome.oom_phase is Phase.OPTIMIZER
+    failed.device = roomy
+    for session in (failed, fresh):
+        torch.manual_seed(1)
+        assert session.trial(2).fits
+    failed_params, _ = _state(failed.step)
+    fresh_params, _ = _state(fresh.step)
+    torch.testing.assert_close(failed_params, fresh_params, rtol=0, atol=0)
