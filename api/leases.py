@@ -142,29 +142,33 @@ def _match_clause(devices: Sequence[DeviceInfo]) -> ColumnElement[bool]:
     """SQL for "the run's target matches one of these devices" (`Target.matches`, as SQL)."""
     clauses: list[ColumnElement[bool]] = []
     for device in devices:
-        if device.kind == DeviceKind.EMULATED and device.gpu is not None:
-            # A named GPU: its capacity depends on each run's world size, the name matches.
-            clauses.append(
-                and_(RunRow.target_kind == "emulated", RunRow.target_name == device.gpu)
-            )
-        elif device.kind == DeviceKind.EMULATED:
-            clauses.append(
-                and_(
-                    RunRow.target_kind == "emulated",
-                    RunRow.target_name.is_(None),
-                    RunRow.target_memory_bytes == device.capacity_bytes,
-                )
-            )
-        else:
-            low, high = cuda_memory_bounds(device.total_memory_bytes)
-            clauses.append(
-                and_(
-                    RunRow.target_kind == "cuda",
-                    RunRow.target_name == device.name,
-                    RunRow.target_memory_bytes.between(low, high),
-                )
-            )
+        # The allocator's settings change what fits: a run asks for them, a device reports them.
+        conf = device.allocator_conf
+        same_allocator = (
+            RunRow.target_allocator_conf.is_(None)
+            if conf is None
+            else RunRow.target_allocator_conf == conf
+        )
+        clauses.append(and_(same_allocator, _target_clause(device)))
     return or_(*clauses)
+
+
+def _target_clause(device: DeviceInfo) -> ColumnElement[bool]:
+    if device.kind == DeviceKind.EMULATED and device.gpu is not None:
+        # A named GPU: its capacity depends on each run's world size, the name matches.
+        return and_(RunRow.target_kind == "emulated", RunRow.target_name == device.gpu)
+    if device.kind == DeviceKind.EMULATED:
+        return and_(
+            RunRow.target_kind == "emulated",
+            RunRow.target_name.is_(None),
+            RunRow.target_memory_bytes == device.capacity_bytes,
+        )
+    low, high = cuda_memory_bounds(device.total_memory_bytes)
+    return and_(
+        RunRow.target_kind == "cuda",
+        RunRow.target_name == device.name,
+        RunRow.target_memory_bytes.between(low, high),
+    )
 
 
 def _record_worker(session: Session, request: ClaimRequest, now: datetime) -> None:

@@ -48,14 +48,20 @@ def run_url(run_id: int) -> str:
 
 def target_of(row: RunRow) -> Target:
     """The device target a run was submitted for."""
+    allocator_conf = row.target_allocator_conf
     if row.target_kind == "cuda":
         return CudaTarget.model_validate(
-            _With(row, name=row.target_name, memory_bytes=row.target_memory_bytes),
+            _With(
+                row,
+                name=row.target_name,
+                memory_bytes=row.target_memory_bytes,
+                allocator_conf=allocator_conf,
+            ),
             from_attributes=True,
         )
     if row.target_name is not None:  # a named GPU (its memory column is informative)
-        return EmulatedTarget(gpu=row.target_name)
-    return EmulatedTarget(memory_bytes=row.target_memory_bytes)
+        return EmulatedTarget(gpu=row.target_name, allocator_conf=allocator_conf)
+    return EmulatedTarget(memory_bytes=row.target_memory_bytes, allocator_conf=allocator_conf)
 
 
 def target_memory_bytes(target: Target) -> int:

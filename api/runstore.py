@@ -72,6 +72,7 @@ def create_run(
         target_kind=target.kind,
         target_name=target.name if isinstance(target, CudaTarget) else target.gpu,
         target_memory_bytes=target_memory_bytes(target),
+        target_allocator_conf=target.allocator_conf,
         device=target.label,
         autotune_version=version,
         created_at=now,

@@ -101,6 +101,8 @@ class RunRow(TableBase):
     target_kind: Mapped[str] = mapped_column(String(16))
     target_name: Mapped[str | None] = mapped_column(String(200))
     target_memory_bytes: Mapped[int]
+    # The caching allocator's settings the run's device must use (canonical; None: defaults).
+    target_allocator_conf: Mapped[str | None] = mapped_column(String(1000))
     device: Mapped[str] = mapped_column(String(300), index=True)
     autotune_version: Mapped[str] = mapped_column(String(32))
     created_at: Mapped[datetime] = mapped_column(index=True)

@@ -10,8 +10,10 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
+from autotune.core.allocator_config import config_from_environ
 from autotune.core.bytesize import format_bytes
 from autotune.core.schemas import DeviceInfo, DeviceKind
 from probes.isolation import read_devices
@@ -53,7 +55,11 @@ def read_inventory(
     if device_name == "cpu" or gpu is not None:
         from autotune.engine.device import open_device  # refuses what cannot be opened
 
-        info = open_device(device_name, memory_bytes, gpu=gpu).info
+        # What the trial children read from the environment they inherit from this worker.
+        allocator_config = config_from_environ(os.environ)
+        info = open_device(
+            device_name, memory_bytes, gpu=gpu, allocator_config=allocator_config
+        ).info
         devices = [WorkerDevice(info, device_name, memory_bytes, gpu)]
     else:
         infos = read_devices(device_name, memory_bytes, timeout_s=INVENTORY_TIMEOUT_S)

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
+from autotune.core.allocator_config import config_from_environ
 from autotune.core.errors import AutotuneError
 from autotune.core.schemas import DeviceInfo, DeviceKind, Spec, StepOutcome
 from autotune.core.throughput import Measurement
@@ -178,13 +179,17 @@ def _open_devices(device_name: str, memory_bytes: int | None) -> list[DeviceInfo
     """ "cuda" is every visible GPU; anything else the one device it names."""
     from autotune.engine.device import open_device
 
+    allocator_config = config_from_environ(os.environ)  # the worker's, inherited
     if device_name == "cuda":
         import torch
 
         count = torch.cuda.device_count()
         if count > 0:
-            return [open_device(f"cuda:{i}", memory_bytes).info for i in range(count)]
-    return [open_device(device_name, memory_bytes).info]
+            return [
+                open_device(f"cuda:{i}", memory_bytes, allocator_config=allocator_config).info
+                for i in range(count)
+            ]
+    return [open_device(device_name, memory_bytes, allocator_config=allocator_config).info]
 
 
 def _perform(request: ChildRequest) -> object:
@@ -200,6 +205,8 @@ def _perform(request: ChildRequest) -> object:
         request.memory_bytes,
         gpu=request.gpu,
         world_size=spec.training.world_size,
+        # The child's entry point: torch reads the worker's environment, which it inherits.
+        allocator_config=config_from_environ(os.environ),
     )
     session = InProcessRunner(
         spec,

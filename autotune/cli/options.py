@@ -12,8 +12,14 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn, TypeAlias
 
+from autotune.core.allocator_config import (
+    AllocatorConfig,
+    AllocatorConfigError,
+    config_from_environ,
+)
 from autotune.core.bytesize import parse_bytes
 from autotune.core.defaults import DEFAULT_SERVER_URL, ENV_SERVER_URL, ENV_TOKEN, EXIT_USAGE
+from autotune.core.errors import SpecError
 from autotune.core.gpus import UnknownGpu, find_gpu
 
 if TYPE_CHECKING:
@@ -135,7 +141,25 @@ def open_device(args: argparse.Namespace, *, world_size: int = 1) -> Device:
     name: str | None = args.device
     if name is None:
         name = "cpu" if args.gpu is not None or not torch.cuda.is_available() else "cuda"
-    return open_named_device(name, args.memory, gpu=args.gpu, world_size=world_size)
+    return open_named_device(
+        name,
+        args.memory,
+        gpu=args.gpu,
+        world_size=world_size,
+        allocator_config=allocator_config_from_environment(),
+    )
+
+
+def allocator_config_from_environment() -> AllocatorConfig:
+    """The caching allocator's settings torch reads from this process's environment.
+
+    Raises:
+        SpecError: `PYTORCH_ALLOC_CONF` / `PYTORCH_CUDA_ALLOC_CONF` is not one torch accepts.
+    """
+    try:
+        return config_from_environ(os.environ)
+    except AllocatorConfigError as error:
+        raise SpecError(str(error)) from None
 
 
 def add_server_args(parser: argparse.ArgumentParser, *, token_help: str) -> None:

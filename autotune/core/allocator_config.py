@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 MIB = 1024 * 1024
 # c10/core/AllocatorConfig.h: kMinBlockSize, kSmallSize, kSmallBuffer, kMinLargeAlloc, kRoundLarge.
@@ -88,11 +88,52 @@ class AllocatorConfig:
 def config_from_environ(environ: Mapping[str, str]) -> AllocatorConfig:
     """The config a CUDA process started with `environ` uses. `PYTORCH_CUDA_ALLOC_CONF` wins
     over `PYTORCH_ALLOC_CONF` when both are set (`CUDAAllocatorConfig::instance` reads it
-    first, and so does the 2.13 binary)."""
+    first, and so does the 2.13 binary).
+
+    Raises:
+        AllocatorConfigError: the variable's value, named, is not one torch accepts.
+    """
     for name in ENVIRONMENT_VARIABLES:
         if name in environ:
-            return parse_alloc_conf(environ[name])
+            try:
+                return parse_alloc_conf(environ[name])
+            except AllocatorConfigError as error:
+                raise AllocatorConfigError(f"{name}: {error}") from None
     return AllocatorConfig()
+
+
+def canonical_conf(config: AllocatorConfig) -> str | None:
+    """The settings that differ from torch's defaults, as one `PYTORCH_ALLOC_CONF` string in a
+    fixed order, so that equal configs read the same however they were written (results and
+    cache fingerprints compare it); None for the defaults. `parse_alloc_conf` reads it back to
+    a config that allocates the same (a division count of 1 rounds nothing, as 0 does, and
+    is written as 0)."""
+    # N = 1 rounds nothing, as 0 does (`roundup_power2_next_division` tests divisions > 1).
+    divisions = tuple(0 if n <= 1 else n for n in config.roundup_power2_divisions)
+    config = replace(config, roundup_power2_divisions=divisions, settings="")
+    if config == AllocatorConfig():
+        return None
+    parts = []
+    if config.backend != "native":
+        parts.append(f"backend:{config.backend}")
+    if config.large_segment_bytes != LARGE_SEGMENT_BYTES:
+        parts.append(f"large_segment_size_mb:{config.large_segment_bytes // MIB}")
+    if config.max_split_bytes is not None:
+        parts.append(f"max_split_size_mb:{config.max_split_bytes // MIB}")
+    if config.max_non_split_rounding_bytes != LARGE_SEGMENT_BYTES:
+        parts.append(f"max_non_split_rounding_mb:{config.max_non_split_rounding_bytes // MIB}")
+    if config.roundup_power2_divisions != AllocatorConfig().roundup_power2_divisions:
+        # Every interval by its lower boundary in MiB, the last one open.
+        *bounded, last = config.roundup_power2_divisions
+        entries = [f"{2**k}:{n}" for k, n in enumerate(bounded)] + [f">:{last}"]
+        parts.append(f"roundup_power2_divisions:[{','.join(entries)}]")
+    if config.garbage_collection_threshold:
+        parts.append(f"garbage_collection_threshold:{config.garbage_collection_threshold!r}")
+    if config.expandable_segments:
+        parts.append("expandable_segments:True")
+    if config.per_process_memory_fraction != 1.0:
+        parts.append(f"per_process_memory_fraction:{config.per_process_memory_fraction!r}")
+    return ",".join(parts)
 
 
 def parse_alloc_conf(text: str) -> AllocatorConfig:

@@ -55,7 +55,11 @@ def hf_checkpointing_key(transformers_version: str | None) -> str:
 
 
 def build_exports(
-    rec: Recommendation, *, token_model: bool, transformers_version: str | None
+    rec: Recommendation,
+    *,
+    token_model: bool,
+    transformers_version: str | None,
+    tf32: bool | None = None,
 ) -> Exports:
     """Settings that reproduce `rec` in Hugging Face, Axolotl, DeepSpeed, Lightning and plain
     PyTorch.
@@ -66,6 +70,7 @@ def build_exports(
             label tokens of the whole step, else by samples.
         transformers_version: The user's transformers version, or None when unknown; picks the
             Hugging Face checkpointing key (see the module docstring).
+        tf32: the spec's TF32 setting, when it sets one: the throughput was measured with it.
 
     Raises:
         ValueError: when `rec.global_batch` is not micro-batch * accumulation * world size.
@@ -100,6 +105,10 @@ def build_exports(
     if world > 1:
         # The Trainer's `strategy`: DDPStrategy passes these to DDP.
         lightning["ddp_strategy"] = dict(DDP_KWARGS)
+    if tf32 is not None:
+        hf["tf32"] = axolotl["tf32"] = tf32
+        # Lightning has no Trainer flag: the module sets torch's matmul precision.
+        lightning["module"]["float32_matmul_precision"] = "high" if tf32 else "highest"
     return Exports(
         hf=hf,
         axolotl=axolotl,
@@ -215,6 +224,12 @@ def _render_lightning(lightning: dict[str, Any], batch: str) -> str:
         )
     else:
         checkpointing = "# Activation checkpointing: off (Lightning has no Trainer flag for it).\n"
+    matmul_precision = lightning["module"].get("float32_matmul_precision")
+    if matmul_precision is not None:
+        # TF32 as measured: torch's switch, set before the Trainer runs.
+        checkpointing += (
+            f"import torch\ntorch.set_float32_matmul_precision({matmul_precision!r})\n"
+        )
     return (
         "# Lightning: the Trainer owns accumulation; batch_size is per rank, in your datamodule.\n"
         f"{batch}import lightning as L\n{strategy_import}\n"

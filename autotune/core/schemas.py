@@ -126,6 +126,11 @@ class TrainingSpec(FrozenModel):
         default=None, description="Shape of one sample for non-token models, e.g. [3, 32, 32]."
     )
     precision: Precision = Precision.FP32
+    tf32: bool | None = Field(
+        default=None,
+        description="TF32 for fp32 matmuls and cuDNN convolutions on a CUDA device (faster, "
+        "10-bit mantissa); None keeps torch's defaults (matmuls IEEE, convolutions TF32).",
+    )
     optimizer: OptimizerName = OptimizerName.ADAMW
     target_global_batch: int | None = Field(
         default=None, ge=1, description="Samples per optimizer step across all ranks."
@@ -230,6 +235,7 @@ class CudaReserve(FrozenModel):
 
 
 ASSUMPTION_MAX = 300  # characters of one stated assumption
+ALLOCATOR_CONF_MAX = 1000  # characters of a canonical PYTORCH_ALLOC_CONF
 
 
 class DeviceInfo(FrozenModel):
@@ -250,6 +256,12 @@ class DeviceInfo(FrozenModel):
         default=None, max_length=DEVICE_NAME_MAX, description="The named GPU emulated."
     )
     reserve: CudaReserve | None = None
+    allocator_conf: str | None = Field(
+        default=None,
+        max_length=ALLOCATOR_CONF_MAX,
+        description="The caching allocator's settings (PYTORCH_ALLOC_CONF) that differ from "
+        "torch's defaults, in canonical form; None: the defaults.",
+    )
     assumptions: list[Annotated[str, Field(max_length=ASSUMPTION_MAX)]] = Field(
         default_factory=list, max_length=32
     )

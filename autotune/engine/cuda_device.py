@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from autotune.core.allocator_config import AllocatorConfig, canonical_conf
 from autotune.core.errors import DeviceError
 from autotune.core.schemas import DeviceInfo, DeviceKind, Phase, StepOutcome
 from autotune.engine.cuda_runtime import CudaRuntime, TorchCudaRuntime
@@ -46,6 +47,7 @@ class CudaDevice:
         *,
         memory_cap_bytes: int | None = None,
         runtime: CudaRuntime | None = None,
+        allocator_config: AllocatorConfig | None = None,
     ) -> None:
         cuda = runtime if runtime is not None else TorchCudaRuntime()
         if not cuda.is_available():
@@ -59,6 +61,8 @@ class CudaDevice:
             raise DeviceError(f"no CUDA device {index}: torch sees {count} (cuda:0..{count - 1})")
         self._cuda = cuda
         self._index = index
+        # What torch read from this process's environment, as the entry point parsed it.
+        self.allocator_config = allocator_config
         self._device = cuda.torch_device(index)
         # Create the context first, so NVML's "used" includes it: a step can never use it.
         cuda.initialize(index)
@@ -121,6 +125,9 @@ class CudaDevice:
             driver_version=gpu.driver_version if gpu else None,
             cuda_version=gpu.cuda_version if gpu else cuda.cuda_version,
             torch_version=torch.__version__,
+            allocator_conf=canonical_conf(self.allocator_config)
+            if self.allocator_config
+            else None,
         )
 
     @property

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from autotune.core.allocator import CachingAllocator
-from autotune.core.allocator_config import AllocatorConfig
+from autotune.core.allocator_config import AllocatorConfig, canonical_conf
 from autotune.core.bytesize import format_bytes
 from autotune.core.cuda_reserve import GpuBudget, budget_for
 from autotune.core.errors import SpecError
@@ -118,6 +118,7 @@ class EmulatedDevice:
                 torch_version=torch.__version__,
                 gpu=gpu.gpu.name,
                 reserve=gpu.reserve,
+                allocator_conf=self._allocator_conf(),
                 assumptions=list(gpu.assumptions),
             )
             return
@@ -133,7 +134,11 @@ class EmulatedDevice:
             total_memory_bytes=capacity_bytes,
             capacity_bytes=capacity_bytes,
             torch_version=torch.__version__,
+            allocator_conf=self._allocator_conf(),
         )
+
+    def _allocator_conf(self) -> str | None:
+        return canonical_conf(self.allocator_config) if self.allocator_config else None
 
     @property
     def info(self) -> DeviceInfo:
@@ -235,11 +240,14 @@ def open_device(
     gpu: str | None = None,
     world_size: int = 1,
     cuda: CudaRuntime | None = None,
+    allocator_config: AllocatorConfig | None = None,
 ) -> Device:
     """The device for a `--device` argument: "cpu" (emulated: `memory_bytes`, or the named `gpu`
     as one of `world_size` ranks sees it), "cuda" or "cuda:N" (where `memory_bytes`, if given,
     caps the capacity). `cuda` is the CUDA runtime a cuda device runs on: torch.cuda when None,
-    the simulated backend in tests.
+    the simulated backend in tests. `allocator_config`: the caching allocator's settings, which
+    the process's environment gives torch (`config_from_environ`, read at the entry point): the
+    emulated GPU models them, a CUDA device reports them.
 
     Raises:
         SpecError: unknown device or GPU name; "cpu" without a memory size or a GPU, or with
@@ -260,15 +268,20 @@ def open_device(
             named = find_gpu(gpu)
         except UnknownGpu as error:
             raise SpecError(f"--gpu: {error}") from None
-        return EmulatedDevice(gpu=budget_for(named, world_size))
+        return EmulatedDevice(gpu=budget_for(named, world_size), allocator_config=allocator_config)
     if name == "cpu":
         if memory_bytes is None:
             raise SpecError(
                 "--memory: required with the emulated cpu device (the GPU size to emulate, "
                 'e.g. --memory 2GiB, or a named GPU: --gpu "H100 80GB")'
             )
-        return EmulatedDevice(memory_bytes)
+        return EmulatedDevice(memory_bytes, allocator_config=allocator_config)
     match = _CUDA_NAME.match(name)
     if match is None:
         raise SpecError(f'device: unknown device {name!r}; use "cpu", "cuda" or "cuda:N"')
-    return CudaDevice(int(match.group(1) or 0), memory_cap_bytes=memory_bytes, runtime=cuda)
+    return CudaDevice(
+        int(match.group(1) or 0),
+        memory_cap_bytes=memory_bytes,
+        runtime=cuda,
+        allocator_config=allocator_config,
+    )

@@ -13,9 +13,9 @@ import logging
 from collections.abc import Callable
 
 from autotune.core.allocation_trace import AllocationModel
-from autotune.core.allocator_config import AllocatorConfig
+from autotune.core.allocator_config import AllocatorConfig, parse_alloc_conf
 from autotune.core.errors import SpecError
-from autotune.core.schemas import ModeProbe, ProbeResult, Spec, StepOutcome
+from autotune.core.schemas import DeviceInfo, ModeProbe, ProbeResult, Spec, StepOutcome
 from autotune.core.search import PeakModel, SearchResult, find_max_micro_batch, live_budget_bytes
 from autotune.engine.device import Device
 from autotune.engine.runner import InProcessRunner, TrialRunner
@@ -63,6 +63,11 @@ def recommended_micro_batch(
         return min(search.max_micro_batch, model.max_micro_batch(live_budget))
     within = [a.micro_batch for a in search.attempts if a.fits and a.peak_bytes <= budget_bytes]
     return max(within, default=0)
+
+
+def device_allocator_config(info: DeviceInfo) -> AllocatorConfig | None:
+    """The caching allocator's settings a device reported (None: torch's defaults)."""
+    return parse_alloc_conf(info.allocator_conf) if info.allocator_conf else None
 
 
 def replay_is_exact(
@@ -164,11 +169,13 @@ def probe_mode(
 
     training = session.spec.training
     capacity_bytes = session.device_info.capacity_bytes
+    allocator_config = device_allocator_config(session.device_info)
     search = find_max_micro_batch(
         fits,
         cap=training.max_micro_batch,
         capacity_bytes=capacity_bytes,
         known_fitting=known_fitting,
+        allocator_config=allocator_config,
     )
     logger.info(
         "checkpointing=%s: max micro-batch %d after %d trials",
@@ -177,10 +184,15 @@ def probe_mode(
         len(search.attempts),
     )
     recommended = recommended_micro_batch(
-        search, capacity_bytes=capacity_bytes, headroom=training.headroom
+        search,
+        capacity_bytes=capacity_bytes,
+        headroom=training.headroom,
+        allocator_config=allocator_config,
     )
     attempts = list(search.attempts)
-    if search.max_micro_batch > 0 and not replay_is_exact(search, capacity_bytes):
+    if search.max_micro_batch > 0 and not replay_is_exact(
+        search, capacity_bytes, allocator_config
+    ):
         # A model's guess (a real card, or no replay): certified with trials, like the max.
         recommended, certifying = certify_within_budget(
             fits,

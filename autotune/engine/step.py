@@ -105,6 +105,12 @@ class TrainingStep:
         self.scaler = (
             torch.amp.GradScaler(device.type) if training.precision is Precision.FP16 else None
         )
+        if training.tf32 is not None:
+            # Process-wide switches; a CUDA build reads them at each matmul and convolution, a
+            # CPU build keeps them unused. A session runs one spec, so setting them is its own.
+            precision = "tf32" if training.tf32 else "ieee"
+            torch.backends.cuda.matmul.fp32_precision = precision
+            torch.backends.cudnn.conv.fp32_precision = precision  # type: ignore[attr-defined]
         self._checkpointing = False
         if workload.set_checkpointing is not None:
             workload.set_checkpointing(False)

@@ -30,7 +30,7 @@ from autotune.core.schemas import (
 )
 from autotune.core.search import find_max_micro_batch
 from autotune.engine.device import Device
-from autotune.engine.probe import AttemptCallback, probe_session
+from autotune.engine.probe import AttemptCallback, device_allocator_config, probe_session
 from autotune.engine.runner import InProcessRunner, TrialRunner
 from autotune.engine.study import run_study
 
@@ -200,6 +200,7 @@ def tune_session(
                 recommendation,
                 token_model=session.tokens_per_sample is not None,
                 transformers_version=_installed_transformers_version(),
+                tf32=training.tf32,
             ),
             study_name=study_name,
         )
@@ -277,6 +278,7 @@ def _probe_accumulation(
             cap=cap,
             capacity_bytes=budget_bytes,
             known_fitting=min(cap, mode.recommended_micro_batch),
+            allocator_config=device_allocator_config(session.device_info),
         )
         logger.info(
             "checkpointing=%s: max accumulating micro-batch %d after %d trials",

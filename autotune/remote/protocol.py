@@ -28,9 +28,11 @@ from pydantic import (
     model_validator,
 )
 
+from autotune.core.allocator_config import AllocatorConfigError, canonical_conf, parse_alloc_conf
 from autotune.core.bytesize import parse_bytes
 from autotune.core.gpus import UnknownGpu, find_gpu
 from autotune.core.schemas import (
+    ALLOCATOR_CONF_MAX,
     DEVICE_NAME_MAX,
     STUDY_NAME_MAX,
     DeviceInfo,
@@ -116,6 +118,23 @@ def _gpu_name(value: str) -> str:
 GpuName = Annotated[str, Field(min_length=1, max_length=100), AfterValidator(_gpu_name)]
 
 
+def _allocator_conf(value: str | None) -> str | None:
+    # Stored in canonical form: settings written differently but equal are one fingerprint,
+    # and torch's defaults are no setting at all.
+    if value is None:
+        return None
+    try:
+        return canonical_conf(parse_alloc_conf(value))
+    except AllocatorConfigError as error:
+        raise ValueError(str(error)) from None
+
+
+AllocatorConf = Annotated[
+    str | None, Field(max_length=ALLOCATOR_CONF_MAX), AfterValidator(_allocator_conf)
+]
+"""A `PYTORCH_ALLOC_CONF` string the run's device must use (None: torch's defaults)."""
+
+
 class EmulatedTarget(FrozenModel):
     """A CPU worker that emulates a GPU: of `memory_bytes` (what the step's tensors may use), or
     the named `gpu` of `autotune.core.gpus` (its memory less what CUDA takes on it). Exactly one
@@ -124,6 +143,7 @@ class EmulatedTarget(FrozenModel):
     kind: Literal["emulated"] = "emulated"
     memory_bytes: MemoryBytes | None = None
     gpu: GpuName | None = None
+    allocator_conf: AllocatorConf = None
 
     @model_validator(mode="after")
     def _memory_or_gpu(self) -> EmulatedTarget:
@@ -139,11 +159,12 @@ class EmulatedTarget(FrozenModel):
 
     def identity(self) -> dict[str, Any]:
         if self.gpu is not None:
-            return {"kind": self.kind, "gpu": self.gpu}
-        return {"kind": self.kind, "memory_bytes": self.memory_bytes}
+            return _with_allocator({"kind": self.kind, "gpu": self.gpu}, self.allocator_conf)
+        identity = {"kind": self.kind, "memory_bytes": self.memory_bytes}
+        return _with_allocator(identity, self.allocator_conf)
 
     def matches(self, device: DeviceInfo) -> bool:
-        if device.kind != DeviceKind.EMULATED:
+        if device.kind != DeviceKind.EMULATED or device.allocator_conf != self.allocator_conf:
             return False
         if self.gpu is not None:
             # A named GPU's capacity depends on the spec's world size: the name is the match.
@@ -161,9 +182,16 @@ class CudaTarget(FrozenModel):
     kind: Literal["cuda"] = "cuda"
     name: Annotated[_Text, Field(max_length=DEVICE_NAME_MAX)]
     memory_bytes: MemoryBytes
+    allocator_conf: AllocatorConf = None
+
+    @model_serializer(mode="wrap")
+    def _without_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        return {key: value for key, value in data.items() if value is not None}
 
     def identity(self) -> dict[str, Any]:
-        return {"kind": self.kind, "name": self.name, "memory_bytes": self.memory_bytes}
+        identity = {"kind": self.kind, "name": self.name, "memory_bytes": self.memory_bytes}
+        return _with_allocator(identity, self.allocator_conf)
 
     def matches(self, device: DeviceInfo) -> bool:
         low, high = cuda_memory_bounds(device.total_memory_bytes)
@@ -171,11 +199,17 @@ class CudaTarget(FrozenModel):
             device.kind == DeviceKind.CUDA
             and device.name == self.name
             and low <= self.memory_bytes <= high
+            and device.allocator_conf == self.allocator_conf
         )
 
     @property
     def label(self) -> str:
         return self.name
+
+
+def _with_allocator(identity: dict[str, Any], allocator_conf: str | None) -> dict[str, Any]:
+    # Only when set: a run on torch's default settings keeps the fingerprint it always had.
+    return identity if allocator_conf is None else {**identity, "allocator_conf": allocator_conf}
 
 
 # A discriminated union so that a later "estimate" target is one more member.

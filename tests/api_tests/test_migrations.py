@@ -139,3 +139,23 @@ def test_the_attempt_allocator_figures_go_down_and_up(db_url: str) -> None:
     migrate(database)
     assert {"peak_allocated_bytes", "num_alloc_retries"} <= attempt_columns()
     database.dispose()
+
+
+def test_the_run_allocator_settings_go_down_and_up(db_url: str) -> None:
+    from alembic import command
+
+    database = Database(db_url)
+    migrate(database)
+
+    def run_columns() -> set[str]:
+        with database.engine.connect() as connection:
+            return {c["name"] for c in inspect(connection).get_columns("autotune_runs")}
+
+    assert "target_allocator_conf" in run_columns()
+    with database.engine.connect() as connection:
+        command.downgrade(alembic_config(connection), "0005")
+        connection.commit()
+    assert "target_allocator_conf" not in run_columns()
+    migrate(database)
+    assert "target_allocator_conf" in run_columns()
+    database.dispose()

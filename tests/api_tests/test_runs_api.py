@@ -82,6 +82,14 @@ def test_a_named_gpu_is_stored_by_its_catalogue_name_and_aliases_join_its_run(
     [
         ({"kind": "emulated", "gpu": "H100 PCIe"}, "unknown GPU 'H100 PCIe'; known: T4"),
         ({"kind": "emulated", "gpu": "T4", "memory_bytes": 1024}, "exactly one"),
+        (
+            {"kind": "emulated", "gpu": "T4", "allocator_conf": "expandable_segments:yes"},
+            "expandable_segments",
+        ),
+        (
+            {"kind": "emulated", "gpu": "T4", "allocator_conf": "max_split_size_mb:5"},
+            "max_split_size_mb",
+        ),
     ],
 )
 def test_a_bad_gpu_is_422_naming_the_field(

@@ -8,7 +8,7 @@ from starlette.testclient import TestClient
 
 from api.settings import Settings
 from autotune.remote.client import LeaseLost, ServerClient
-from autotune.remote.protocol import CudaTarget, RunStatus
+from autotune.remote.protocol import CudaTarget, EmulatedTarget, RunStatus
 from tests.api_tests.factories import (
     GIB,
     a100,
@@ -441,3 +441,27 @@ def test_worker_record_is_kept(
         row = session.scalars(select(WorkerRow)).one()
     database.dispose()
     assert (row.id, row.claims, len(row.devices)) == ("w1", 1, 2)
+
+
+def test_a_run_asking_for_allocator_settings_goes_to_a_device_that_uses_them(
+    user: ServerClient, worker: ServerClient
+) -> None:
+    # Written two ways, one canonical setting: one fingerprint, one run.
+    asked = EmulatedTarget(memory_bytes=4 * GIB, allocator_conf="expandable_segments:True")
+    first = user.submit_run(tiny_spec(), asked)
+    spelled_otherwise = "roundup_power2_divisions:1,expandable_segments:True"
+    again = user.submit_run(
+        tiny_spec(), EmulatedTarget(memory_bytes=4 * GIB, allocator_conf=spelled_otherwise)
+    )
+    assert again.id == first.id
+    plain = emulated_device(4 * GIB)
+    expandable = plain.model_copy(update={"allocator_conf": "expandable_segments:True"})
+    # A device on torch's defaults does not take it, nor a device with other settings.
+    other = plain.model_copy(update={"allocator_conf": "max_split_size_mb:128"})
+    assert worker.claim("w1", [plain, other]) is None
+    claim = worker.claim("w1", [plain, expandable])
+    assert claim is not None and claim.run_id == first.id and claim.device_index == 1
+    # A run on the defaults is not the expandable device's either.
+    user.submit_run(tiny_spec(), emulated(4 * GIB))
+    assert worker.claim("w2", [expandable]) is None
+    assert worker.claim("w2", [plain]) is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,13 +19,16 @@ pytestmark = pytest.mark.xdist_group("cli-main")
 SPEC = "model: {preset: gpt2-tiny}\ntraining: {seq_len: 32, max_micro_batch: 64}\n"
 
 
-def autotune(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def autotune(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "autotune.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=600,
         cwd=cwd,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -155,3 +159,19 @@ def test_probe_on_a_named_gpu_states_the_gpu_its_reserve_and_assumptions(tmp_pat
         # Every step holds the BLAS workspaces (66 MiB on an H100).
         assert all(a["peak_bytes"] > 66 * 2**20 for a in mode["attempts"])
     assert "emulated H100 80GB on cpu" in done.stderr
+
+
+def test_the_allocator_settings_of_the_environment_are_the_emulated_gpu_s(spec_path: Path) -> None:
+    """PYTORCH_ALLOC_CONF changes what a card reserves; the emulated GPU reads it as torch would,
+    and a value torch would refuse is a usage error naming the variable."""
+    args = ("step", str(spec_path), "--micro-batch", "32", "--device", "cpu", "--memory", "1GiB")
+    plain = autotune(*args, "--json")
+    expandable = autotune(*args, "--json", env={"PYTORCH_ALLOC_CONF": "expandable_segments:True"})
+    assert plain.returncode == expandable.returncode == 0, expandable.stderr
+    # Expandable segments map 20 MiB pages where plain segments round requests to 2 MiB
+    # (measured: 244 MiB against 240 MiB at this micro-batch).
+    assert json.loads(expandable.stdout)["peak_bytes"] != json.loads(plain.stdout)["peak_bytes"]
+    bad = autotune(*args, env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:yes"})
+    assert bad.returncode == 2
+    (line,) = bad.stderr.strip().splitlines()
+    assert "PYTORCH_CUDA_ALLOC_CONF" in line and "expandable_segments" in line

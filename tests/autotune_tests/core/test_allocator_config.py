@@ -6,6 +6,8 @@ variables' precedence, and a differential test against the parser of the install
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -14,6 +16,7 @@ from autotune.core.allocator_config import (
     MIB,
     AllocatorConfig,
     AllocatorConfigError,
+    canonical_conf,
     config_from_environ,
     parse_alloc_conf,
 )
@@ -193,3 +196,49 @@ def test_torch_accepts_what_we_accept_and_we_refuse_what_torch_refuses(
             assert any(f":{value}" in text for value in MISREAD_VALUES), text
     else:
         assert torch_accepts, text
+
+
+SPLIT_AND_EXPANDABLE = "max_split_size_mb:128,expandable_segments:True"
+
+
+@pytest.mark.parametrize(
+    ("written", "canonical"),
+    [
+        ("", None),
+        ("expandable_segments:False", None),
+        ("roundup_power2_divisions:1", None),  # N = 1 rounds nothing, as 0
+        (
+            "expandable_segments:True,max_split_size_mb:128",
+            "max_split_size_mb:128,expandable_segments:True",
+        ),
+        (
+            "max_split_size_mb:128,expandable_segments:True",
+            "max_split_size_mb:128,expandable_segments:True",
+        ),
+        ("garbage_collection_threshold:0.6", "garbage_collection_threshold:0.6"),
+    ],
+)
+def test_a_config_has_one_canonical_form(written: str, canonical: str | None) -> None:
+    assert canonical_conf(parse_alloc_conf(written)) == canonical
+    if canonical is not None:
+        assert canonical_conf(parse_alloc_conf(canonical)) == canonical
+
+
+@given(st.data())
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+def test_the_canonical_form_reads_back_to_a_config_that_allocates_the_same(
+    data: st.DataObject,
+) -> None:
+    divisions = data.draw(st.lists(st.sampled_from([0, 1, 2, 4, 8]), min_size=16, max_size=16))
+    config = AllocatorConfig(
+        max_split_bytes=data.draw(st.sampled_from([None, 21 * MIB, 512 * MIB])),
+        roundup_power2_divisions=tuple(divisions),
+        garbage_collection_threshold=data.draw(st.sampled_from([0.0, 0.5, 0.875])),
+        expandable_segments=data.draw(st.booleans()),
+        per_process_memory_fraction=data.draw(st.sampled_from([1.0, 0.25])),
+    )
+    text = canonical_conf(config)
+    back = parse_alloc_conf(text or "")
+    same_divisions = tuple(0 if n <= 1 else n for n in divisions)
+    assert back == replace(config, roundup_power2_divisions=same_divisions)
+    assert canonical_conf(back) == text

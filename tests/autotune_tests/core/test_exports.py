@@ -416,3 +416,38 @@ def test_token_loop_on_two_ddp_ranks_matches_the_full_batch(tmp_path: Path) -> N
     reference = CausalToyLM()
     _full_batch_token_grads(reference, batches)
     torch.testing.assert_close(torch.load(tmp_path / "grads.pt"), _grads(reference))
+
+
+@pytest.mark.parametrize("tf32", [True, False])
+def test_a_spec_s_tf32_setting_is_exported_as_measured(tf32: bool) -> None:
+    exports = build_exports(_rec(8, 4), token_model=True, transformers_version="5.23.0", tf32=tf32)
+    assert exports.hf["tf32"] is tf32 and exports.axolotl["tf32"] is tf32
+    precision = "high" if tf32 else "highest"
+    assert (
+        f"torch.set_float32_matmul_precision('{precision}')"
+        in render_exports(exports)["lightning"]
+    )
+    # Left unset, torch's defaults apply and no export mentions TF32.
+    plain = _exports(_rec(8, 4))
+    assert "tf32" not in plain.hf and "tf32" not in plain.axolotl
+    assert "float32_matmul_precision" not in render_exports(plain)["lightning"]
+
+
+def test_the_training_step_sets_tf32_as_the_spec_says() -> None:
+    from autotune.core.schemas import TrainingSpec
+    from autotune.engine.step import TrainingStep
+    from tests.autotune_tests.factories import tiny_lm
+
+    before = (
+        torch.backends.cuda.matmul.fp32_precision,
+        torch.backends.cudnn.conv.fp32_precision,  # type: ignore[attr-defined]
+    )
+    try:
+        for tf32, precision in ((True, "tf32"), (False, "ieee")):
+            training = TrainingSpec(seq_len=8, tf32=tf32)
+            TrainingStep(tiny_lm(training), training, torch.device("cpu"))
+            assert torch.backends.cuda.matmul.fp32_precision == precision
+            assert torch.backends.cudnn.conv.fp32_precision == precision  # type: ignore[attr-defined]
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before[0]
+        torch.backends.cudnn.conv.fp32_precision = before[1]  # type: ignore[attr-defined]

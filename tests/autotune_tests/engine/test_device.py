@@ -368,6 +368,11 @@ def test_the_allocator_configuration_changes_what_is_reserved() -> None:
     # Two 12 MiB segments, against whole 20 MiB pages of one expandable segment.
     assert plain.peak_bytes == 24 * MiB
     assert expandable.peak_bytes == 40 * MiB
+    # The device states the settings it models (canonical; None for torch's defaults).
+    assert EmulatedDevice(MiB).info.allocator_conf is None
+    written = "roundup_power2_divisions:1,expandable_segments:True"
+    configured = EmulatedDevice(MiB, allocator_config=parse_alloc_conf(written))
+    assert configured.info.allocator_conf == "expandable_segments:True"
 
 
 def test_residents_the_allocator_cannot_hold_are_an_out_of_memory_of_the_trial() -> None:
