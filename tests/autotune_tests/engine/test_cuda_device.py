@@ -107,7 +107,7 @@ def test_cudnn_refusing_a_large_batch_is_out_of_memory_and_at_one_an_error() -> 
 
 def test_a_memory_cap_limits_the_allocator_which_frees_its_cache_and_retries() -> None:
     with SimulatedCuda(small_gpu()) as cuda:
-        device = CudaDevice(0, memory_cap_bytes=40 * MiB, runtime=cuda)
+        device = CudaDevice(0, memory_cap_bytes=64 * MiB, runtime=cuda)
         assert device.info.capacity_bytes == 64 * MiB
 
         def step() -> None:
