@@ -356,8 +356,10 @@ def render(results: dict[str, Any]) -> str:
             "memory of one steady-state step on the emulated V100 16GB, run as the Trainer ran "
             "it (eager attention, transformers' AdamW one parameter at a time or Adafactor, "
             "gradients clipped, `zero_grad()` keeping the gradients as torch 1.11 did, fp16 by "
-            "autocast with CUDA's op lists and a GradScaler). NVML's \"used\" after training is "
-            "that context plus the cache, which the allocator never returns.",
+            "autocast with CUDA's op lists and a GradScaler; its 16-bit tensors computed in bf16, "
+            'as large, since this CPU has no fp16 units). NVML\'s "used" after training is '
+            "that context plus the cache, which the allocator never returns. 8-bit Adam rows "
+            "need bitsandbytes' CUDA kernels and are not predicted.",
             "",
             "| bs | GA | GC | precision | optimizer | published MiB | predicted MiB | error "
             "| reserved | allocated |",
