@@ -148,6 +148,17 @@ def test_fingerprint_is_canonical() -> None:
     assert fingerprint(tiny_spec(65), emulated(), "0.1.0") != base
     other_source = Spec(model=ModelSpec(preset="llama-tiny"), training=TrainingSpec(seq_len=64))
     assert fingerprint(other_source, emulated(), "0.1.0") != base
+    # TF32 and the allocator's settings change speed and memory: other fingerprints.
+    with_tf32 = spec.model_copy(
+        update={"training": spec.training.model_copy(update={"tf32": True})}
+    )
+    assert fingerprint(with_tf32, emulated(), "0.1.0") != base
+    expandable = EmulatedTarget(memory_bytes=4 * GIB, allocator_conf="expandable_segments:True")
+    assert fingerprint(spec, expandable, "0.1.0") != base
+    # torch's defaults written out are no setting: the fingerprint of a plain target.
+    defaults = EmulatedTarget(memory_bytes=4 * GIB, allocator_conf="expandable_segments:False")
+    assert defaults.allocator_conf is None
+    assert fingerprint(spec, defaults, "0.1.0") == base
 
 
 def test_hf_config_key_order_does_not_matter() -> None:
