@@ -20,6 +20,7 @@ from fractions import Fraction
 import pytest
 
 from autotune.core.allocation_trace import replay_encoded
+from autotune.core.allocator_config import AllocatorConfig, parse_alloc_conf
 from autotune.core.search import (
     PeakModel,
     SearchResult,
@@ -876,14 +877,21 @@ def live_series(trace: tuple[int, ...]) -> tuple[int, ...]:
 class AllocatorDevice:
     """Trials replayed on the allocator model: they fit when reserved memory fits."""
 
-    def __init__(self, capacity_bytes: int, *, record_allocations: bool = True) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        record_allocations: bool = True,
+        config: AllocatorConfig | None = None,
+    ) -> None:
         self.capacity_bytes = capacity_bytes
         self.record_allocations = record_allocations
+        self.config = config
         self.calls: list[int] = []
 
     def outcome(self, micro_batch: int) -> StepOutcome:
         trace = layered_allocations(micro_batch)
-        replayed = replay_encoded(trace, self.capacity_bytes)
+        replayed = replay_encoded(trace, self.capacity_bytes, self.config)
         return StepOutcome(
             micro_batch=micro_batch,
             fits=replayed.fits,
@@ -933,3 +941,29 @@ def test_live_budget_bytes_scales_by_the_largest_fitting_trace() -> None:
     assert live_budget_bytes(1000, [outcome(2, 100, 100)]) == 1000  # peak is the live bytes
     failed = StepOutcome(micro_batch=4, fits=False, peak_bytes=10)
     assert live_budget_bytes(1000, [failed]) == 1000
+
+
+def test_peak_model_needs_two_sizes_in_order() -> None:
+    with pytest.raises(ValueError, match=r"need b1 < b2, got b1=3, b2=3"):
+        PeakModel.fit(3, [10], 3, [10])
+
+
+def test_peak_model_counts_an_op_that_grows_by_one_byte_per_sample() -> None:
+    model = PeakModel.fit(2, (100, 10), 3, (100, 11))
+    assert model is not None
+    # 10 + (b - 2) <= 15 up to b = 7: a slope of one byte is growth, not a constant.
+    assert model.max_micro_batch(15) == 0  # the 100-byte op never fits 15
+    assert model.max_micro_batch(100) == 92
+
+
+def test_the_search_replays_with_the_device_s_allocator_settings() -> None:
+    # Expandable segments reserve whole 20 MiB pages: the default policy's replay would predict
+    # another maximum, and the search would need more than its 4 calls.
+    config = parse_alloc_conf("expandable_segments:True")
+    for capacity_mib in (200, 333, 512):
+        device = AllocatorDevice(capacity_mib * MiB, config=config)
+        result = find_max_micro_batch(
+            device.fits, cap=256, capacity_bytes=device.capacity_bytes, allocator_config=config
+        )
+        assert result.max_micro_batch == device.brute_force_max(256)
+        assert device.calls == [2, 3, result.max_micro_batch, result.max_micro_batch + 1]
