@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autotune.core.gpus import Gpu
+from autotune.core.kernel_scratch import CONV_WORKSPACE_REASON
 from autotune.core.schemas import CudaReserve
 
 _KiB = 2**10
@@ -120,7 +121,10 @@ def budget_for(gpu: Gpu, world_size: int = 1) -> GpuBudget:
         f"x {BLAS_THREADS} threads (forward, autograd) resident inside the allocator: torch "
         "2.13 defaults, CUBLAS_WORKSPACE_CONFIG unset",
         nccl,
-        "cuDNN and other per-op kernel workspaces not counted (allowance 0)",
+        CONV_WORKSPACE_REASON,
+        "fused attention's backward scratch (flash: softmax_d and the fp32 dq accumulator) "
+        "counted inside the op that allocates it; compute capability 8.0 or newer assumed "
+        "for the flash kernel",
         "the whole card for this process: no other process, no MIG slice, no display",
     )
     return GpuBudget(

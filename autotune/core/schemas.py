@@ -225,8 +225,9 @@ class CudaReserve(FrozenModel):
     kernel_workspace_bytes: int = Field(
         default=0,
         ge=0,
-        description="Allowance for what a kernel allocates inside one op (cuDNN convolution "
-        "workspaces); left free below the capacity.",
+        description="Allowance left free below the capacity for what kernels allocate inside "
+        "one op; 0: attention's scratch is counted in the op, cuDNN falls back to smaller "
+        "workspaces.",
     )
 
     @property

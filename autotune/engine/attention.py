@@ -12,9 +12,11 @@ would count memory no GPU spends (docs/design.md#attention-kernels).
 Inside `gpu_attention()`, such calls run as `_FusedAttention`: its forward and backward compute
 on the CPU with the tracker's dispatch modes set aside (the kernel's on-chip work, which no
 allocator sees), and only what the GPU kernel allocates is made in view of the tracker: the
-output and logsumexp in forward, the three gradients in backward. Dropout draws its mask from a
-seed kept for backward, as the GPU kernels keep theirs. A boolean mask is turned into an additive
-one of the query's dtype in view of the tracker, as torch does on CUDA before it picks a kernel.
+output and logsumexp in forward, the three gradients and then the kernel's scratch in backward
+(`autotune/core/kernel_scratch.py`), the scratch freed when the op returns. Dropout draws its
+mask from a seed kept for backward, as the GPU kernels keep theirs. A boolean mask is turned into
+an additive one of the query's dtype in view of the tracker, as torch does on CUDA before it
+picks a kernel.
 Calls a GPU would also run on the math path (other head sizes, grouped-query attention) are left
 alone.
 """
@@ -28,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
+
+from autotune.core.kernel_scratch import AttentionShape, attention_backward_scratch_bytes
 
 # Head sizes the fused CUDA kernels take (flash: <= 256; memory-efficient: multiples of 8).
 MAX_FUSED_HEAD_DIM = 256
@@ -49,6 +53,11 @@ def _fused_kernel_applies(
         and head_dim % FUSED_HEAD_DIM_MULTIPLE == 0
         and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
     )
+
+
+def _flash_kernel_applies(query: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    # Of the two fused kernels, flash takes 16-bit inputs without a mask (sm80 and newer).
+    return mask is None and query.dtype in (torch.bfloat16, torch.float16)
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -143,15 +152,23 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         query, key, value, mask, _logsumexp, _output = ctx.saved_tensors
+        # In the kernel's order: the three gradients, then its scratch, alive until it returns.
+        grad_q, grad_k, grad_v = (torch.empty_like(t) for t in (query, key, value))
+        scratch = [
+            torch.empty(size_bytes, dtype=torch.uint8)
+            for size_bytes in attention_backward_scratch_bytes(
+                AttentionShape(*query.shape), flash=_flash_kernel_applies(query, mask)
+            )
+        ]
         with torch.enable_grad(), _disable_current_modes(), _no_autocast():
             q, k, v = (t.detach().requires_grad_() for t in (query, key, value))
             output, _ = _attention(
                 q, k, v, mask, ctx.dropout_p, ctx.is_causal, ctx.scale, ctx.seed
             )
             grads = torch.autograd.grad(output, (q, k, v), grad_output)
-        grad_q, grad_k, grad_v = (
-            _visible(g, like=t) for g, t in zip(grads, (query, key, value), strict=True)
-        )
+            for visible, computed in zip((grad_q, grad_k, grad_v), grads, strict=True):
+                visible.copy_(computed)
+        del scratch
         return grad_q, grad_k, grad_v, None, None, None, None
 
 

@@ -78,7 +78,8 @@ def test_assumptions_are_short_and_state_every_part() -> None:
     budget = budget_for(find_gpu("H100 80GB"), 8)
     text = " | ".join(budget.assumptions)
     assert all(len(line) <= ASSUMPTION_MAX for line in budget.assumptions)
-    for needle in ("81,106 MiB", "lazy module loading", "568 MiB", "32 MiB", "world_size 8"):
+    needles = ("81,106 MiB", "lazy module loading", "568 MiB", "32 MiB", "world_size 8", "cuDNN")
+    for needle in (*needles, "flash"):
         assert needle in text, needle
     assert "no NCCL buffers: world_size 1" in budget_for(find_gpu("T4")).assumptions
     # They fit a DeviceInfo, which is what results carry.

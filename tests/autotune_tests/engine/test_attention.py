@@ -161,3 +161,41 @@ def test_the_tracked_peak_drops_by_the_attention_matrices() -> None:
     # What the emulated device reports is the fused figure.
     trial = runner.trial(4)
     assert trial.series is not None and max(trial.series) == fused_bytes
+
+
+def _backward_allocations(dtype: torch.dtype, mask: torch.Tensor | None) -> list[int]:
+    """The backward's allocation events (sizes; -(i + 1) frees the i-th), numbered from 0."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(2, 4, 200, 40, generator=generator).to(dtype).requires_grad_()
+        for _ in range(3)
+    )
+    output = fused_attention(q, k, v, attn_mask=mask)
+    grad_output = torch.ones_like(output)
+    tracker = LiveBytesTracker(None, record_series=True)
+    tracker.add_resident([q, k, v, output.detach(), grad_output])
+    first = len(tracker.allocations)
+    with tracker:
+        grads = torch.autograd.grad(output, (q, k, v), grad_output)
+    assert len(grads) == 3
+    return [e if e >= 0 else e + first for e in tracker.allocations[first:]]
+
+
+# (2, 4, 200, 40) in 16 bits: 128,000 bytes per gradient.
+GRAD_BYTES = 2 * 4 * 200 * 40 * 2
+
+
+def test_flash_backward_allocates_the_gradients_then_its_scratch_and_frees_the_scratch() -> None:
+    # flash_api.cpp's mha_bwd, by hand: softmax_d is (2, 4, 256) fp32 and dq_accum is
+    # (2, 256, 4, 64) fp32 (seq 200 rounded to 128s, head 40 to 32s); both die with the op,
+    # the gradients outlive it.
+    events = _backward_allocations(torch.bfloat16, None)
+    assert events == [GRAD_BYTES] * 3 + [8_192, 524_288, -5, -4]
+
+
+def test_masked_or_fp32_attention_counts_the_efficient_kernels_scratch() -> None:
+    # delta (2, 4, 200) fp32; the dQ workspace estimate (2, 4, 256, 64) fp32.
+    events = _backward_allocations(torch.bfloat16, torch.zeros(200, 200))
+    assert events == [GRAD_BYTES] * 3 + [6_400, 524_288, -5, -4]
+    fp32_events = _backward_allocations(torch.float32, None)
+    assert fp32_events == [2 * GRAD_BYTES] * 3 + [6_400, 524_288, -5, -4]
