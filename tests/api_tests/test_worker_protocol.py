@@ -7,6 +7,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from api.settings import Settings
+from autotune.core.cuda_reserve import budget_for
+from autotune.core.gpus import find_gpu
 from autotune.remote.client import LeaseLost, ServerClient
 from autotune.remote.protocol import CudaTarget, EmulatedTarget, RunStatus
 from tests.api_tests.factories import (
@@ -251,6 +253,33 @@ def test_expired_lease_requeues_and_stale_events_change_nothing(
     assert after.worker_id == "w2"
 
 
+def test_listing_runs_expires_the_lapsed_leases_and_only_those(
+    user: ServerClient, worker: ServerClient, clock: FakeClock
+) -> None:
+    ids = [user.submit_run(tiny_spec(size), emulated()).id for size in (64, 32, 16)]
+    first = worker.claim("w1", [emulated_device()])
+    second = worker.claim("w2", [emulated_device()])
+    clock.advance(20)
+    third = worker.claim("w3", [emulated_device()])
+    assert first is not None and second is not None and third is not None
+    assert [first.run_id, second.run_id, third.run_id] == ids
+
+    def statuses() -> list[RunStatus]:
+        by_id = {run.id: run.status for run in user.list_runs().items}
+        return [by_id[run_id] for run_id in ids]
+
+    # A lease is good until the instant it expires, not after it, whichever read sees it.
+    clock.advance(10)
+    assert clock.now == first.lease_expires_at
+    assert user.get_run(ids[0]).status == RunStatus.RUNNING
+    assert statuses() == [RunStatus.RUNNING] * 3
+    # One read requeues every lapsed run at once.
+    clock.advance(1)
+    assert statuses() == [RunStatus.QUEUED, RunStatus.QUEUED, RunStatus.RUNNING]
+    assert user.get_run(ids[0]).lease_lapsed_at == first.lease_expires_at
+    assert user.get_run(ids[2]).lease_lapsed_at is None
+
+
 def test_posts_after_the_lease_expired_are_refused_before_anyone_claims(
     user: ServerClient, worker: ServerClient, clock: FakeClock
 ) -> None:
@@ -465,3 +494,60 @@ def test_a_run_asking_for_allocator_settings_goes_to_a_device_that_uses_them(
     user.submit_run(tiny_spec(), emulated(4 * GIB))
     assert worker.claim("w2", [expandable]) is None
     assert worker.claim("w2", [plain]) is not None
+
+
+def test_a_failed_run_records_who_failed_when_and_why(
+    user: ServerClient, worker: ServerClient, clock: FakeClock
+) -> None:
+    run_id = user.submit_run(tiny_spec(), emulated()).id
+    first = worker.claim("w1", [emulated_device()])
+    assert first is not None
+    assert len(first.lease_id) == 32 and int(first.lease_id, 16) >= 0  # 16 random bytes
+    assert first.heartbeat_interval_s == 10.0  # a third of the 30 s lease
+    worker.report_failure(
+        run_id, first.lease_id, error_type="ValueError", message="boom", traceback_tail="tb"
+    )
+    retried = user.get_run(run_id)
+    assert (retried.status, retried.worker_id, retried.lease_expires_at) == (
+        RunStatus.QUEUED,
+        None,
+        None,
+    )
+    clock.advance(5)
+    second = worker.claim("w2", [emulated_device()])
+    assert second is not None and second.claim_number == 2
+    clock.advance(5)
+    worker.report_failure(
+        run_id, second.lease_id, error_type="KeyError", message="gone", retryable=False
+    )
+    run = user.get_run(run_id)
+    assert run.status == RunStatus.FAILED
+    assert run.finished_at == clock.now
+    assert [
+        (f.claim_number, f.worker_id, f.error_type, f.traceback_tail) for f in run.failures
+    ] == [
+        (1, "w1", "ValueError", "tb"),
+        (2, "w2", "KeyError", None),
+    ]
+    assert (
+        run.error == "failed after 2 claim(s): claim 1: ValueError: boom; claim 2: KeyError: gone"
+    )
+
+
+def test_each_kind_of_target_is_claimed_only_by_its_kind_of_device(
+    user: ServerClient, worker: ServerClient
+) -> None:
+    h100 = budget_for(find_gpu("H100 80GB"))
+    plain_id = user.submit_run(tiny_spec(), emulated(h100.capacity_bytes)).id
+    named_id = user.submit_run(tiny_spec(), named("H100 80GB")).id
+    cuda_id = user.submit_run(tiny_spec(), a100()).id
+    # A CUDA card of the plain run's size, a named GPU of the same capacity, an emulated device
+    # the size of the A100: none of them is the other's target.
+    assert worker.claim("c", [cuda_device("NVIDIA H100", h100.capacity_bytes)]) is None
+    claim = worker.claim("n", [named_device("H100 80GB")])
+    assert claim is not None and claim.run_id == named_id
+    assert worker.claim("e", [emulated_device(80 * GIB)]) is None
+    claim = worker.claim("e", [emulated_device(h100.capacity_bytes)])
+    assert claim is not None and claim.run_id == plain_id
+    claim = worker.claim("a", [emulated_device(GIB), cuda_device()])
+    assert claim is not None and claim.run_id == cuda_id and claim.device_index == 1

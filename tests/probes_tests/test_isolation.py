@@ -183,7 +183,9 @@ def test_a_hang_is_killed_at_the_time_limit(start_method: StartMethod) -> None:
         runner.trial(8, checkpointing=False)
     elapsed_s = time.monotonic() - started_s
     assert crashed.value.reason == f"timed out after {timeout_s:g} s"
-    assert timeout_s <= elapsed_s < timeout_s + 5
+    # The child hangs for good: any end proves the kill. The slack is for starting the
+    # forkserver, outside the limit, which took 5.7 s on a machine loaded 2x over.
+    assert timeout_s <= elapsed_s < timeout_s + 30
     assert _trial_children() == set()  # the hung child is gone
 
 

@@ -226,3 +226,78 @@ def test_an_out_of_memory_inside_the_scaled_optimizer_step_leaves_the_next_step_
     failed_params, _ = _state(failed.step)
     fresh_params, _ = _state(fresh.step)
     torch.testing.assert_close(failed_params, fresh_params, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "expected"),
+    [
+        (OptimizerName.ADAMW, (torch.optim.AdamW, {"lr": 1e-4, "foreach": True})),
+        (OptimizerName.SGD, (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9, "foreach": True})),
+        (OptimizerName.ADAFACTOR, (torch.optim.Adafactor, {"lr": 1e-3, "foreach": True})),
+    ],
+)
+def test_the_optimizer_is_built_as_a_gpu_run_builds_it(
+    optimizer: OptimizerName, expected: tuple[type, dict[str, object]]
+) -> None:
+    # foreach: CUDA's default, whose temporaries count (the CPU's default is a loop).
+    training = TrainingSpec(seq_len=8, optimizer=optimizer)
+    step = TrainingStep(tiny_lm(training), training, CPU)
+    kind, settings = expected
+    assert type(step.optimizer) is kind
+    group = step.optimizer.param_groups[0]
+    assert {key: group[key] for key in settings} == settings
+
+
+@pytest.mark.parametrize(("tf32", "expected"), [(True, "tf32"), (False, "ieee")])
+def test_tf32_sets_torchs_matmul_and_convolution_precision(tf32: bool, expected: str) -> None:
+    matmul = torch.backends.cuda.matmul.fp32_precision
+    conv = torch.backends.cudnn.conv.fp32_precision  # type: ignore[attr-defined]
+    try:
+        training = TrainingSpec(seq_len=8, tf32=tf32)
+        TrainingStep(tiny_lm(training), training, CPU)
+        assert torch.backends.cuda.matmul.fp32_precision == expected
+        assert torch.backends.cudnn.conv.fp32_precision == expected  # type: ignore[attr-defined]
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = matmul
+        torch.backends.cudnn.conv.fp32_precision = conv  # type: ignore[attr-defined]
+
+
+def test_a_step_starts_without_checkpointing_and_refuses_empty_sizes() -> None:
+    training = TrainingSpec(seq_len=8)
+    workload = tiny_lm(training)
+    assert workload.set_checkpointing is not None
+    workload.set_checkpointing(True)  # as a model might come
+    step = TrainingStep(workload, training, CPU)
+    assert step.model.gradient_checkpointing is False and step.checkpointing is False
+    for sizes in ((0, 1), (1, 0)):
+        with pytest.raises(ValueError, match=r"must be >= 1, got \d and \d"):
+            step.run(*sizes)
+
+
+def test_one_item_is_divided_by_one() -> None:
+    workload, _ = padded_lm(LENGTHS)
+    batch = workload.make_batch(1, CPU)
+    loss = accumulate_gradients(workload.model, workload.loss_sum, lambda _: 1, [batch])
+    assert loss == pytest.approx(workload.loss_sum(workload.model, batch).item())
+
+
+def test_restore_takes_only_a_snapshot() -> None:
+    training = TrainingSpec(seq_len=8)
+    step = TrainingStep(tiny_lm(training), training, CPU)
+    with pytest.raises(TypeError, match="expected a StateSnapshot, got dict"):
+        step.restore({})
+
+
+def test_restore_puts_the_gradient_scale_back_and_needs_none_before_the_first_step() -> None:
+    torch.manual_seed(0)
+    training = TrainingSpec(seq_len=8, precision=Precision.FP16)
+    step = TrainingStep(tiny_lm(training), training, CPU)
+    early = step.snapshot()  # no scale exists yet: nothing to put back, and no error
+    step.restore(early)
+    step.run(2)
+    snapshot = step.snapshot()
+    assert step.scaler is not None
+    scale = step.scaler.get_scale()
+    step.scaler.update(new_scale=scale / 4)  # what an overflow does to it
+    step.restore(snapshot)
+    assert step.scaler.get_scale() == scale

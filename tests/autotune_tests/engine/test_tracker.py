@@ -320,3 +320,91 @@ def test_the_allocator_running_out_is_an_out_of_memory_at_that_op() -> None:
     del kept
     gc.collect()
     assert tracker.allocator is not None and tracker.allocator.stats.allocated_bytes == 0
+
+
+def test_the_out_of_memory_messages_give_torchs_figures_in_mib() -> None:
+    # The allocator's message: the request, the capacity, allocated and cached-but-free.
+    tracker = LiveBytesTracker(None, allocator=CachingAllocator(20 * 2**20))
+    kept = []
+    with pytest.raises(torch.OutOfMemoryError) as raised, tracker:
+        for _ in range(4):
+            kept.append(torch.ones(6 * 2**20, dtype=torch.uint8))
+    assert str(raised.value) == (
+        "CUDA out of memory (emulated). Tried to allocate 20.00 MiB; capacity 20.00 MiB, of "
+        "which 18.00 MiB is allocated by PyTorch and 2.00 MiB is reserved by PyTorch but "
+        "unallocated; phase forward"
+    )
+    del kept
+    # Counting live bytes only: the request, the capacity and what was live before it.
+    tracker = LiveBytesTracker(3 * 2**20)
+    with pytest.raises(torch.OutOfMemoryError) as raised, tracker:
+        first = torch.ones(2 * 2**20, dtype=torch.uint8)
+        torch.ones(2 * 2**20, dtype=torch.uint8)
+    assert str(raised.value).startswith(
+        "CUDA out of memory (emulated). Tried to allocate 2.00 MiB in aten.ones.default; "
+        "capacity 3.00 MiB, 2.00 MiB live, phase forward"
+    )
+    del first
+
+
+def test_a_step_may_fill_the_capacity_exactly_and_a_zero_capacity_holds_nothing() -> None:
+    with LiveBytesTracker(2 * 2**20) as tracker:
+        full = torch.ones(2 * 2**20, dtype=torch.uint8)
+    assert tracker.peak_bytes == 2 * 2**20
+    del full
+    with pytest.raises(torch.OutOfMemoryError), LiveBytesTracker(0):
+        torch.ones(1)
+
+
+def test_bad_sizes_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="block_bytes must be >= 1, got 0"):
+        LiveBytesTracker(None, block_bytes=0)
+    with pytest.raises(ValueError, match="capacity_bytes must be >= 0, got -1"):
+        LiveBytesTracker(-1)
+
+
+def test_a_step_that_allocates_nothing_peaks_at_nothing() -> None:
+    with LiveBytesTracker(None) as tracker:
+        pass
+    assert (tracker.peak_bytes, tracker.live_bytes, tracker.phase_peak_bytes) == (0, 0, {})
+
+
+def test_the_trace_records_frees_inside_the_step_only_and_nothing_unrecorded() -> None:
+    tracker = LiveBytesTracker(None, record_series=True)
+    with tracker:
+        first = torch.ones(1024, dtype=torch.uint8)
+        kept = torch.ones(2048, dtype=torch.uint8)
+        del first  # event 0 freed inside the step: recorded as -1
+    del kept  # freed after the step: the caller's, not recorded
+    assert tracker.allocations == [1024, 2048, -1]
+    quiet = LiveBytesTracker(None)
+    with quiet:
+        dropped = torch.ones(1024, dtype=torch.uint8)
+        del dropped
+    assert quiet.allocations == [] and quiet.series == []
+
+
+def test_ops_after_the_optimizer_step_are_not_the_optimizers(trainer: Trainer) -> None:
+    ids = trainer.batch(2)
+    tracker = trainer.tracker(ids)
+    with tracker:
+        trainer.step_fn(ids)()
+        after = torch.ones(10 * 2**20, dtype=torch.uint8)  # the largest allocation of all
+    assert tracker.phase_peak_bytes[Phase.FORWARD] > 10 * 2**20
+    assert tracker.phase_peak_bytes[Phase.OPTIMIZER] < 10 * 2**20
+    del after
+
+
+def test_a_phase_that_allocates_nothing_still_has_its_peak() -> None:
+    # Plain SGD updates in place: its step allocates nothing, yet it is a phase of the step,
+    # and its peak is what was live through it.
+    torch.manual_seed(0)
+    model = TinyLM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)
+    ids = torch.randint(0, VOCAB, (2, SEQ_LEN))
+    model(ids).backward()
+    tracker = LiveBytesTracker(None)
+    tracker.add_resident([*resident_tensors(model, optimizer), ids])
+    with tracker:
+        optimizer.step()
+    assert tracker.phase_peak_bytes == {Phase.OPTIMIZER: tracker.live_bytes}
