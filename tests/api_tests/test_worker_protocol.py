@@ -224,9 +224,12 @@ def test_expired_lease_requeues_and_stale_events_change_nothing(
     assert run.status == RunStatus.QUEUED
     assert run.lease_lapsed_at == old.lease_expires_at
     assert run.failures == []  # the claim has not ended: its holder may still renew it
+    clock.advance(1)
     new = worker.claim("w2", [emulated_device()])
     assert new is not None and new.run_id == run_id and new.claim_number == 2
     assert new.lease_id != old.lease_id
+    reclaimed = user.get_run(run_id)
+    assert (reclaimed.lease_lapsed_at, reclaimed.updated_at) == (None, clock.now)
     failures = user.get_run(run_id).failures
     assert [(f.claim_number, f.error_type, f.worker_id) for f in failures] == [
         (1, "LeaseExpired", "w1")
@@ -273,6 +276,7 @@ def test_listing_runs_expires_the_lapsed_leases_and_only_those(
     assert clock.now == first.lease_expires_at
     assert user.get_run(ids[0]).status == RunStatus.RUNNING
     assert statuses() == [RunStatus.RUNNING] * 3
+    assert worker.claim("w4", [emulated_device()]) is None  # a claim sweeps expiry too
     # One read requeues every lapsed run at once.
     clock.advance(1)
     assert statuses() == [RunStatus.QUEUED, RunStatus.QUEUED, RunStatus.RUNNING]
@@ -551,3 +555,16 @@ def test_each_kind_of_target_is_claimed_only_by_its_kind_of_device(
     assert claim is not None and claim.run_id == plain_id
     claim = worker.claim("a", [emulated_device(GIB), cuda_device()])
     assert claim is not None and claim.run_id == cuda_id and claim.device_index == 1
+
+    # A named GPU's run is not a plain size's, nor a card's that shares its name and memory;
+    # a card's run is not a named GPU's of that name.
+    total = find_gpu("H100 80GB").total_memory_bytes
+    named_id = user.submit_run(tiny_spec(16), named("H100 80GB")).id
+    assert worker.claim("e", [emulated_device(total)]) is None
+    assert worker.claim("c", [cuda_device("H100 80GB", total)]) is None
+    card_id = user.submit_run(tiny_spec(16), CudaTarget(name="H100 80GB", memory_bytes=total)).id
+    claim = worker.claim("n", [named_device("H100 80GB")])
+    assert claim is not None and claim.run_id == named_id
+    assert worker.claim("n", [named_device("H100 80GB")]) is None
+    claim = worker.claim("c", [cuda_device("H100 80GB", total)])
+    assert claim is not None and claim.run_id == card_id

@@ -130,14 +130,23 @@ def _emulated(view: bool | None, accumulation: int) -> tuple[StepBytes, Emulated
         return _train(model, micro_batch, accumulation, tracker), reducer
 
 
+RealRanks = list[dict[tuple[bool, int], StepBytes]]
+
+
 @pytest.fixture(scope="module")
-def real_ddp(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[bool, int], StepBytes]:
+def real_ddp(tmp_path_factory: pytest.TempPathFactory) -> RealRanks:
+    """What each of two real DDP ranks held: the same bytes, except that on a loaded machine
+    one rank once saw one more 512-byte block at a step's peak. Probably gloo's completion of
+    an all-reduce, which runs partly on its own threads, where a dispatch mode (thread-local)
+    sees nothing, so what a rank's tracker sees depends on timing. A step a real rank holds
+    is what either rank held; they may differ by one block at most."""
     workdir = tmp_path_factory.mktemp("ddp")
     spawn(_real_rank, args=(str(workdir),), nprocs=2, join=True)  # type: ignore[no-untyped-call]
-    ranks = [torch.load(Path(workdir) / f"rank{r}.pt") for r in (0, 1)]
-    assert ranks[0] == ranks[1]  # the same bytes on every rank
-    results: dict[tuple[bool, int], StepBytes] = ranks[0]
-    return results
+    ranks: RealRanks = [torch.load(Path(workdir) / f"rank{r}.pt") for r in (0, 1)]
+    for key in ranks[0]:
+        for step0, step1 in zip(ranks[0][key], ranks[1][key], strict=True):
+            assert all(abs(a - b) <= CUDA_BLOCK_BYTES for a, b in zip(step0, step1, strict=True))
+    return ranks
 
 
 def _rounded(nbytes: int) -> int:
@@ -147,15 +156,15 @@ def _rounded(nbytes: int) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize(("view", "accumulation"), CONFIGS)
 def test_each_step_holds_what_a_real_ddp_rank_holds(
-    real_ddp: dict[tuple[bool, int], StepBytes], view: bool, accumulation: int
+    real_ddp: RealRanks, view: bool, accumulation: int
 ) -> None:
     emulated, _ = _emulated(view, accumulation)
-    assert emulated == real_ddp[view, accumulation]
+    assert emulated in [rank[view, accumulation] for rank in real_ddp]
 
 
 @pytest.mark.slow
 def test_ddp_adds_its_buckets_to_every_step_and_bucket_views_take_the_gradients_back(
-    real_ddp: dict[tuple[bool, int], StepBytes],
+    real_ddp: RealRanks,
 ) -> None:
     single, _ = _emulated(None, 1)
     _, reducer = _emulated(True, 1)
@@ -166,15 +175,14 @@ def test_ddp_adds_its_buckets_to_every_step_and_bucket_views_take_the_gradients_
     buckets_bytes = sum(_rounded(size) for size in sizes)
     # Steady state (the last step): gradient_as_bucket_view=False keeps the buckets on top of
     # everything a single process holds, at every point of the step.
-    before, peak, after = real_ddp[False, 1][-1]
-    assert (before, peak, after) == tuple(b + buckets_bytes for b in single[-1])
+    expected = tuple(b + buckets_bytes for b in single[-1])
+    assert expected in [rank[False, 1][-1] for rank in real_ddp]
     # With bucket views the gradients live in the buckets: this step's peak, in the optimizer
     # step where every gradient exists, is a single process's.
-    before, peak, after = real_ddp[True, 1][-1]
-    assert (before, after) == (single[-1][0] + buckets_bytes, single[-1][2] + buckets_bytes)
-    assert peak == single[-1][1]
+    expected = (single[-1][0] + buckets_bytes, single[-1][1], single[-1][2] + buckets_bytes)
+    assert expected in [rank[True, 1][-1] for rank in real_ddp]
     # Accumulating, the earlier micro-batches' gradients (under no_sync) are separate tensors.
-    assert real_ddp[True, 3][-1][1] > peak
+    assert all(rank[True, 3][-1][1] > single[-1][1] for rank in real_ddp)
 
 
 def test_rebuilt_buckets_follow_the_gradient_ready_order() -> None:
