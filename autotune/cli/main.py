@@ -29,6 +29,7 @@ from autotune.cli.options import (
     Subcommands,
     add_device_args,
     open_device,
+    open_runner,
     positive_int,
 )
 from autotune.core.bytesize import format_bytes
@@ -63,16 +64,17 @@ def progress_printer(console: Console) -> Callable[[bool, StepOutcome], None]:
 
 def _cmd_probe(args: argparse.Namespace) -> int:
     from autotune.core.specfile import load_spec
-    from autotune.engine.probe import probe
+    from autotune.engine.probe import probe_session
 
     spec = load_spec(args.spec)
-    device = open_device(args, world_size=spec.training.world_size)
+    runner = open_runner(args, spec)
+    info = runner.device_info
     err = Console(stderr=True)
     err.print(
-        f"probing [bold]{spec.model.label}[/bold] on {device.info.name} "
-        f"(capacity {format_bytes(device.info.capacity_bytes)})"
+        f"probing [bold]{spec.model.label}[/bold] on {info.name} "
+        f"(capacity {format_bytes(info.capacity_bytes)})"
     )
-    result = probe(spec, device, on_attempt=progress_printer(err))
+    result = probe_session(runner, on_attempt=progress_printer(err))
     if args.json:
         sys.stdout.write(result.model_dump_json() + "\n")
     else:
@@ -130,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         "probe", help="exact max micro-batch, without and with checkpointing"
     )
     probe.add_argument("spec", help="spec file (YAML or JSON)")
-    add_device_args(probe)
+    add_device_args(probe, estimate=True)
     probe.add_argument("--json", action="store_true", help="print one JSON object")
     probe.set_defaults(func=_cmd_probe, extra="probe")
 

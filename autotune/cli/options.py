@@ -18,12 +18,15 @@ from autotune.core.allocator_config import (
     config_from_environ,
 )
 from autotune.core.bytesize import parse_bytes
+from autotune.core.cuda_reserve import budget_for
 from autotune.core.defaults import DEFAULT_SERVER_URL, ENV_SERVER_URL, ENV_TOKEN, EXIT_USAGE
 from autotune.core.errors import SpecError
 from autotune.core.gpus import UnknownGpu, find_gpu
 
 if TYPE_CHECKING:
+    from autotune.core.schemas import Spec
     from autotune.engine.device import Device
+    from autotune.engine.runner import TrialRunner
 
 # What `add_subparsers()` returns (a private argparse class); every `register` function takes it.
 Subcommands: TypeAlias = "argparse._SubParsersAction[CommandParser]"
@@ -96,8 +99,9 @@ def non_negative_seconds(text: str) -> float:
     return value
 
 
-def add_device_args(parser: argparse.ArgumentParser) -> None:
-    """`--device`, and `--memory` or `--gpu` (one of them); `open_device(args)` opens them."""
+def add_device_args(parser: argparse.ArgumentParser, *, estimate: bool = False) -> None:
+    """`--device`, and `--memory` or `--gpu` (one of them); `open_device(args)` opens them.
+    `estimate`: also `--estimate NAME`, one of the three (`open_runner(args, spec)`)."""
     parser.add_argument(
         "--device",
         default=None,
@@ -122,6 +126,15 @@ def add_device_args(parser: argparse.ArgumentParser) -> None:
         help='emulate a named GPU (e.g. "H100 80GB", "A100 40GB", "T4"): its memory less what '
         "CUDA takes on it",
     )
+    if estimate:
+        size.add_argument(
+            "--estimate",
+            type=gpu_name,
+            default=None,
+            metavar="NAME",
+            help="estimate for a named GPU without running the step: traced on fake tensors "
+            "(any model size, seconds), speed by roofline",
+        )
 
 
 def open_device(args: argparse.Namespace, *, world_size: int = 1) -> Device:
@@ -148,6 +161,29 @@ def open_device(args: argparse.Namespace, *, world_size: int = 1) -> Device:
         world_size=world_size,
         allocator_config=allocator_config_from_environment(),
     )
+
+
+def open_runner(args: argparse.Namespace, spec: Spec) -> TrialRunner:
+    """Where `probe` and `tune` run the spec's trials: an estimate for `--estimate NAME` (on fake
+    tensors, nothing executed), else the device of `open_device(args)`.
+
+    Raises:
+        SpecError: `--estimate` with `--device` other than cpu; as `open_device`.
+        DeviceError: as `open_device`.
+    """
+    from autotune.engine.runner import InProcessRunner
+
+    world_size = spec.training.world_size
+    if getattr(args, "estimate", None) is None:
+        return InProcessRunner(spec, open_device(args, world_size=world_size))
+    if args.device not in (None, "cpu"):
+        raise SpecError(
+            f"--estimate: traces the step without a device; --device {args.device} is not used"
+        )
+    from autotune.engine.estimate import EstimateRunner
+
+    budget = budget_for(find_gpu(args.estimate), world_size)
+    return EstimateRunner(spec, gpu=budget, allocator_config=allocator_config_from_environment())
 
 
 def allocator_config_from_environment() -> AllocatorConfig:

@@ -25,14 +25,14 @@ from rich.table import Table
 from autotune.cli.options import (
     Subcommands,
     add_device_args,
-    open_device,
+    open_runner,
     positive_int,
     positive_seconds,
 )
 from autotune.core.bytesize import format_bytes
 from autotune.core.defaults import ENV_DATABASE_URL, EXIT_FAILURE, EXIT_OK, server_database_url
 from autotune.core.recorder import installed_recorders
-from autotune.core.schemas import Trial, TrialState, TuneResult
+from autotune.core.schemas import DeviceKind, Trial, TrialState, TuneResult
 
 
 def default_database_url() -> str:
@@ -59,21 +59,21 @@ def trial_printer(console: Console) -> Callable[[Trial], None]:
 def _cmd_tune(args: argparse.Namespace) -> int:
     from autotune.cli.main import progress_printer
     from autotune.core.specfile import load_spec
-    from autotune.engine.tuner import tune
+    from autotune.engine.tuner import tune_session
 
     spec = load_spec(args.spec)
     target_global_batch = spec.training.required_target_global_batch()
-    device = open_device(args, world_size=spec.training.world_size)
+    runner = open_runner(args, spec)
+    info = runner.device_info
     storage_url = args.db or default_database_url()
     err = Console(stderr=True)
     err.print(
         f"tuning [bold]{spec.model.label}[/bold] for global batch "
-        f"{target_global_batch} on {device.info.name} "
-        f"(capacity {format_bytes(device.info.capacity_bytes)})"
+        f"{target_global_batch} on {info.name} "
+        f"(capacity {format_bytes(info.capacity_bytes)})"
     )
-    result = tune(
-        spec,
-        device,
+    result = tune_session(
+        runner,
         storage_url=storage_url,
         n_trials=args.trials,
         seed=args.seed,
@@ -111,7 +111,11 @@ def tune_json(result: TuneResult) -> str:
 
 def _record_locally(result: TuneResult, storage_url: str, console: Console) -> None:
     """Store the run in the local database, by every installed recorder (none without the
-    server package)."""
+    server package). Estimates are not stored: the run database has no estimate target yet, and
+    a stored estimate must never answer a request for a measurement."""
+    if result.device.kind is DeviceKind.ESTIMATE:
+        console.print("an estimate: not recorded in the run database")
+        return
     for recorder in installed_recorders():
         run_id = recorder.record_run(storage_url, result)
         console.print(f"recorded as run {run_id} in {storage_url}")
@@ -185,7 +189,7 @@ def register(commands: Subcommands) -> None:
         "tune", help="the micro-batch x accumulation x checkpointing with the best samples/s"
     )
     tune.add_argument("spec", help="spec file (YAML or JSON) with training.target_global_batch")
-    add_device_args(tune)
+    add_device_args(tune, estimate=True)
     tune.add_argument("--json", action="store_true", help="print one JSON object")
     tune.add_argument("--db", default=None, metavar="URL", help="database URL (Optuna + runs)")
     tune.add_argument("--trials", type=positive_int, default=None, help="measurement budget")

@@ -202,6 +202,7 @@ class Spec(FrozenModel):
 class DeviceKind(StrEnum):
     CUDA = "cuda"
     EMULATED = "emulated"  # a CPU run with a live-byte tracker enforcing a capacity
+    ESTIMATE = "estimate"  # the emulated GPU's step traced on fake tensors: nothing ran
 
 
 class CudaReserve(FrozenModel):

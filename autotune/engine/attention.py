@@ -23,6 +23,7 @@ alone.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -112,6 +113,15 @@ def _attention(
     return output, logsumexp
 
 
+_SEED_COUNTER = itertools.count()
+
+
+def _next_seed() -> int:
+    # From torch's seed without drawing a tensor: a fake tensor (the estimate) has no value to
+    # read, and the GPU kernels keep a seed and an offset, not a mask, for backward.
+    return hash((torch.initial_seed(), next(_SEED_COUNTER))) % 2**62
+
+
 def _visible(computed: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
     """A copy of `computed` allocated in view of the tracker, as the GPU kernel allocates it:
     `empty_like(like)` keeps the input's memory layout (the kernels' output and gradients follow
@@ -137,7 +147,7 @@ class _FusedAttention(torch.autograd.Function):
         is_causal: bool,
         scale: float,
     ) -> torch.Tensor:
-        seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0.0 else 0
+        seed = _next_seed() if dropout_p > 0.0 else 0
         with torch.no_grad(), _disable_current_modes(), _no_autocast():
             output, logsumexp = _attention(
                 query, key, value, mask, dropout_p, is_causal, scale, seed

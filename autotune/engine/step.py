@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -37,7 +38,7 @@ _AUTOCAST_DTYPES = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float1
 def accumulate_gradients(
     model: nn.Module,
     loss_sum: Callable[[nn.Module, Batch], torch.Tensor],
-    num_items: Callable[[Batch], int],
+    num_items: Callable[[Batch], int | torch.Tensor],
     batches: Sequence[Batch],
     *,
     autocast_dtype: torch.dtype | None = None,
@@ -56,7 +57,8 @@ def accumulate_gradients(
     synchronises, the others run as under `no_sync()` (docs/design.md#data-parallel).
     """
     # A step whose labels are all padding has a zero loss; dividing by 1 keeps it zero, not NaN.
-    total_items = max(sum(num_items(batch) for batch in batches), 1)
+    counted = sum(num_items(batch) for batch in batches)
+    total_items = counted.clamp(min=1) if isinstance(counted, torch.Tensor) else max(counted, 1)
     device = _model_device(model)
     step_loss = torch.zeros((), device=device)
     # On the CPU (the emulated GPU) autocast casts as on CUDA, through backward too: checkpoint
@@ -99,7 +101,14 @@ class TrainingStep:
     def __init__(self, workload: Workload, training: TrainingSpec, device: torch.device) -> None:
         self._workload = workload
         self._device = device
-        self.model = workload.model.to(device=device, dtype=torch.float32).train()
+        model = workload.model
+        if any(
+            t.device != device or (t.is_floating_point() and t.dtype != torch.float32)
+            for t in itertools.chain(model.parameters(), model.buffers())
+        ):
+            # Only when needed: a model made under fake tensors cannot have its tensors swapped.
+            model = model.to(device=device, dtype=torch.float32)
+        self.model = model.train()
         self.optimizer = _build_optimizer(self.model, training.optimizer)
         self._autocast_dtype = _AUTOCAST_DTYPES.get(training.precision)
         self.scaler = (
@@ -165,7 +174,8 @@ class TrainingStep:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(step_loss)
+        # A step on fake tensors (the estimate) has no loss to read.
+        return float("nan") if is_fake(step_loss) else float(step_loss)
 
     def settle(self) -> None:
         """After the first complete step, outside any trial: DDP's reducer rebuilds its buckets

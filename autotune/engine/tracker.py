@@ -49,16 +49,21 @@ CUDA_BLOCK_BYTES = 512
 # ops (including checkpoint recomputation) from forward ones at the cost of one C call per op.
 _current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 
-# record_function's enter/exit markers (the optimizer's step and zero_grad open one) are ops
-# too, but they allocate nothing and would mislabel the phase at the end of `step()`. Keyed by
-# id because OpOverload.__hash__ is a Python function and this test runs on every op.
-_PROFILER_OP_IDS: frozenset[int] = frozenset(
+# Ops left uncounted, as if they were not there. record_function's enter/exit markers (the
+# optimizer's step and zero_grad open one) allocate nothing and would mislabel the phase at the
+# end of `step()`. A tensor's device query and the read of a scalar's value allocate nothing
+# either, and fake tensors (the estimate) make the one and cannot make the other, so counting
+# them would give an estimate other op series than the emulated GPU. Keyed by id because
+# OpOverload.__hash__ is a Python function and this test runs on every op.
+_UNCOUNTED_OP_IDS: frozenset[int] = frozenset(
     id(op)
     for op in (
         torch.ops.profiler._record_function_enter.default,
         torch.ops.profiler._record_function_enter_new.default,
         torch.ops.profiler._record_function_exit.default,
         torch.ops.profiler._record_function_exit._RecordFunction,
+        torch.ops.prim.device.default,
+        torch.ops.aten._local_scalar_dense.default,
     )
 )
 
@@ -244,7 +249,7 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if id(func) in _PROFILER_OP_IDS:
+        if id(func) in _UNCOUNTED_OP_IDS:
             return func(*args, **(kwargs or {}))
         # The phase is decided before the op runs so that a real allocator failure inside the
         # op is reported in the phase of the op that failed.

@@ -22,7 +22,9 @@ as ``function(training)`` with the spec's `autotune.core.schemas.TrainingSpec` a
 * ``loss_sum(model, batch)``: the SUM of the per-item losses (per label token for language
   models, per sample otherwise), not the mean: autotune divides by the item count of the whole
   accumulated step so that gradient accumulation is exact;
-* ``num_items(batch)``: how many items ``loss_sum`` sums over (label tokens != -100, samples);
+* ``num_items(batch)``: how many items ``loss_sum`` sums over (label tokens != -100, samples),
+  an int or a 0-dim tensor (a tensor keeps the step free of reads of values: see
+  `count_label_tokens`);
 * ``set_checkpointing(enabled)``: turns gradient checkpointing on or off; None if unsupported;
 * ``tokens_per_sample``: tokens in one sample, to report tokens/s; None for non-token models.
 
@@ -66,7 +68,7 @@ class Workload:
     model: nn.Module
     make_batch: Callable[[int, torch.device], Batch]
     loss_sum: Callable[[nn.Module, Batch], torch.Tensor]
-    num_items: Callable[[Batch], int]
+    num_items: Callable[[Batch], int | torch.Tensor]
     set_checkpointing: Callable[[bool], None] | None = None
     tokens_per_sample: int | None = None
 
@@ -87,9 +89,13 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     )
 
 
-def count_label_tokens(batch: Batch) -> int:
-    """Label tokens that `causal_lm_loss_sum` sums over: all but the first, minus padding."""
-    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+def count_label_tokens(batch: Batch) -> torch.Tensor:
+    """Label tokens that `causal_lm_loss_sum` sums over: all but the first, minus padding.
+
+    A tensor, not an int: reading its value would stop a step that runs on fake tensors (the
+    estimate), and on a GPU it would wait for the device."""
+    count: torch.Tensor = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+    return count
 
 
 def _token_batch_maker(vocab_size: int, seq_len: int) -> Callable[[int, torch.device], Batch]:
@@ -325,7 +331,9 @@ def _build_hf_model(
         reason = str(exc) if quote_errors else type(exc).__name__
         raise ModelBuildError(f"{label}: could not build a causal LM: {reason}") from None
     # fp32 master weights whatever the config's dtype says: precision is the spec's business.
-    model = model.float()
+    # Converted only when needed: a model made on fake tensors (the estimate) cannot be.
+    if any(t.dtype != torch.float32 for t in model.parameters() if t.is_floating_point()):
+        model = model.float()
     set_checkpointing = _hf_checkpointing(model) if model.supports_gradient_checkpointing else None
     return _token_workload(model, _hf_logits, vocab_size, seq_len, set_checkpointing)
 

@@ -134,6 +134,46 @@ def test_bad_input_exits_2_with_one_line(
     assert message in lines[0]
 
 
+def test_probe_estimate_answers_for_a_named_gpu_without_running_the_step(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        "model: {preset: gpt2-small}\ntraining: {precision: bf16, seq_len: 1024, "
+        "max_micro_batch: 8}\n"
+    )
+    done = autotune("probe", str(spec), "--estimate", "a100-80gb", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    device = result["device"]
+    assert (device["kind"], device["name"], device["gpu"]) == (
+        "estimate",
+        "estimate for A100 80GB",
+        "A100 80GB",
+    )
+    assert device["assumptions"][0].startswith("estimated: the step was traced on fake tensors")
+    assert any("roofline" in line for line in device["assumptions"])
+    # GPT-2 124M at 1024 tokens: 8 samples hold about 10 GiB; the cap binds on 80 GB.
+    for mode in result["modes"]:
+        assert mode["max_micro_batch"] == 8 and mode["capped"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--estimate", "B200"], "unknown GPU"),
+        (["--estimate", "T4", "--memory", "1GiB"], "not allowed with argument"),
+        (["--estimate", "T4", "--device", "cuda"], "--estimate: traces the step without a device"),
+    ],
+)
+def test_a_bad_estimate_is_one_line_and_exit_2(
+    tmp_path: Path, extra: list[str], message: str
+) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("model: {preset: mlp}\n")
+    done = autotune("probe", str(spec), *extra)
+    assert done.returncode == 2
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
 def test_probe_on_a_named_gpu_states_the_gpu_its_reserve_and_assumptions(tmp_path: Path) -> None:
     spec = tmp_path / "spec.yaml"
     # A real catalogue GPU and a tiny model: the search cap binds, which is fine here.

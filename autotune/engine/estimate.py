@@ -1,0 +1,293 @@
+"""Estimates without a GPU: a training step traced on fake tensors on an emulated named GPU.
+
+`EstimateRunner` is a `TrialRunner` whose model, optimizer state and inputs are fake tensors
+(`FakeTensorMode`: shapes, dtypes and strides, no storage, no arithmetic), so a step of a model
+of any size costs seconds and no memory. Every trial runs the emulated GPU's own code path, the
+live-byte tracker, the caching-allocator model, CUDA's autocast policy, the fused attention
+kernels and the named GPU's reserve, on those fake tensors: an estimate and an emulated probe
+agree by construction, and the same search, recommendation and tuner run on top
+(docs/design.md#estimates-without-a-gpu).
+
+Speed is the roofline of every kernel of one step on the named GPU (`autotune.core.roofline`):
+FLOPs from torch's formulas (`torch.utils.flop_counter`), bytes read and written from the
+shapes, and the stated efficiencies. Attention is counted as the fused kernel: SDPA runs as the
+CPU's flash kernel, whose FLOP formulas are torch's SDPA formulas, in a pass of its own.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import (
+    flop_registry,
+    register_flop_formula,
+    sdpa_backward_flop,
+    sdpa_flop,
+)
+
+from autotune.core.allocator_config import AllocatorConfig
+from autotune.core.cuda_reserve import GpuBudget
+from autotune.core.errors import SpecError
+from autotune.core.roofline import MathDtype, RooflineAssumptions, op_time_s
+from autotune.core.schemas import (
+    DeviceInfo,
+    DeviceKind,
+    OptimizerName,
+    Precision,
+    Spec,
+    StepOutcome,
+)
+from autotune.core.throughput import Measurement
+from autotune.engine.device import EmulatedDevice
+from autotune.engine.runner import InProcessRunner
+
+_aten = torch.ops.aten
+
+# The CPU's flash attention stands for the GPU's fused kernels in the speed pass; torch has no
+# FLOP formula for it, and the SDPA formulas count what a fused kernel computes.
+for _op, _formula in (
+    (_aten._scaled_dot_product_flash_attention_for_cpu, sdpa_flop),
+    (_aten._scaled_dot_product_flash_attention_for_cpu_backward, sdpa_backward_flop),
+):
+    if _op not in flop_registry:
+        register_flop_formula(_op, get_raw=True)(_formula)
+
+# Ops that launch no kernel: they only make a tensor's metadata or reserve its memory.
+_NO_KERNEL = {
+    _aten.empty.memory_format,
+    _aten.empty_like.default,
+    _aten.empty_strided.default,
+    _aten.new_empty.default,
+    _aten.new_empty_strided.default,
+    _aten.detach.default,
+}
+
+
+def _math_dtype(dtype: torch.dtype, *, tf32: bool) -> MathDtype:
+    if dtype == torch.bfloat16:
+        return "bf16"
+    if dtype == torch.float16:
+        return "fp16"
+    return "tf32" if tf32 else "fp32"
+
+
+class _KernelTimes(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Adds up every kernel's roofline time; views and allocations launch none."""
+
+    def __init__(self, budget: GpuBudget, assumptions: RooflineAssumptions, tf32: bool) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.gpu = budget.gpu
+        self.assumptions = assumptions
+        self.tf32 = tf32
+        self.time_s = 0.0
+        self.flops = 0
+        self.kernels = 0
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace != "aten" or func.is_view or func in _NO_KERNEL:
+            return out
+        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not outputs:
+            return out
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        formula = flop_registry.get(func._overloadpacket)
+        flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+        bytes_moved = sum(t.numel() * t.element_size() for t in (*inputs, *outputs))
+        floating = [t.dtype for t in (*inputs, *outputs) if t.is_floating_point()]
+        dtype = _math_dtype(floating[0] if floating else torch.float32, tf32=self.tf32)
+        self.time_s += op_time_s(
+            self.gpu, self.assumptions, flops=flops, bytes_moved=bytes_moved, dtype=dtype
+        )
+        self.flops += flops
+        self.kernels += 1
+        return out
+
+
+class _FusedAttentionForSpeed(TorchFunctionMode):
+    # Dropout sends the CPU's attention down the math path (s x s matrices the GPU's kernels
+    # never write); the fused kernels apply it on chip, so the speed pass runs without it.
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is F.scaled_dot_product_attention:
+            kwargs["dropout_p"] = 0.0
+            if len(args) > 4:
+                args = (*args[:4], 0.0, *args[5:])
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def _sequences_not_packed() -> Iterator[None]:
+    """transformers decides whether a batch packs several sequences by reading the position
+    ids' values, which fake tensors do not have; it then builds an explicit (b, 1, s, s) mask
+    that the real step, whose position ids count up, never builds. The estimate's batches are
+    never packed, so the answer is known: say so for the duration of a trial."""
+    try:
+        masking_utils = importlib.import_module("transformers.masking_utils")
+    except ImportError:
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:  # a transformers without packed-sequence detection
+        yield
+        return
+    setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(masking_utils, "find_packed_sequence_indices", original)  # noqa: B010
+
+
+def _check_traceable(spec: Spec) -> None:
+    """Refuse what reads tensor values inside a step: fake tensors have none."""
+    training = spec.training
+    if training.optimizer is OptimizerName.ADAFACTOR:
+        raise SpecError(
+            "training.optimizer: adafactor reads values inside its step (its step count, the "
+            "parameters' norms), which an estimate cannot trace; estimate with adamw or sgd"
+        )
+    if training.precision is Precision.FP16:
+        raise SpecError(
+            "training.precision: fp16's gradient scaler reads whether the gradients "
+            "overflowed, which an estimate cannot trace; bf16 holds the same tensors"
+        )
+
+
+class EstimateRunner:
+    """A `TrialRunner` on fake tensors on an emulated named GPU: nothing is allocated and no
+    kernel runs. Trials report what the emulated GPU would; `measure` reports the roofline
+    speed on the named GPU, not a timing."""
+
+    def __init__(
+        self,
+        spec: Spec,
+        *,
+        gpu: GpuBudget | None = None,
+        capacity_bytes: int | None = None,
+        allocator_config: AllocatorConfig | None = None,
+        assumptions: RooflineAssumptions | None = None,
+        allowed_factory_prefixes: list[str] | None = None,
+    ) -> None:
+        """The emulated GPU to estimate for: a named `gpu` (memory and speed) or a bare
+        `capacity_bytes` (memory only: a speed needs the card's peaks), with the caching
+        allocator's settings (torch's defaults when None)."""
+        _check_traceable(spec)
+        self._mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.gpu = gpu
+        self.assumptions = assumptions or RooflineAssumptions()
+        with self._mode:
+            device = EmulatedDevice(capacity_bytes, gpu=gpu, allocator_config=allocator_config)
+            # The snapshot that undoes an out-of-memory inside the optimizer step is fake too:
+            # it costs nothing, and it keeps the state a trial starts from the emulated GPU's.
+            self._runner = InProcessRunner(
+                spec, device, allowed_factory_prefixes=allowed_factory_prefixes
+            )
+        self.spec = spec
+
+    @property
+    def device_info(self) -> DeviceInfo:
+        info = self._runner.device_info
+        name = self.gpu.gpu.name if self.gpu is not None else info.name.removeprefix("emulated ")
+        speed = [self.assumptions.describe(self.gpu.gpu)] if self.gpu is not None else []
+        return info.model_copy(
+            update={
+                "kind": DeviceKind.ESTIMATE,
+                "name": f"estimate for {name}",
+                "assumptions": [
+                    "estimated: the step was traced on fake tensors (shapes only); no kernel "
+                    "ran and no memory was allocated",
+                    *info.assumptions,
+                    *speed,
+                ],
+            }
+        )
+
+    @property
+    def supports_checkpointing(self) -> bool:
+        return self._runner.supports_checkpointing
+
+    @property
+    def tokens_per_sample(self) -> int | None:
+        return self._runner.tokens_per_sample
+
+    def warm_up(self, *, checkpointing: bool = False) -> StepOutcome:
+        with self._mode, _sequences_not_packed():
+            return self._runner.warm_up(checkpointing=checkpointing)
+
+    def trial(
+        self, micro_batch: int, accumulation_steps: int = 1, *, checkpointing: bool = False
+    ) -> StepOutcome:
+        with self._mode, _sequences_not_packed():
+            return self._runner.trial(micro_batch, accumulation_steps, checkpointing=checkpointing)
+
+    def step_time_s(
+        self, micro_batch: int, accumulation_steps: int = 1, *, checkpointing: bool = False
+    ) -> float:
+        """The roofline time of one optimizer step on the named GPU (its recompute included
+        when checkpointing)."""
+        return self._kernel_times(micro_batch, accumulation_steps, checkpointing).time_s
+
+    def _kernel_times(
+        self, micro_batch: int, accumulation_steps: int, checkpointing: bool
+    ) -> _KernelTimes:
+        step = self._runner.step
+        step.checkpointing = checkpointing
+        if self.gpu is None:
+            raise SpecError("estimate: a speed needs a named GPU (--estimate NAME), not a size")
+        times = _KernelTimes(self.gpu, self.assumptions, bool(self.spec.training.tf32))
+        with self._mode, _sequences_not_packed(), _FusedAttentionForSpeed(), times:
+            step.run(micro_batch, accumulation_steps)
+        return times
+
+    def measure(
+        self,
+        micro_batch: int,
+        accumulation_steps: int,
+        *,
+        checkpointing: bool,
+        target_seconds: float,
+    ) -> Measurement | None:
+        """The estimated throughput of one configuration, with its traced peak; None when it
+        does not fit. `target_seconds` is unused: nothing is timed."""
+        del target_seconds
+        check = self.trial(micro_batch, accumulation_steps, checkpointing=checkpointing)
+        if not check.fits:
+            return None
+        step_time_s = self.step_time_s(
+            micro_batch, accumulation_steps, checkpointing=checkpointing
+        )
+        samples = micro_batch * accumulation_steps
+        tokens = self.tokens_per_sample
+        return Measurement(
+            samples_per_s=samples / step_time_s,
+            tokens_per_s=samples * tokens / step_time_s if tokens is not None else None,
+            step_time_s=step_time_s,
+            step_time_spread=0.0,
+            timed_steps=0,
+            peak_bytes=check.peak_bytes,
+        )
+
+
+__all__ = ["EstimateRunner"]

@@ -1,0 +1,235 @@
+"""Estimates on fake tensors against the emulated GPU, and what an estimate costs.
+
+Part 1, the zoo: for every preset, three capacities and both checkpointing modes, the probe run
+as an estimate (`autotune.engine.estimate.EstimateRunner`: the step traced on fake tensors) and
+as an emulated probe (the same step executed on the CPU), with the time each took. The goal is
+an exact match on every row, and an estimate of a few seconds per mode.
+
+Part 2, large models: Hugging Face configs no CPU could run (7B-70B parameters), estimated for
+an H100 80GB and an H200 141GB at sequence 4096 with full training (fp32 master weights, AdamW):
+the time an estimate takes and where the step first runs out.
+
+    .venv/bin/python bench/estimator.py [--quick]
+
+Writes bench/results/estimator.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autotune.core.cuda_reserve import budget_for
+from autotune.core.gpus import find_gpu
+from autotune.core.presets import PRESETS
+from autotune.core.schemas import ProbeResult, Spec
+from autotune.engine.device import EmulatedDevice
+from autotune.engine.estimate import EstimateRunner
+from autotune.engine.probe import probe_session
+from autotune.engine.runner import InProcessRunner
+
+RESULTS = Path(__file__).resolve().parent / "results"
+HUGE_BYTES = 1 << 40
+SEQ_LEN = 32
+# Capacities where the plain step fits about this many samples (from the b = 2 and 8 peaks).
+EXTRA_SAMPLES = (1, 4, 9)
+
+_LLAMA_3_8B = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+}
+# Published configs (the models' config.json on the Hugging Face hub), the fields that size them.
+LARGE_MODELS: dict[str, dict[str, Any]] = {
+    "Llama-3-8B": _LLAMA_3_8B,
+    "Mistral-7B-v0.1": {
+        "model_type": "mistral",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 32000,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+    },
+    "Qwen2.5-14B": {
+        "model_type": "qwen2",
+        "hidden_size": 5120,
+        "intermediate_size": 13824,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "vocab_size": 152064,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+    },
+    "Llama-3-70B": {
+        **_LLAMA_3_8B,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+    },
+}
+
+
+def preset_spec(name: str) -> Spec:
+    training: dict[str, object] = {"max_micro_batch": 64, "precision": "bf16"}
+    if PRESETS[name].kind == "decoder":
+        training["seq_len"] = SEQ_LEN
+    return Spec.model_validate({"model": {"preset": name}, "training": training})
+
+
+def capacities(spec: Spec) -> list[int]:
+    runner = EstimateRunner(spec, capacity_bytes=HUGE_BYTES)
+    assert runner.warm_up().fits
+    two, eight = runner.trial(2).peak_bytes, runner.trial(8).peak_bytes
+    per_sample = max((eight - two) // 6, 1)
+    return [two + per_sample * extra for extra in EXTRA_SAMPLES]
+
+
+def _modes(result: ProbeResult) -> list[dict[str, Any]]:
+    return [
+        {
+            "checkpointing": mode.checkpointing,
+            "max": mode.max_micro_batch,
+            "recommended": mode.recommended_micro_batch,
+            "trials": len(mode.attempts),
+        }
+        for mode in result.modes
+    ]
+
+
+def zoo_row(name: str, capacity_bytes: int) -> dict[str, Any]:
+    spec = preset_spec(name)
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    estimated = probe_session(EstimateRunner(spec, capacity_bytes=capacity_bytes))
+    estimate_s = time.perf_counter() - started
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    emulated = probe_session(InProcessRunner(spec, EmulatedDevice(capacity_bytes)))
+    emulated_s = time.perf_counter() - started
+    estimate_modes, emulated_modes = _modes(estimated), _modes(emulated)
+    return {
+        "preset": name,
+        "capacity_bytes": capacity_bytes,
+        "estimate": estimate_modes,
+        "emulated": emulated_modes,
+        "exact": estimate_modes == emulated_modes,
+        "estimate_s_per_mode": estimate_s / len(estimate_modes),
+        "emulated_s_per_mode": emulated_s / len(emulated_modes),
+    }
+
+
+def large_row(name: str, gpu: str) -> dict[str, Any]:
+    spec = Spec.model_validate(
+        {
+            "model": {"hf_config": LARGE_MODELS[name]},
+            "training": {"precision": "bf16", "seq_len": 4096, "max_micro_batch": 64},
+        }
+    )
+    started = time.perf_counter()
+    runner = EstimateRunner(spec, gpu=budget_for(find_gpu(gpu)))
+    built_s = time.perf_counter() - started
+    result = probe_session(runner)
+    first = result.modes[0].attempts[0]
+    return {
+        "model": name,
+        "gpu": gpu,
+        "max": [mode.max_micro_batch for mode in result.modes],
+        "first_trial_peak_gib": first.peak_bytes / 2**30,
+        "first_trial_oom_phase": first.oom_phase.value if first.oom_phase else None,
+        "build_s": built_s,
+        "total_s": time.perf_counter() - started,
+    }
+
+
+def _write(rows: list[dict[str, Any]], large: list[dict[str, Any]]) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    document = {
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch "
+        f"{torch.__version__}",
+        "zoo": rows,
+        "large": large,
+    }
+    (RESULTS / "estimator.json").write_text(json.dumps(document, indent=2) + "\n")
+    lines = [
+        "# Estimates on fake tensors vs the emulated GPU",
+        "",
+        f"Made by `bench/estimator.py` on {document['machine']}. bf16, AdamW, sequence "
+        f"{SEQ_LEN} for the decoders; three capacities per preset.",
+        "",
+        "| preset | capacity (MiB) | estimate: max plain / ckpt | emulated: max plain / ckpt "
+        "| exact | estimate s/mode | emulated s/mode |",
+        "|---|---:|---|---|---|---:|---:|",
+    ]
+    for row in rows:
+
+        def maxima(modes: list[dict[str, Any]]) -> str:
+            return " / ".join(str(mode["max"]) for mode in modes)
+
+        lines.append(
+            f"| {row['preset']} | {row['capacity_bytes'] / 2**20:,.1f} | "
+            f"{maxima(row['estimate'])} | {maxima(row['emulated'])} | "
+            f"{'yes' if row['exact'] else '**no**'} | {row['estimate_s_per_mode']:.1f} | "
+            f"{row['emulated_s_per_mode']:.1f} |"
+        )
+    exact = sum(row["exact"] for row in rows)
+    lines += ["", f"Exact on {exact} of {len(rows)} rows.", ""]
+    if large:
+        lines += [
+            "## Large models (full training: fp32 weights, AdamW; sequence 4096)",
+            "",
+            "| model | GPU | max plain / ckpt | first trial's peak (GiB) | ran out in | "
+            "build (s) | total (s) |",
+            "|---|---|---|---:|---|---:|---:|",
+        ]
+        for row in large:
+            lines.append(
+                f"| {row['model']} | {row['gpu']} | {' / '.join(map(str, row['max']))} | "
+                f"{row['first_trial_peak_gib']:,.1f} | {row['first_trial_oom_phase'] or '-'} | "
+                f"{row['build_s']:.1f} | {row['total_s']:.1f} |"
+            )
+        lines.append("")
+    (RESULTS / "estimator.md").write_text("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the tiny presets and one model")
+    args = parser.parse_args(argv)
+    presets = ["cnn", "gpt2-tiny", "llama-tiny", "mlp"] if args.quick else sorted(PRESETS)
+    rows: list[dict[str, Any]] = []
+    for name in presets:
+        for capacity_bytes in capacities(preset_spec(name)):
+            rows.append(zoo_row(name, capacity_bytes))
+            print(json.dumps(rows[-1]), flush=True)
+            _write(rows, [])
+    large: list[dict[str, Any]] = []
+    models = ["Llama-3-8B"] if args.quick else list(LARGE_MODELS)
+    for name in models:
+        for gpu in ("H100 80GB", "H200 141GB"):
+            large.append(large_row(name, gpu))
+            print(json.dumps(large[-1]), flush=True)
+            _write(rows, large)
+    return 0 if all(row["exact"] for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Estimates on fake tensors (autotune/engine/estimate.py): the same answers as the emulated GPU
+for every preset, both modes and three capacities, without running a kernel; a Llama-3-8B
+config in seconds; a roofline speed that follows the card and the work."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from autotune.core.cuda_reserve import budget_for
+from autotune.core.errors import SpecError
+from autotune.core.gpus import find_gpu
+from autotune.core.presets import PRESETS
+from autotune.core.schemas import DeviceKind, Spec
+from autotune.engine.device import EmulatedDevice
+from autotune.engine.estimate import EstimateRunner
+from autotune.engine.probe import probe_session
+from autotune.engine.runner import InProcessRunner
+
+SEQ_LEN = 32
+HUGE_BYTES = 1 << 40
+
+
+def _spec(name: str, precision: str = "bf16", **training: object) -> Spec:
+    settings: dict[str, object] = {"max_micro_batch": 16, "precision": precision, **training}
+    if PRESETS[name].kind == "decoder":
+        settings.setdefault("seq_len", SEQ_LEN)
+    return Spec.model_validate({"model": {"preset": name}, "training": settings})
+
+
+def _capacities(spec: Spec) -> list[int]:
+    """Three capacities where the plain step fits about 3, 6 and 11 samples, from the estimate's
+    own b = 2 and 8 peaks (which sizes they allow is what the test compares)."""
+    runner = EstimateRunner(spec, capacity_bytes=HUGE_BYTES)
+    assert runner.warm_up().fits
+    two, eight = runner.trial(2).peak_bytes, runner.trial(8).peak_bytes
+    per_sample = max((eight - two) // 6, 1)
+    return [two + per_sample * extra for extra in (1, 4, 9)]
+
+
+def _maxima(runner: EstimateRunner | InProcessRunner) -> list[tuple[bool, int, int]]:
+    result = probe_session(runner)
+    return [
+        (mode.checkpointing, mode.max_micro_batch, mode.recommended_micro_batch)
+        for mode in result.modes
+    ]
+
+
+# The smallest preset of each family (as in test_probe.py): whole probes at three capacities.
+# bench/estimator.py runs the same comparison on every preset.
+FAMILY_PRESETS = ["cnn", "gpt2-tiny", "llama-tiny", "mlp"]
+
+
+@pytest.mark.parametrize("name", FAMILY_PRESETS)
+def test_the_estimate_finds_the_emulated_gpus_answer_at_three_capacities(name: str) -> None:
+    spec = _spec(name)
+    for capacity_bytes in _capacities(spec):
+        torch.manual_seed(0)
+        estimated = _maxima(EstimateRunner(spec, capacity_bytes=capacity_bytes))
+        torch.manual_seed(0)
+        emulated = _maxima(InProcessRunner(spec, EmulatedDevice(capacity_bytes)))
+        assert estimated == emulated, capacity_bytes
+        assert len(estimated) == 2
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_trial_is_the_emulated_gpus_to_the_byte(name: str) -> None:
+    # What the search sees of a trial: fits, the peaks, the per-op series and the allocations.
+    # Equal trials make equal probes, the search being a function of its trials.
+    spec = _spec(name, "fp32")
+    estimate = EstimateRunner(spec, capacity_bytes=HUGE_BYTES)
+    emulated = InProcessRunner(spec, EmulatedDevice(HUGE_BYTES))
+    for checkpointing in (False, True):
+        for micro_batch in (1, 3):
+            a = estimate.trial(micro_batch, checkpointing=checkpointing)
+            b = emulated.trial(micro_batch, checkpointing=checkpointing)
+            assert a.fits and b.fits
+            assert (a.peak_bytes, a.peak_allocated_bytes, a.series, a.allocations) == (
+                b.peak_bytes,
+                b.peak_allocated_bytes,
+                b.series,
+                b.allocations,
+            )
+
+
+LLAMA_3_8B = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+}
+
+
+def test_a_llama_3_8b_estimate_for_an_80_gb_card_takes_seconds() -> None:
+    pytest.importorskip("transformers")
+    spec = Spec.model_validate(
+        {
+            "model": {"hf_config": LLAMA_3_8B},
+            "training": {"precision": "bf16", "seq_len": 4096, "max_micro_batch": 64},
+        }
+    )
+    started = time.monotonic()
+    runner = EstimateRunner(spec, gpu=budget_for(find_gpu("H100 80GB")))
+    result = probe_session(runner)
+    elapsed_s = time.monotonic() - started
+    # Full training with fp32 weights and AdamW needs 16 bytes per parameter, 128 GB for 8.03B
+    # parameters: nothing fits on 80 GB, and the first trial says where it ran out.
+    assert [mode.max_micro_batch for mode in result.modes] == [0, 0]
+    first = result.modes[0].attempts[0]
+    assert not first.fits and first.oom_phase is not None
+    assert result.device.kind is DeviceKind.ESTIMATE
+    assert result.device.capacity_bytes == budget_for(find_gpu("H100 80GB")).capacity_bytes
+    assert elapsed_s < 120  # a real step of this model would not even fit in the host's RAM
+
+
+def test_the_speed_is_a_roofline_on_the_named_card() -> None:
+    spec = _spec("gpt2-tiny")
+    a100 = EstimateRunner(spec, gpu=budget_for(find_gpu("A100 80GB")))
+    h100 = EstimateRunner(spec, gpu=budget_for(find_gpu("H100 80GB")))
+    for runner in (a100, h100):
+        assert runner.warm_up().fits
+    # The faster card is faster; twice the work takes longer but less than twice as long
+    # (per-kernel launches and the optimizer step do not grow with the batch).
+    assert h100.step_time_s(8) < a100.step_time_s(8)
+    assert a100.step_time_s(8) < a100.step_time_s(16) < 2 * a100.step_time_s(8)
+    # Checkpointing recomputes the forward: slower at the same size.
+    assert a100.step_time_s(8, checkpointing=True) > a100.step_time_s(8)
+    measurement = a100.measure(8, 2, checkpointing=False, target_seconds=1.0)
+    assert measurement is not None
+    assert measurement.samples_per_s == pytest.approx(16 / a100.step_time_s(8, 2))
+    assert measurement.tokens_per_s == pytest.approx(measurement.samples_per_s * SEQ_LEN)
+    assert any("roofline" in line for line in a100.device_info.assumptions)
+
+
+def test_a_speed_needs_a_named_card() -> None:
+    runner = EstimateRunner(_spec("mlp"), capacity_bytes=HUGE_BYTES)
+    with pytest.raises(SpecError, match="named GPU"):
+        runner.step_time_s(4)
+
+
+@pytest.mark.parametrize(
+    ("training", "field"),
+    [({"optimizer": "adafactor"}, "training.optimizer"), ({"precision": "fp16"}, "precision")],
+)
+def test_what_reads_values_inside_a_step_is_refused_by_name(
+    training: dict[str, str], field: str
+) -> None:
+    with pytest.raises(SpecError, match=field):
+        EstimateRunner(_spec("gpt2-tiny", **training), capacity_bytes=HUGE_BYTES)
