@@ -213,9 +213,15 @@ def _write(rows: list[dict[str, Any]], large: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the tiny presets and one model")
+    parser.add_argument(
+        "--large-only", action="store_true", help="keep the committed zoo rows, redo part 2"
+    )
     args = parser.parse_args(argv)
     presets = ["cnn", "gpt2-tiny", "llama-tiny", "mlp"] if args.quick else sorted(PRESETS)
     rows: list[dict[str, Any]] = []
+    if args.large_only:
+        rows = json.loads((RESULTS / "estimator.json").read_text())["zoo"]
+        presets = []
     for name in presets:
         for capacity_bytes in capacities(preset_spec(name)):
             rows.append(zoo_row(name, capacity_bytes))

@@ -153,15 +153,16 @@ class _FusedAttention(torch.autograd.Function):
                 query, key, value, mask, dropout_p, is_causal, scale, seed
             )
         output, logsumexp = _visible(output, like=query), _visible(logsumexp)
-        # The output last: checkpoint recomputation under a function mode packs a Function's
-        # outputs after its other saved tensors, and checkpoint matches them by position.
-        ctx.save_for_backward(query, key, value, mask, logsumexp, output)
+        # Checkpoint matches what is saved by position, and its recomputation (under a function
+        # mode) packs a Function's outputs after its other saved tensors and, it seems, inputs
+        # that need no gradient before those that do: so the mask first, the output last.
+        ctx.save_for_backward(mask, query, key, value, logsumexp, output)
         ctx.dropout_p, ctx.is_causal, ctx.scale, ctx.seed = dropout_p, is_causal, scale, seed
         return output
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        query, key, value, mask, _logsumexp, _output = ctx.saved_tensors
+        mask, query, key, value, _logsumexp, _output = ctx.saved_tensors
         # In the kernel's order: the three gradients, then its scratch, alive until it returns.
         grad_q, grad_k, grad_v = (torch.empty_like(t) for t in (query, key, value))
         scratch = [

@@ -199,3 +199,19 @@ def test_masked_or_fp32_attention_counts_the_efficient_kernels_scratch() -> None
     assert events == [GRAD_BYTES] * 3 + [6_400, 524_288, -5, -4]
     fp32_events = _backward_allocations(torch.float32, None)
     assert fp32_events == [2 * GRAD_BYTES] * 3 + [6_400, 524_288, -5, -4]
+
+
+@pytest.mark.parametrize("mask", [CAUSAL, torch.zeros(2, 1, 16, 16).masked_fill(~CAUSAL, -1e9)])
+def test_a_masked_attention_recomputes_under_checkpointing(mask: torch.Tensor) -> None:
+    # Checkpoint matches saved tensors by position, and its recomputation packs the mask (no
+    # gradient) before the query, key and value: saved after them, every masked model
+    # (Mistral's sliding window, padded batches) raised CheckpointError in the checkpointing
+    # mode. (The emulated GPU measures memory; the values are not checked here.)
+    def block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q * 2, k * 2, v * 2, attn_mask=mask)
+
+    with gpu_attention():
+        grads = _grads(
+            lambda q, k, v: torch.utils.checkpoint.checkpoint(block, q, k, v, use_reentrant=False)
+        )
+    assert [g.shape for g in grads] == [torch.Size([2, 4, 16, 8])] * 3
