@@ -24,7 +24,7 @@ from autotune.core.errors import SpecError
 from autotune.core.schemas import OptimizerName, Precision, TrainingSpec
 from autotune.engine.autocast import cuda_autocast_policy
 from autotune.engine.data_parallel import EmulatedReducer
-from autotune.engine.workload import Batch, Workload
+from autotune.engine.workload import Batch, Workload, fp32_on
 
 # Learning rates only have to keep long timing runs finite; they change neither memory nor time.
 _LEARNING_RATES = {
@@ -101,14 +101,7 @@ class TrainingStep:
     def __init__(self, workload: Workload, training: TrainingSpec, device: torch.device) -> None:
         self._workload = workload
         self._device = device
-        model = workload.model
-        if any(
-            t.device != device or (t.is_floating_point() and t.dtype != torch.float32)
-            for t in itertools.chain(model.parameters(), model.buffers())
-        ):
-            # Only when needed: a model made under fake tensors cannot have its tensors swapped.
-            model = model.to(device=device, dtype=torch.float32)
-        self.model = model.train()
+        self.model = fp32_on(workload.model, device).train()
         self.optimizer = _build_optimizer(self.model, training.optimizer)
         self._autocast_dtype = _AUTOCAST_DTYPES.get(training.precision)
         self.scaler = (

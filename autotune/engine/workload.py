@@ -35,6 +35,7 @@ An import or attribute error, or a return value that is not a `Workload`, raises
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import logging
 import threading
@@ -87,6 +88,17 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
+
+
+def fp32_on(model: nn.Module, device: torch.device) -> nn.Module:
+    """`model` with fp32 floating tensors on `device`, converted only when it is not already:
+    a model made on fake tensors (the estimate) cannot have its tensors swapped."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    if any(
+        t.device != device or (t.is_floating_point() and t.dtype != torch.float32) for t in tensors
+    ):
+        return model.to(device=device, dtype=torch.float32)
+    return model
 
 
 def count_label_tokens(batch: Batch) -> torch.Tensor:
@@ -331,9 +343,7 @@ def _build_hf_model(
         reason = str(exc) if quote_errors else type(exc).__name__
         raise ModelBuildError(f"{label}: could not build a causal LM: {reason}") from None
     # fp32 master weights whatever the config's dtype says: precision is the spec's business.
-    # Converted only when needed: a model made on fake tensors (the estimate) cannot be.
-    if any(t.dtype != torch.float32 for t in model.parameters() if t.is_floating_point()):
-        model = model.float()
+    model = fp32_on(model, model.device)
     set_checkpointing = _hf_checkpointing(model) if model.supports_gradient_checkpointing else None
     return _token_workload(model, _hf_logits, vocab_size, seq_len, set_checkpointing)
 
