@@ -15,6 +15,7 @@ so `max_split_size_mb:40,,expandable_segments:True` drops its last setting. Thos
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -250,7 +251,11 @@ class _Parser:
         value = self.token(index, f"a value for {key}")
         if not _DECIMAL.fullmatch(value):
             raise self.fail(f"{key}: expected a number, got {value!r}")
-        return float(value)
+        number = float(value)
+        if number != 0.0 and not sys.float_info.min <= abs(number) <= sys.float_info.max:
+            # std::stod throws out_of_range on underflow to a subnormal and on overflow.
+            raise self.fail(f"{key}: {value} is out of range")
+        return number
 
     def boolean(self, index: int, key: str) -> bool:
         value = self.token(index, f"a value for {key}")
