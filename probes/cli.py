@@ -125,7 +125,10 @@ def register(commands: Subcommands) -> None:
         type=positive_seconds,
         default=DEFAULT_TIMEOUT_S,
         metavar="S",
-        help=f"time limit of one trial's child process (default {DEFAULT_TIMEOUT_S:g})",
+        help=(
+            "time limit of one trial's child process, counted once it has imported torch "
+            f"(default {DEFAULT_TIMEOUT_S:g})"
+        ),
     )
     worker.add_argument(
         "--poll-interval",

@@ -63,6 +63,10 @@ START_METHODS: tuple[StartMethod, ...] = ("spawn", "forkserver")
 FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "autotune.engine.runner", "probes.isolation"]
 
 DEFAULT_TIMEOUT_S = 600.0
+# A child's start (a new interpreter importing torch, or the first fork of a forkserver that
+# imports it) is not the trial's time: it took 2-6 s, and over 20 s on a loaded machine, for
+# any model. The trial's limit runs from the child's "started" message; this bounds the start.
+STARTUP_TIMEOUT_S = 300.0
 # A child that answered but does not exit (e.g. stuck tearing down a CUDA context) is killed
 # after this long; its answer stands.
 EXIT_GRACE_S = 10.0
@@ -248,6 +252,9 @@ def child_main(connection: Connection, request: ChildRequest) -> None:
     logging.basicConfig(
         level=request.log_level, format="%(levelname)s %(name)s (trial child): %(message)s"
     )
+    for module in FORKSERVER_PRELOAD:  # already imported in a forkserver's child
+        importlib.import_module(module)
+    connection.send(("started",))
     message: tuple[Any, ...]
     try:
         message = ("ok", _perform(request))
@@ -343,7 +350,8 @@ def run_child(
     earlier trial, and starts in milliseconds instead of the 2-5 s that importing torch takes.
 
     Raises:
-        TrialCrashed: the child died, exited without answering or ran past `timeout_s`.
+        TrialCrashed: the child died, exited without answering, did not start within
+            `STARTUP_TIMEOUT_S` or ran past `timeout_s` once started (torch imported).
         TrialError: the child raised an exception that is not an AutotuneError.
         AutotuneError: the child raised one (SpecError, ModelBuildError, DeviceError, ...).
         Whatever `interrupt` raises (after the child was killed).
@@ -356,7 +364,8 @@ def run_child(
         name=f"autotune-{request.operation}",
         daemon=False,  # a daemonic child could not start processes of its own (user code may)
     )
-    started_s = time.monotonic()
+    launched_s = time.monotonic()
+    started_s: float | None = None  # when the child said it started
     process.start()
     writer.close()  # so that the reader sees EOF when the child dies
     crash_where = _describe_request(request)
@@ -371,10 +380,20 @@ def run_child(
                     raise TrialCrashed(
                         request.operation, _exit_reason(process.exitcode), **crash_where
                     ) from None
+                if message == ("started",):
+                    started_s, message = time.monotonic(), None
+                    continue
                 break
             if interrupt is not None:
                 interrupt()
-            if time.monotonic() - started_s > timeout_s:
+            now_s = time.monotonic()
+            if started_s is None and now_s - launched_s > STARTUP_TIMEOUT_S:
+                raise TrialCrashed(
+                    request.operation,
+                    f"did not start within {STARTUP_TIMEOUT_S:g} s",
+                    **crash_where,
+                )
+            if started_s is not None and now_s - started_s > timeout_s:
                 raise TrialCrashed(
                     request.operation, f"timed out after {timeout_s:g} s", **crash_where
                 )
@@ -389,7 +408,7 @@ def run_child(
             _kill(process)
         process.close()
     logger.debug(
-        "%s %s in a child: %.2f s", request.operation, crash_where, time.monotonic() - started_s
+        "%s %s in a child: %.2f s", request.operation, crash_where, time.monotonic() - launched_s
     )
     if message[0] == "ok":
         return message[1]
@@ -427,7 +446,8 @@ class ChildProcessRunner:
         device_name: "cpu" (emulated) or "cuda:N"; as `autotune.engine.device.open_device`.
         memory_bytes: The emulated capacity, or a cap on a GPU's.
         gpu: The named GPU the cpu device emulates (instead of `memory_bytes`).
-        timeout_s: Time limit of one child (start-up, model build, warm-up and the trial).
+        timeout_s: Time limit of one child once started (model build, warm-up and the trial;
+            not the interpreter's start and torch's import, see `STARTUP_TIMEOUT_S`).
         interrupt: Checked while children run; whatever it raises stops the run.
         start_method: "spawn" or "forkserver" (see `run_child`).
         allowed_factories: module prefixes whose factories the children may import (the
