@@ -2,12 +2,13 @@
 points, so that it exists exactly where the `api` extra is installed.
 
     autotune serve [--host 127.0.0.1] [--port 8000] [--db URL] [--workers N]
-                   [--allow-factory-specs]
+                   [--allow-factory-specs] [--no-estimates]
 
 Settings come from the environment (`api.settings.Settings`, `AUTOTUNE_` prefix), read here.
 `serve` connects to the database before listening: when it cannot (refused, or no answer within
 the connect timeout) it says so in one line and exits 1 (EXIT_FAILURE: the database may come
-back, so this is not a usage error, exit 2, that the user must fix in the command).
+back, so this is not a usage error, exit 2, that the user must fix in the command). Where torch
+is installed, it also runs an estimate worker (`api.estimate_worker`) unless `--no-estimates`.
 """
 
 from __future__ import annotations
@@ -16,11 +17,19 @@ import argparse
 import json
 import os
 import secrets
+import subprocess
 import sys
+from typing import TYPE_CHECKING
 
+from api import estimate_worker
 from autotune.cli.options import Subcommands, port_number, positive_int
 from autotune.core.defaults import DEFAULT_DATA_DIR, EXIT_OK, SERVER_DATABASE_FILE
 from autotune.core.errors import AutotuneError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from api.settings import Settings
 
 
 class DatabaseUnreachable(AutotuneError):
@@ -28,8 +37,6 @@ class DatabaseUnreachable(AutotuneError):
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from api.db import UNREACHABLE_ERRORS, Database
     from api.main import create_app
     from api.settings import Settings
@@ -48,6 +55,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         generated["worker"] = secrets.token_urlsafe(24)
         settings = settings.model_copy(update={"worker_tokens": [generated["worker"]]})
     url = settings.resolved_database_url()
+    app: FastAPI | None = None
     try:
         if args.workers == 1:
             app = create_app(settings)
@@ -70,10 +78,38 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         sys.stderr.write(
             "autotune serve: set AUTOTUNE_CLIENT_TOKENS / AUTOTUNE_WORKER_TOKENS to choose them\n"
         )
+    estimates: subprocess.Popen[bytes] | None = None
+    if args.estimates:
+        missing = estimate_worker.missing_reason()
+        if args.port == 0:
+            missing = "--port 0 leaves the port to the system, and the worker could not find it"
+        if missing is None:
+            log_path = settings.data_dir / estimate_worker.LOG_FILE
+            estimates = estimate_worker.start(
+                estimate_worker.local_url(args.host, args.port),
+                settings.worker_tokens[0],
+                log_path,
+            )
+            sys.stderr.write(f"autotune serve: estimates run here (worker log: {log_path})\n")
+        else:
+            sys.stderr.write(f"autotune serve: estimates need a worker: {missing}\n")
     sys.stderr.flush()
-    if args.workers == 1:
+    try:
+        _run_uvicorn(args, app, settings, url)
+    finally:
+        if estimates is not None:
+            estimate_worker.stop(estimates)
+    return EXIT_OK
+
+
+def _run_uvicorn(
+    args: argparse.Namespace, app: FastAPI | None, settings: Settings, url: str
+) -> None:
+    import uvicorn
+
+    if app is not None:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-        return EXIT_OK
+        return
     # Several processes build their own app from the environment (uvicorn's factory mode).
     os.environ["AUTOTUNE_DATABASE_URL"] = url
     os.environ["AUTOTUNE_CLIENT_TOKENS"] = json.dumps(settings.client_tokens)
@@ -87,7 +123,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         workers=args.workers,
         log_level="warning",
     )
-    return EXIT_OK
 
 
 def register(commands: Subcommands) -> None:
@@ -106,5 +141,12 @@ def register(commands: Subcommands) -> None:
         action="store_true",
         help="accept factory specs (default: refused with 422, or AUTOTUNE_ALLOW_FACTORY_SPECS"
         "=true); only workers started with --allow-factory run them",
+    )
+    serve.add_argument(
+        "--no-estimates",
+        dest="estimates",
+        action="store_false",
+        help="do not run the embedded estimate worker (estimate runs then wait for an "
+        "`autotune worker --device estimate`)",
     )
     serve.set_defaults(func=_cmd_serve)

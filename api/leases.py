@@ -154,6 +154,8 @@ def _match_clause(devices: Sequence[DeviceInfo]) -> ColumnElement[bool]:
 
 
 def _target_clause(device: DeviceInfo) -> ColumnElement[bool]:
+    if device.kind == DeviceKind.ESTIMATE:
+        return and_(RunRow.target_kind == "estimate", RunRow.target_name == device.gpu)
     if device.kind == DeviceKind.EMULATED and device.gpu is not None:
         # A named GPU: its capacity depends on each run's world size, the name matches.
         return and_(RunRow.target_kind == "emulated", RunRow.target_name == device.gpu)

@@ -13,11 +13,21 @@ from api import results
 from api.db import Database, migrate
 from autotune import __version__
 from autotune.core.schemas import DeviceInfo, DeviceKind, TuneResult
-from autotune.remote.protocol import CudaTarget, DeviceTarget, EmulatedTarget, RunCreate
+from autotune.remote.protocol import (
+    CudaTarget,
+    DeviceTarget,
+    EmulatedTarget,
+    EstimateTarget,
+    RunCreate,
+)
 
 
 def target_for(device: DeviceInfo) -> DeviceTarget:
     """The device target a run on `device` answers (what a user would POST to get it)."""
+    if device.kind is DeviceKind.ESTIMATE:
+        if device.gpu is None:  # a bare capacity: nobody can ask for it by name
+            raise ValueError("an estimate without a named GPU answers no device target")
+        return EstimateTarget(gpu=device.gpu, allocator_conf=device.allocator_conf)
     if device.kind is DeviceKind.EMULATED and device.gpu is not None:
         return EmulatedTarget(gpu=device.gpu)
     if device.kind is DeviceKind.EMULATED:

@@ -18,14 +18,16 @@ from autotune.core.gpus import find_gpu
 from autotune.core.schemas import ModeProbe, StepOutcome, Trial
 from autotune.remote.protocol import (
     API_PREFIX,
+    AnyTarget,
     AttemptRecord,
     CudaTarget,
     EmulatedTarget,
+    EstimateTarget,
     Run,
     RunSummary,
 )
 
-Target = EmulatedTarget | CudaTarget
+Target = AnyTarget
 
 
 class _With:
@@ -59,6 +61,8 @@ def target_of(row: RunRow) -> Target:
             ),
             from_attributes=True,
         )
+    if row.target_kind == "estimate":
+        return EstimateTarget(gpu=row.target_name, allocator_conf=allocator_conf)
     if row.target_name is not None:  # a named GPU (its memory column is informative)
         return EmulatedTarget(gpu=row.target_name, allocator_conf=allocator_conf)
     return EmulatedTarget(memory_bytes=row.target_memory_bytes, allocator_conf=allocator_conf)
@@ -68,7 +72,7 @@ def target_memory_bytes(target: Target) -> int:
     """The memory column of a run's target: the target's memory, or a named GPU's total."""
     if target.memory_bytes is not None:
         return target.memory_bytes
-    assert isinstance(target, EmulatedTarget) and target.gpu is not None
+    assert isinstance(target, EmulatedTarget | EstimateTarget) and target.gpu is not None
     return find_gpu(target.gpu).total_memory_bytes
 
 

@@ -1,6 +1,6 @@
 """The `autotune worker` command: a probe worker that takes runs from a server.
 
-    autotune worker [--server URL] [--token T] [--device cuda|cuda:N|cpu]
+    autotune worker [--server URL] [--token T] [--device cuda|cuda:N|cpu|estimate]
                     [--memory SIZE | --gpu NAME]
                     [--once] [--db URL] [--data-dir DIR] [--trial-timeout S]
                     [--poll-interval S] [--seconds-per-trial S] [--shutdown-grace S]
@@ -9,8 +9,9 @@
 
 The token (a worker token of the server) comes from `--token` or AUTOTUNE_TOKEN, the server URL
 from `--server` or AUTOTUNE_SERVER. `autotune` finds `register` through the `autotune.commands`
-entry points, so the command exists exactly where this package imports. SIGTERM or Ctrl-C stops
-the worker with exit code 0 (see `probes.worker`).
+entry points, so the command exists exactly where this package imports. `--device estimate`
+answers estimate runs for every catalogue GPU (no GPU used; `autotune serve` starts one).
+SIGTERM or Ctrl-C stops the worker with exit code 0 (see `probes.worker`).
 """
 
 from __future__ import annotations
@@ -106,7 +107,12 @@ def register(commands: Subcommands) -> None:
         "worker", help="take runs from a server and tune them on this machine's device"
     )
     add_server_args(worker, token_help="a worker token of the server")
-    add_device_args(worker)
+    add_device_args(
+        worker,
+        device_help="cuda, cuda:N, cpu (an emulated GPU; needs --memory or --gpu), or estimate "
+        "(estimates for every catalogue GPU, traced on fake tensors; no GPU used). Default: cpu "
+        "with --gpu, else cuda when present, else cpu.",
+    )
     worker.add_argument("--once", action="store_true", help="exit after one run")
     worker.add_argument(
         "--db",

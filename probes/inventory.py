@@ -2,6 +2,8 @@
 
 * "cpu": one emulated GPU of `--memory` bytes, or the named `--gpu` (its capacity for one rank:
   each run's trials open it for the run's world size);
+* "estimate": every GPU of the catalogue (`autotune.core.gpus`), estimated on fake tensors
+  (`autotune.engine.estimate`): no device is used, so one worker answers estimates for all;
 * "cuda": every GPU torch sees; "cuda:N": that one. Each is read in a child process through
   `autotune.engine.cuda_device.CudaDevice` (NVML: name, UUID, total memory, driver and CUDA
   versions; plus the torch version), so that no CUDA context lives on in the worker itself.
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 from autotune.core.allocator_config import config_from_environ
 from autotune.core.bytesize import format_bytes
+from autotune.core.errors import SpecError
 from autotune.core.schemas import DeviceInfo, DeviceKind
 from probes.isolation import read_devices
 
@@ -32,6 +35,34 @@ class WorkerDevice:
     device_name: str
     memory_bytes: int | None
     gpu: str | None = None
+
+
+ESTIMATE_DEVICE = "estimate"
+
+
+def estimate_inventory() -> list[WorkerDevice]:
+    """One estimate device per catalogue GPU, with this worker's allocator settings.
+
+    One small estimate is traced here: the first estimate in a process pays about 2 s of
+    one-time work (lazy imports, fake-tensor caches), which would otherwise delay the first
+    answer, the one a user long-polls for right after the server started."""
+    from autotune.core.gpus import GPUS
+    from autotune.core.schemas import ModelSpec, Spec
+    from autotune.engine.estimate import EstimateRunner, estimate_device
+
+    allocator_config = config_from_environ(os.environ)
+    warm = EstimateRunner(Spec(model=ModelSpec(preset="mlp")), capacity_bytes=2**30)
+    warm.warm_up(checkpointing=False)
+    warm.trial(2, 2, checkpointing=False)
+    return [
+        WorkerDevice(
+            estimate_device(gpu.name, allocator_config=allocator_config),
+            ESTIMATE_DEVICE,
+            None,
+            gpu.name,
+        )
+        for gpu in GPUS
+    ]
 
 
 def default_device_name(gpu: str | None = None) -> str:
@@ -52,6 +83,12 @@ def read_inventory(
             GPU name with a CUDA device.
         DeviceError: CUDA was asked for and is unavailable.
     """
+    if device_name == ESTIMATE_DEVICE:
+        if memory_bytes is not None or gpu is not None:
+            raise SpecError("--device estimate: estimates every catalogue GPU; no --memory/--gpu")
+        devices = estimate_inventory()
+        logger.info("estimates for %d catalogue GPUs", len(devices))
+        return devices
     if device_name == "cpu" or gpu is not None:
         from autotune.engine.device import open_device  # refuses what cannot be opened
 

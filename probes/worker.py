@@ -35,6 +35,7 @@ to the server with its type, message and traceback tail, and the worker takes th
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -49,6 +50,7 @@ from autotune.core.errors import FactoryRefused, ModelBuildError, SpecError
 from autotune.core.factoryaccess import check_factory_allowed
 from autotune.core.schemas import StepOutcome, Trial, TrialState, TuneResult
 from autotune.engine.probe import probe_session
+from autotune.engine.runner import TrialRunner
 from autotune.engine.tuner import tune_session
 from autotune.remote.client import (
     LeaseExpired,
@@ -60,7 +62,7 @@ from autotune.remote.client import (
 )
 from autotune.remote.protocol import Claim
 from probes.errors import TrialCrashed, TrialError, WorkerShutdown
-from probes.inventory import WorkerDevice
+from probes.inventory import ESTIMATE_DEVICE, WorkerDevice
 from probes.isolation import DEFAULT_TIMEOUT_S, ChildProcessRunner, StartMethod
 
 logger = logging.getLogger(__name__)
@@ -366,16 +368,7 @@ class Worker:
         )
         keeper = _LeaseKeeper(self.heartbeat_client, claim)
         keeper.start()
-        runner = ChildProcessRunner(
-            claim.spec,
-            device.device_name,
-            device.memory_bytes,
-            gpu=device.gpu,
-            timeout_s=self.config.trial_timeout_s,
-            interrupt=lambda: self._interrupt(keeper),
-            start_method=self.config.start_method,
-            allowed_factories=self.config.allowed_factories,
-        )
+        runner = self._runner_for(claim, device, keeper)
         progress = _Progress(self.client, keeper)
         # One Optuna study per claim: a study left by an earlier claim of this run (a killed
         # worker sharing this storage) is not continued, nor clobbered. The lease id (random,
@@ -435,8 +428,37 @@ class Worker:
         finally:
             keeper.stop()
 
+    def _runner_for(self, claim: Claim, device: WorkerDevice, keeper: _LeaseKeeper) -> TrialRunner:
+        """Trials in child processes on a device; or, for an estimate, traced here: no kernel
+        runs and nothing is allocated, so there is no device state for a child to protect, and a
+        child per trial would rebuild the model each time (seconds for an 8B model)."""
+        if device.device_name == ESTIMATE_DEVICE:
+            from autotune.core.allocator_config import config_from_environ
+            from autotune.core.cuda_reserve import budget_for
+            from autotune.core.gpus import find_gpu
+            from autotune.engine.estimate import EstimateRunner
+
+            assert device.gpu is not None
+            return EstimateRunner(
+                claim.spec,
+                gpu=budget_for(find_gpu(device.gpu), claim.spec.training.world_size),
+                # This worker's environment, as its inventory reported it.
+                allocator_config=config_from_environ(os.environ),
+                allowed_factory_prefixes=list(self.config.allowed_factories),
+            )
+        return ChildProcessRunner(
+            claim.spec,
+            device.device_name,
+            device.memory_bytes,
+            gpu=device.gpu,
+            timeout_s=self.config.trial_timeout_s,
+            interrupt=lambda: self._interrupt(keeper),
+            start_method=self.config.start_method,
+            allowed_factories=self.config.allowed_factories,
+        )
+
     def _tune(
-        self, claim: Claim, runner: ChildProcessRunner, progress: _Progress, study_name: str
+        self, claim: Claim, runner: TrialRunner, progress: _Progress, study_name: str
     ) -> TuneResult:
         spec = claim.spec
         if spec.training.target_global_batch is None:
@@ -457,12 +479,14 @@ class Worker:
     def _post_failed_trial(
         self,
         claim: Claim,
-        runner: ChildProcessRunner,
+        runner: TrialRunner,
         progress: _Progress,
         study_name: str,
         error: Exception,
     ) -> None:
         """A measurement that crashed or raised becomes a FAILED trial on the run."""
+        if not isinstance(runner, ChildProcessRunner):
+            return  # an estimate's measurement is arithmetic in this process
         failure = runner.last_failure
         if failure is None or failure.error is not error or failure.operation != "measure":
             return

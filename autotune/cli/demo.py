@@ -246,7 +246,11 @@ def run_demo(argv: Sequence[str] | None = None) -> int:
         server_env.pop("AUTOTUNE_DATABASE_URL", None)  # the demo's server is the embedded one
         port = url.rsplit(":", 1)[1]
         server = _start(
-            "server", ["serve", "--port", port, *server_args], server_env, data_dir / "server.log"
+            "server",
+            # The demo's worker is the one it starts; estimates are not part of the tour.
+            ["serve", "--port", port, "--no-estimates", *server_args],
+            server_env,
+            data_dir / "server.log",
         )
         children.append(server)
         with ServerClient(url, retries=0) as probe_client:

@@ -99,15 +99,18 @@ def non_negative_seconds(text: str) -> float:
     return value
 
 
-def add_device_args(parser: argparse.ArgumentParser, *, estimate: bool = False) -> None:
+DEVICE_HELP = (
+    "cuda, cuda:N, or cpu (an emulated GPU; needs --memory or --gpu). "
+    "Default: cpu with --gpu, else cuda when present, else cpu."
+)
+
+
+def add_device_args(
+    parser: argparse.ArgumentParser, *, estimate: bool = False, device_help: str = DEVICE_HELP
+) -> None:
     """`--device`, and `--memory` or `--gpu` (one of them); `open_device(args)` opens them.
     `estimate`: also `--estimate NAME`, one of the three (`open_runner(args, spec)`)."""
-    parser.add_argument(
-        "--device",
-        default=None,
-        help="cuda, cuda:N, or cpu (an emulated GPU; needs --memory or --gpu). "
-        "Default: cpu with --gpu, else cuda when present, else cpu.",
-    )
+    parser.add_argument("--device", default=None, help=device_help)
     # One or the other: a named GPU's capacity is the card's less what CUDA takes on it, and a
     # --memory on top would make a device that is neither (docs/design.md#the-interface).
     size = parser.add_mutually_exclusive_group()

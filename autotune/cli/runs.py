@@ -35,7 +35,15 @@ from autotune.core.errors import SpecError
 from autotune.core.presets import PRESETS
 from autotune.core.schemas import ModelSpec, Spec
 from autotune.remote.client import ServerClient
-from autotune.remote.protocol import CudaTarget, EmulatedTarget, Run, RunPage, RunStatus
+from autotune.remote.protocol import (
+    AnyTarget,
+    CudaTarget,
+    EmulatedTarget,
+    EstimateTarget,
+    Run,
+    RunPage,
+    RunStatus,
+)
 
 # ---------------------------------------------------------------------------------------------
 # submit
@@ -78,8 +86,10 @@ def _client(args: argparse.Namespace) -> ServerClient:
 
 def _cmd_submit(args: argparse.Namespace) -> int:
     spec = _load_spec(args.spec)
-    device: EmulatedTarget | CudaTarget
-    if args.gpu is not None:
+    device: AnyTarget
+    if args.estimate is not None:
+        device = EstimateTarget(gpu=args.estimate)
+    elif args.gpu is not None:
         device = EmulatedTarget(gpu=args.gpu)
     else:
         device = parse_device(args.device) if args.device else _local_gpu_target()
@@ -222,6 +232,13 @@ def register_submit(commands: Subcommands) -> None:
         default=None,
         metavar="NAME",
         help='an emulated named GPU, e.g. "H100 80GB" (its memory less what CUDA takes on it)',
+    )
+    target.add_argument(
+        "--estimate",
+        type=gpu_name,
+        default=None,
+        metavar="NAME",
+        help="an estimate for a named GPU (traced on fake tensors; `autotune serve` runs them)",
     )
     submit.add_argument("--wait", action="store_true", help="wait for the result")
     submit.add_argument(

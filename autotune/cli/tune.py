@@ -32,7 +32,7 @@ from autotune.cli.options import (
 from autotune.core.bytesize import format_bytes
 from autotune.core.defaults import ENV_DATABASE_URL, EXIT_FAILURE, EXIT_OK, server_database_url
 from autotune.core.recorder import installed_recorders
-from autotune.core.schemas import DeviceKind, Trial, TrialState, TuneResult
+from autotune.core.schemas import Trial, TrialState, TuneResult
 
 
 def default_database_url() -> str:
@@ -111,11 +111,8 @@ def tune_json(result: TuneResult) -> str:
 
 def _record_locally(result: TuneResult, storage_url: str, console: Console) -> None:
     """Store the run in the local database, by every installed recorder (none without the
-    server package). Estimates are not stored: the run database has no estimate target yet, and
-    a stored estimate must never answer a request for a measurement."""
-    if result.device.kind is DeviceKind.ESTIMATE:
-        console.print("an estimate: not recorded in the run database")
-        return
+    server package). An estimate is stored under its own target, so it answers estimate
+    requests only, never a request for a measurement."""
     for recorder in installed_recorders():
         run_id = recorder.record_run(storage_url, result)
         console.print(f"recorded as run {run_id} in {storage_url}")

@@ -35,8 +35,9 @@ from torch.utils.flop_counter import (
 )
 
 from autotune.core.allocator_config import AllocatorConfig
-from autotune.core.cuda_reserve import GpuBudget
+from autotune.core.cuda_reserve import GpuBudget, budget_for
 from autotune.core.errors import SpecError
+from autotune.core.gpus import find_gpu
 from autotune.core.roofline import MathDtype, RooflineAssumptions, op_time_s
 from autotune.core.schemas import (
     DeviceInfo,
@@ -175,6 +176,41 @@ def _check_traceable(spec: Spec) -> None:
         )
 
 
+# Up to this many micro-steps, tracing them all is no dearer than extrapolating (2 + 3).
+_TRACED_ACCUMULATION = 5
+
+
+def estimate_info(
+    emulated: DeviceInfo, gpu: GpuBudget | None, assumptions: RooflineAssumptions
+) -> DeviceInfo:
+    """The device an estimate reports: the emulated GPU's `emulated` info, marked as traced, with
+    the roofline's assumptions when there is a named `gpu` to be fast or slow."""
+    name = gpu.gpu.name if gpu is not None else emulated.name.removeprefix("emulated ")
+    speed = [assumptions.describe(gpu.gpu)] if gpu is not None else []
+    return emulated.model_copy(
+        update={
+            "kind": DeviceKind.ESTIMATE,
+            "name": f"estimate for {name}",
+            "assumptions": [
+                "estimated: the step was traced on fake tensors (shapes only); no kernel "
+                "ran and no memory was allocated",
+                *emulated.assumptions,
+                *speed,
+            ],
+        }
+    )
+
+
+def estimate_device(
+    gpu_name: str, *, world_size: int = 1, allocator_config: AllocatorConfig | None = None
+) -> DeviceInfo:
+    """What an estimate for the named GPU reports as its device, before any spec (a worker's
+    inventory): as `EstimateRunner(spec, gpu=...).device_info` for a spec of `world_size`."""
+    budget = budget_for(find_gpu(gpu_name), world_size)
+    emulated = EmulatedDevice(None, gpu=budget, allocator_config=allocator_config).info
+    return estimate_info(emulated, budget, RooflineAssumptions())
+
+
 class EstimateRunner:
     """A `TrialRunner` on fake tensors on an emulated named GPU: nothing is allocated and no
     kernel runs. Trials report what the emulated GPU would; `measure` reports the roofline
@@ -208,21 +244,7 @@ class EstimateRunner:
 
     @property
     def device_info(self) -> DeviceInfo:
-        info = self._runner.device_info
-        name = self.gpu.gpu.name if self.gpu is not None else info.name.removeprefix("emulated ")
-        speed = [self.assumptions.describe(self.gpu.gpu)] if self.gpu is not None else []
-        return info.model_copy(
-            update={
-                "kind": DeviceKind.ESTIMATE,
-                "name": f"estimate for {name}",
-                "assumptions": [
-                    "estimated: the step was traced on fake tensors (shapes only); no kernel "
-                    "ran and no memory was allocated",
-                    *info.assumptions,
-                    *speed,
-                ],
-            }
-        )
+        return estimate_info(self._runner.device_info, self.gpu, self.assumptions)
 
     @property
     def supports_checkpointing(self) -> bool:
@@ -246,8 +268,17 @@ class EstimateRunner:
         self, micro_batch: int, accumulation_steps: int = 1, *, checkpointing: bool = False
     ) -> float:
         """The roofline time of one optimizer step on the named GPU (its recompute included
-        when checkpointing)."""
-        return self._kernel_times(micro_batch, accumulation_steps, checkpointing).time_s
+        when checkpointing).
+
+        A step's middle micro-steps run the same kernels (gradients accumulate; only the first
+        allocates them and only the last synchronises ranks), so a long accumulation is traced
+        as 2 and 3 micro-steps, their difference being one middle micro-step: five traced
+        micro-steps instead of `accumulation_steps` (an 8B model traces one in seconds)."""
+        if accumulation_steps <= _TRACED_ACCUMULATION:
+            return self._kernel_times(micro_batch, accumulation_steps, checkpointing).time_s
+        two_s = self._kernel_times(micro_batch, 2, checkpointing).time_s
+        three_s = self._kernel_times(micro_batch, 3, checkpointing).time_s
+        return two_s + (accumulation_steps - 2) * (three_s - two_s)
 
     def _kernel_times(
         self, micro_batch: int, accumulation_steps: int, checkpointing: bool

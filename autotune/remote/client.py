@@ -31,11 +31,10 @@ from autotune.core.errors import AutotuneError
 from autotune.core.schemas import DeviceInfo, Spec, StepOutcome, Trial, TuneResult
 from autotune.remote.protocol import (
     API_PREFIX,
+    AnyTarget,
     AttemptEvent,
     Claim,
     ClaimRequest,
-    CudaTarget,
-    EmulatedTarget,
     EventAck,
     FailureReport,
     Health,
@@ -237,9 +236,7 @@ class ServerClient:
     def health(self) -> Health:
         return self._parse(self._request("GET", "/health"), Health)
 
-    def submit_run(
-        self, spec: Spec, device: EmulatedTarget | CudaTarget, *, wait_s: float = 0
-    ) -> Submitted:
+    def submit_run(self, spec: Spec, device: AnyTarget, *, wait_s: float = 0) -> Submitted:
         """Submit a spec; `.cached` and `.run` are set when a finished run answers it."""
         params = {"wait": wait_s} if wait_s > 0 else None
         response = self._request(

@@ -176,18 +176,22 @@ class EmulatedTarget(FrozenModel):
         return f"emulated:{self.gpu if self.gpu is not None else self.memory_bytes}"
 
 
-class CudaTarget(FrozenModel):
+class _UnsetLeftOut(FrozenModel):
+    """Serialised without its unset (None) fields: a target's JSON is what its user wrote."""
+
+    @model_serializer(mode="wrap")
+    def _without_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        return {key: value for key, value in data.items() if value is not None}
+
+
+class CudaTarget(_UnsetLeftOut):
     """A real GPU model, e.g. name "NVIDIA A100-SXM4-80GB" with its total memory."""
 
     kind: Literal["cuda"] = "cuda"
     name: Annotated[_Text, Field(max_length=DEVICE_NAME_MAX)]
     memory_bytes: MemoryBytes
     allocator_conf: AllocatorConf = None
-
-    @model_serializer(mode="wrap")
-    def _without_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = handler(self)
-        return {key: value for key, value in data.items() if value is not None}
 
     def identity(self) -> dict[str, Any]:
         identity = {"kind": self.kind, "name": self.name, "memory_bytes": self.memory_bytes}
@@ -207,16 +211,45 @@ class CudaTarget(FrozenModel):
         return self.name
 
 
+class EstimateTarget(_UnsetLeftOut):
+    """An estimate for the named `gpu` of `autotune.core.gpus`: the emulated GPU's step traced on
+    fake tensors (`autotune.engine.estimate`), no device needed; speed by roofline. Its answers
+    are never a measurement's: a run of this target answers only estimate requests."""
+
+    kind: Literal["estimate"] = "estimate"
+    gpu: GpuName
+    allocator_conf: AllocatorConf = None
+
+    @property
+    def memory_bytes(self) -> None:
+        """No memory of its own: the named GPU's (one rank's, for the spec's world size)."""
+        return None
+
+    def identity(self) -> dict[str, Any]:
+        return _with_allocator({"kind": self.kind, "gpu": self.gpu}, self.allocator_conf)
+
+    def matches(self, device: DeviceInfo) -> bool:
+        return (
+            device.kind == DeviceKind.ESTIMATE
+            and device.gpu == self.gpu
+            and device.allocator_conf == self.allocator_conf
+        )
+
+    @property
+    def label(self) -> str:
+        return f"estimate:{self.gpu}"
+
+
 def _with_allocator(identity: dict[str, Any], allocator_conf: str | None) -> dict[str, Any]:
     # Only when set: a run on torch's default settings keeps the fingerprint it always had.
     return identity if allocator_conf is None else {**identity, "allocator_conf": allocator_conf}
 
 
-# A discriminated union so that a later "estimate" target is one more member.
-DeviceTarget = Annotated[EmulatedTarget | CudaTarget, Field(discriminator="kind")]
+AnyTarget = EmulatedTarget | CudaTarget | EstimateTarget
+DeviceTarget = Annotated[AnyTarget, Field(discriminator="kind")]
 
 
-def fingerprint(spec: Spec, target: EmulatedTarget | CudaTarget, autotune_version: str) -> str:
+def fingerprint(spec: Spec, target: AnyTarget, autotune_version: str) -> str:
     """sha256 of the canonical JSON of (spec with defaults, device identity, autotune version).
 
     Two submissions with the same fingerprint would measure the same thing, so a succeeded run

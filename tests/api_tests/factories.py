@@ -67,6 +67,13 @@ def named_device(gpu: str = "H100 80GB", world_size: int = 1, index: int = 0) ->
     )
 
 
+def estimate_device(gpu: str = "H100 80GB", index: int = 0) -> DeviceInfo:
+    """What a worker started with `--device estimate` offers for one catalogue GPU."""
+    return named_device(gpu, index=index).model_copy(
+        update={"kind": DeviceKind.ESTIMATE, "name": f"estimate for {gpu}"}
+    )
+
+
 def cuda_device(
     name: str = "NVIDIA A100-SXM4-80GB", total_memory_bytes: int = 80 * GIB, index: int = 0
 ) -> DeviceInfo:

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx2
@@ -15,8 +16,9 @@ import pytest
 from autotune.cli.main import main
 from autotune.cli.runs import parse_device
 from autotune.core.errors import SpecError
+from autotune.core.schemas import DeviceKind, Spec
 from autotune.remote.client import ServerClient
-from autotune.remote.protocol import CudaTarget, EmulatedTarget
+from autotune.remote.protocol import CudaTarget, EmulatedTarget, EstimateTarget, RunStatus
 from tests.api_tests.factories import GIB, emulated_device, tiny_spec, tune_result
 from tests.conftest import CLIENT_TOKEN, WORKER_TOKEN, LiveServer, free_port, wait_for_health
 
@@ -99,8 +101,13 @@ def test_cli_errors_are_one_line(
     assert "--device" in capsys.readouterr().err
 
 
-def _serve(tmp_path: Path, *args: str, **env: str) -> tuple[str, subprocess.Popen[bytes]]:
-    """`autotune serve` in `tmp_path` with no AUTOTUNE_ settings but `env`, once healthy."""
+def _serve(
+    tmp_path: Path, *args: str, estimates: bool = False, **env: str
+) -> tuple[str, subprocess.Popen[bytes]]:
+    """`autotune serve` in `tmp_path` with no AUTOTUNE_ settings but `env`, once healthy; with
+    its estimate worker only if `estimates` (a torch import the other tests do not need)."""
+    if not estimates:
+        args = (*args, "--no-estimates")
     port = free_port()
     clean = {k: v for k, v in os.environ.items() if not k.startswith("AUTOTUNE_")}
     log_path = tmp_path / "serve.log"
@@ -150,3 +157,76 @@ def test_serve_allow_factory_specs_accepts_them(tmp_path: Path) -> None:
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:  # gone meanwhile
+                pass
+    return found
+
+
+def test_serve_alone_answers_an_estimate_within_10_s(tmp_path: Path) -> None:
+    """No worker started: `serve` runs its own estimate worker, which answers an estimate POST
+    with a recommendation and exports, and stops with the server."""
+    data_dir = tmp_path / "data"
+    url, process = _serve(
+        tmp_path,
+        estimates=True,
+        AUTOTUNE_CLIENT_TOKENS=CLIENT_TOKEN,
+        AUTOTUNE_WORKER_TOKENS=WORKER_TOKEN,
+        AUTOTUNE_DATA_DIR=str(data_dir),
+    )
+    spec = Spec.model_validate(
+        {
+            "model": {"preset": "mlp"},
+            "training": {"precision": "bf16", "target_global_batch": 16},
+        }
+    )
+    target = EstimateTarget(gpu="H100 80GB")
+    try:
+        # Timed once serve is up, its estimate worker included (it imports torch meanwhile).
+        worker_log = data_dir / "estimate-worker.log"
+        deadline_s = time.monotonic() + 120
+        while not worker_log.is_file() or "waiting for runs" not in worker_log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline_s, worker_log
+            time.sleep(0.1)
+        with ServerClient(url, token=CLIENT_TOKEN) as user:
+            started_s = time.monotonic()
+            submitted = user.submit_run(spec, target, wait_s=10)
+            elapsed_s = time.monotonic() - started_s
+            run = submitted.run
+            assert run is not None and run.status is RunStatus.SUCCEEDED, submitted
+            assert elapsed_s <= 10, elapsed_s
+            print(f"estimate answered in {elapsed_s:.1f} s")
+            assert run.worker_id == "serve-estimates"
+            assert run.device == target
+            assert run.worker_device is not None
+            assert run.worker_device.kind is DeviceKind.ESTIMATE
+            assert run.worker_device.gpu == "H100 80GB"
+            rec = run.recommendation
+            assert rec is not None and rec.global_batch == 16
+            assert rec.micro_batch * rec.accumulation_steps == 16
+            assert run.exports is not None
+            assert run.exports.deepspeed["train_batch_size"] == 16
+            assert run.exports.hf["gradient_accumulation_steps"] == rec.accumulation_steps
+            assert "loss" in run.exports.pytorch_loop
+            # The same estimate is answered from the store; a measurement on that GPU is not.
+            again = user.submit_run(spec, target)
+            assert again.cached and again.id == run.id
+            measured = user.submit_run(spec, EmulatedTarget(gpu="H100 80GB"))
+            assert not measured.cached and measured.status is RunStatus.QUEUED
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert "estimates run here" in (tmp_path / "serve.log").read_text()
+    # The estimate worker stopped with the server (its command line names the data directory).
+    deadline_s = time.monotonic() + 30
+    while _processes_mentioning(str(data_dir)):
+        assert time.monotonic() < deadline_s, _processes_mentioning(str(data_dir))
+        time.sleep(0.1)

@@ -103,7 +103,7 @@ def _serve(database_url: str, tmp_path: Path) -> tuple[int, str, float]:
     started = time.monotonic()
     process = subprocess.run(
         [sys.executable, "-m", "autotune.cli.main", "serve", "--port", str(free_port())]
-        + ["--db", database_url],
+        + ["--db", database_url, "--no-estimates"],
         cwd=tmp_path,
         env=env,
         capture_output=True,

@@ -9,8 +9,8 @@ from starlette.testclient import TestClient
 from api.settings import Settings
 from autotune.core.cuda_reserve import budget_for
 from autotune.core.gpus import find_gpu
-from autotune.remote.client import LeaseLost, ServerClient
-from autotune.remote.protocol import CudaTarget, EmulatedTarget, RunStatus
+from autotune.remote.client import LeaseLost, RequestRejected, ServerClient
+from autotune.remote.protocol import CudaTarget, EmulatedTarget, EstimateTarget, RunStatus
 from tests.api_tests.factories import (
     GIB,
     a100,
@@ -18,6 +18,7 @@ from tests.api_tests.factories import (
     cuda_device,
     emulated,
     emulated_device,
+    estimate_device,
     named,
     named_device,
     tiny_spec,
@@ -568,3 +569,34 @@ def test_each_kind_of_target_is_claimed_only_by_its_kind_of_device(
     assert worker.claim("n", [named_device("H100 80GB")]) is None
     claim = worker.claim("c", [cuda_device("H100 80GB", total)])
     assert claim is not None and claim.run_id == card_id
+
+
+def test_an_estimate_is_claimed_only_by_an_estimate_device_and_answers_only_estimates(
+    user: ServerClient, worker: ServerClient
+) -> None:
+    estimate_id = user.submit_run(tiny_spec(), EstimateTarget(gpu="H100 80GB")).id
+    named_id = user.submit_run(tiny_spec(), named("H100 80GB")).id
+    # An emulated H100 does not take the estimate, nor an estimate for another GPU; the
+    # estimate device takes the estimate only.
+    assert worker.claim("e", [estimate_device("A100 80GB")]) is None
+    claim = worker.claim("e", [estimate_device("A100 80GB"), estimate_device("H100 80GB", 1)])
+    assert claim is not None
+    assert (claim.run_id, claim.device_index) == (estimate_id, 1)
+    assert claim.target == EstimateTarget(gpu="H100 80GB")
+    assert worker.claim("e", [estimate_device("H100 80GB")]) is None
+    # A measurement does not answer the estimate's result, and vice versa.
+    with pytest.raises(RequestRejected):
+        worker.submit_result(
+            claim.run_id, claim.lease_id, tune_result(tiny_spec(), named_device("H100 80GB"))
+        )
+    worker.submit_result(
+        claim.run_id, claim.lease_id, tune_result(tiny_spec(), estimate_device("H100 80GB"))
+    )
+    run = user.get_run(estimate_id)
+    assert run.status == RunStatus.SUCCEEDED and run.device.label == "estimate:H100 80GB"
+    # Cached for the estimate; the named GPU's run stays queued for a measurement.
+    again = user.submit_run(tiny_spec(), EstimateTarget(gpu="H100 80GB"))
+    assert again.cached and again.id == estimate_id
+    assert user.get_run(named_id).status == RunStatus.QUEUED
+    claim = worker.claim("n", [named_device("H100 80GB")])
+    assert claim is not None and claim.run_id == named_id

@@ -56,6 +56,22 @@ def test_the_inventory_of_a_named_gpu_offers_it_for_one_rank() -> None:
     assert device.info.capacity_bytes == budget_for(find_gpu("T4")).capacity_bytes
 
 
+def test_the_estimate_inventory_offers_every_catalogue_gpu(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from autotune.core.gpus import GPUS
+    from autotune.core.schemas import DeviceKind
+    from probes.inventory import read_inventory
+
+    devices = read_inventory("estimate", None)
+    assert [device.gpu for device in devices] == [gpu.name for gpu in GPUS]
+    for device in devices:
+        assert device.info.kind is DeviceKind.ESTIMATE and device.info.gpu == device.gpu
+        assert device.info.name == f"estimate for {device.gpu}"
+    assert main(["worker", "--token", "t", "--device", "estimate", "--memory", "4GiB"]) == 2
+    assert "--device estimate: estimates every catalogue GPU" in capsys.readouterr().err
+
+
 def test_cuda_without_a_gpu_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     import torch
 

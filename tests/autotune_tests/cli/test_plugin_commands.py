@@ -13,11 +13,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from autotune.core.plugins import COMMAND_GROUP, RECORDER_GROUP, plugins
+from tests.conftest import free_port
 
 # The child: refuse the modules in BLOCKED (a top-level name blocks its submodules too), then
 # run the CLI. ("missing", M): as if importing it needed module M, which is not installed;
@@ -80,6 +82,32 @@ def test_serve_without_the_api_extra_says_what_to_install(tmp_path: Path) -> Non
         "autotune serve: needs the 'api' extra (No module named 'fastapi'): "
         "pip install 'autotune[api]'\n"
     )
+
+
+def test_serve_without_torch_says_that_estimates_need_a_worker(tmp_path: Path) -> None:
+    log_path = tmp_path / "serve.log"
+    argv = ["serve", "--port", str(free_port()), "--db", f"sqlite:///{tmp_path / 'runs.db'}"]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, json.dumps({"torch": missing("torch")}), *argv],
+            cwd=tmp_path,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    expected = (
+        "autotune serve: estimates need a worker: torch is not installed here "
+        "(pip install 'autotune[probe]')"
+    )
+    try:
+        deadline_s = time.monotonic() + 60
+        while expected not in log_path.read_text():
+            assert process.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline_s, log_path.read_text()
+            time.sleep(0.1)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert "estimates run here" not in log_path.read_text()
 
 
 @pytest.mark.parametrize(

@@ -141,6 +141,25 @@ def test_the_speed_is_a_roofline_on_the_named_card() -> None:
     assert any("roofline" in line for line in a100.device_info.assumptions)
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_long_accumulation_is_timed_from_two_and_three_micro_steps(world_size: int) -> None:
+    """The middle micro-steps of a step run the same kernels (the first allocates the
+    gradients, the last synchronises the ranks): 5 micro-steps traced in full are 2 and 3
+    micro-steps' times extrapolated, and so is a step of 8 (which is not traced in full)."""
+    spec = _spec("cnn", world_size=world_size)
+    runner = EstimateRunner(spec, gpu=budget_for(find_gpu("H100 80GB"), world_size))
+    assert runner.warm_up().fits
+    for checkpointing in (False, True):
+        two_s, three_s, five_s = (
+            runner.step_time_s(4, steps, checkpointing=checkpointing) for steps in (2, 3, 5)
+        )
+        middle_s = three_s - two_s
+        assert middle_s > 0
+        assert five_s == pytest.approx(two_s + 3 * middle_s, rel=1e-9)
+        eight_s = runner.step_time_s(4, 8, checkpointing=checkpointing)
+        assert eight_s == pytest.approx(two_s + 6 * middle_s, rel=1e-9)
+
+
 def test_a_speed_needs_a_named_card() -> None:
     runner = EstimateRunner(_spec("mlp"), capacity_bytes=HUGE_BYTES)
     with pytest.raises(SpecError, match="named GPU"):
