@@ -139,13 +139,16 @@ def abort_in_measurement(training: TrainingSpec) -> Workload:
     return _workload(training, _abort_on_call(5))
 
 
+HEAVY_STATE_ROWS = 5_000_000
+
+
 def heavy_state(training: TrainingSpec) -> Workload:
-    """200 MB of parameters (an embedding table) and next to no activations: the training state
-    (weights, gradients, AdamW's two moments: 800 MB) is what a process's memory holds."""
-    model = nn.Sequential(nn.Embedding(12_500_000, 4), nn.Flatten(), nn.Linear(4, CLASSES))
+    """80 MB of parameters (an embedding table) and next to no activations: the training state
+    (weights, gradients, AdamW's two moments: 320 MB) is what a process's memory holds."""
+    model = nn.Sequential(nn.Embedding(HEAVY_STATE_ROWS, 4), nn.Flatten(), nn.Linear(4, CLASSES))
 
     def make_batch(micro_batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = torch.randint(0, 12_500_000, (micro_batch, 1), device=device)
+        rows = torch.randint(0, HEAVY_STATE_ROWS, (micro_batch, 1), device=device)
         return rows, torch.randint(0, CLASSES, (micro_batch,), device=device)
 
     def loss_sum(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The `autotune` command as a user runs it: a real child process, real exit codes."""
+"""The `autotune` command as a user runs it: a real child process, real exit codes (usage
+errors, which never reach a device, run `main` in this process)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from autotune.cli.main import main
 from autotune.core.cuda_reserve import budget_for
 from autotune.core.gpus import find_gpu
 
@@ -30,6 +32,17 @@ def autotune(
         cwd=cwd,
         env={**os.environ, **(env or {})},
     )
+
+
+def in_process(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """`autotune ARGV` in this process (usage errors need no child: the exit code and the one
+    line are main's, or argparse's SystemExit); returns the exit code and stderr."""
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as exited:
+        code = exited.code if isinstance(exited.code, int) else 1
+    return code, capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -122,15 +135,19 @@ def test_step_json_agrees_with_probe(
     ],
 )
 def test_bad_input_exits_2_with_one_line(
-    tmp_path: Path, spec_path: Path, args: list[str], message: str
+    tmp_path: Path,
+    spec_path: Path,
+    args: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {preset: mlp}\ntraining: {precision: fp8}\n")
     paths = {"spec": spec_path, "missing": tmp_path / "missing.yaml", "bad": bad}
-    done = autotune(*[arg.format(**paths) for arg in args])
-    assert done.returncode == 2, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1, done.stderr
+    code, stderr = in_process([arg.format(**paths) for arg in args], capsys)
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
     assert message in lines[0]
 
 
@@ -165,13 +182,13 @@ def test_probe_estimate_answers_for_a_named_gpu_without_running_the_step(tmp_pat
     ],
 )
 def test_a_bad_estimate_is_one_line_and_exit_2(
-    tmp_path: Path, extra: list[str], message: str
+    tmp_path: Path, extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     spec = tmp_path / "spec.yaml"
     spec.write_text("model: {preset: mlp}\n")
-    done = autotune("probe", str(spec), *extra)
-    assert done.returncode == 2
-    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    code, stderr = in_process(["probe", str(spec), *extra], capsys)
+    assert code == 2
+    assert message in stderr and len(stderr.strip().splitlines()) == 1
 
 
 def test_probe_on_a_named_gpu_states_the_gpu_its_reserve_and_assumptions(tmp_path: Path) -> None:

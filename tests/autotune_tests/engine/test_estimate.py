@@ -19,7 +19,7 @@ from autotune.engine.estimate import EstimateRunner
 from autotune.engine.probe import probe_session
 from autotune.engine.runner import InProcessRunner
 
-SEQ_LEN = 32
+SEQ_LEN = 16
 HUGE_BYTES = 1 << 40
 
 
@@ -65,7 +65,12 @@ def test_the_estimate_finds_the_emulated_gpus_answer_at_three_capacities(name: s
         assert len(estimated) == 2
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+# Every preset but the two largest, which run the same code as their smaller siblings for 25 s
+# more; bench/estimator.py compares the probes of every preset, those two included.
+BYTE_PRESETS = sorted(set(PRESETS) - {"gpt2-small", "llama-small"})
+
+
+@pytest.mark.parametrize("name", BYTE_PRESETS)
 def test_every_trial_is_the_emulated_gpus_to_the_byte(name: str) -> None:
     # What the search sees of a trial: fits, the peaks, the per-op series and the allocations.
     # Equal trials make equal probes, the search being a function of its trials.

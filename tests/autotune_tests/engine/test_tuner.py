@@ -179,9 +179,7 @@ def test_priority_and_budget() -> None:
 
 def test_cli_tune_json(tmp_path: Path) -> None:
     spec_path = tmp_path / "spec.yaml"
-    spec_path.write_text(
-        "model: {preset: gpt2-tiny}\ntraining: {seq_len: 32, target_global_batch: 16}\n"
-    )
+    spec_path.write_text("model: {preset: mlp}\ntraining: {target_global_batch: 16}\n")
     done = subprocess.run(
         [
             sys.executable,
@@ -192,7 +190,7 @@ def test_cli_tune_json(tmp_path: Path) -> None:
             "--device",
             "cpu",
             "--memory",
-            "180MiB",
+            "64MiB",
             "--json",
             "--db",
             sqlite_url(tmp_path),
@@ -215,7 +213,7 @@ def test_cli_tune_json(tmp_path: Path) -> None:
 
 def test_cli_tune_needs_a_target(tmp_path: Path) -> None:
     spec_path = tmp_path / "spec.yaml"
-    spec_path.write_text("model: {preset: gpt2-tiny}\ntraining: {seq_len: 32}\n")
+    spec_path.write_text("model: {preset: mlp}\n")
     done = subprocess.run(
         [
             sys.executable,
