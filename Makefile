@@ -26,17 +26,7 @@ ifneq ($(HAS_GPU),yes)
 	$(PIP_INSTALL) $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
 endif
 	$(PIP_INSTALL) -e '.[all,dev]'
-	$(PY) -c "$$WARM_IMPORTS"
 	touch $@
-
-# Byte-compiled once here, by importing them, are the modules nearly every process imports:
-# without it the first processes of a run (test workers, servers, trial children) each compile
-# torch's at once, 4 s of CPU apiece.
-define WARM_IMPORTS
-import torch, torch._dynamo, optuna, fastapi, sqlalchemy, uvicorn, pydantic
-import autotune.engine.runner, autotune.engine.estimate, api.main, probes.worker
-endef
-export WARM_IMPORTS
 
 env: $(VENV)/.installed
 

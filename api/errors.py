@@ -78,6 +78,11 @@ class RunNotFound(ApiError):
         super().__init__(f"no run with id {run_id}")
 
 
+class NoComparison(ApiError):
+    status_code = 404
+    code = "no_comparison"
+
+
 class RunNotCancellable(ApiError):
     status_code = 409
     code = "run_finished"

@@ -9,13 +9,14 @@ from fastapi import APIRouter, Path, Query, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.concurrency import run_in_threadpool
 
-from api import leases, runstore
+from api import comparison, leases, runstore
 from api.deps import AppContext, ClientAuth, ContextDep, ReaderAuth
 from api.rowmodels import run_url
 from api.runcache import CachedRun
 from autotune.remote.protocol import (
     MAX_INT,
     MAX_PAGE_LIMIT,
+    Comparison,
     ErrorBody,
     Run,
     RunCreate,
@@ -204,6 +205,23 @@ async def read_run(run_id: RunId, context: ContextDep, wait: WaitSeconds = 0) ->
             return _json(waited[1])
     _, body = await run_in_threadpool(_load_run, context, run_id)
     return _json(body)
+
+
+@router.get(
+    "/{run_id}/comparison",
+    dependencies=[ReaderAuth],
+    responses={
+        404: {
+            "model": ErrorBody,
+            "description": "No such run, or no estimate and measurement of it to compare.",
+        }
+    },
+)
+def compare_run(run_id: RunId, context: ContextDep) -> Comparison:
+    """The run's estimate and measurement on its GPU side by side: each mode's largest
+    micro-batch and the recommendations' samples/s, with the estimate's error."""
+    with context.db.read() as session:
+        return comparison.compare_run(session, run_id=run_id)
 
 
 @router.post(

@@ -35,6 +35,7 @@ from autotune.remote.protocol import (
     AttemptEvent,
     Claim,
     ClaimRequest,
+    Comparison,
     EventAck,
     FailureReport,
     Health,
@@ -258,6 +259,12 @@ class ServerClient:
             timeout_s=wait_s + 30 if wait_s > 0 else None,
         )
         return self._parse(response, Run)
+
+    def get_comparison(self, run_id: int) -> Comparison:
+        """The run's estimate and measurement side by side (RequestRejected 404 `no_comparison`
+        when it has no counterpart yet)."""
+        response = self._request("GET", f"{API_PREFIX}/runs/{run_id}/comparison")
+        return self._parse(response, Comparison)
 
     def wait_for_run(self, run_id: int, *, timeout_s: float, poll_s: float = 30.0) -> Run:
         """Long-poll until the run finishes or `timeout_s` passes (then its current state)."""

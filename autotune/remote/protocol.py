@@ -422,6 +422,31 @@ class Submitted(FrozenModel):
     run: Run | None = None
 
 
+class ModeComparison(FrozenModel):
+    """One checkpointing mode's largest micro-batch, estimated and measured."""
+
+    checkpointing: bool
+    estimated_max_micro_batch: int
+    measured_max_micro_batch: int
+    error_micro_batches: int = Field(description="Estimated less measured.")
+
+
+class Comparison(FrozenModel):
+    """An estimate and a measurement of the same spec on the same GPU, side by side: the
+    estimate's error on that card (`GET /runs/{id}/comparison`, from either run)."""
+
+    gpu: str
+    estimate_run_id: int
+    measured_run_id: int
+    measured_device: DeviceTarget
+    modes: list[ModeComparison]
+    estimated_samples_per_s: float | None = None
+    measured_samples_per_s: float | None = None
+    speed_error: float | None = Field(
+        default=None, description="Estimated over measured samples/s of the recommendations, - 1."
+    )
+
+
 class RunPage(FrozenModel):
     items: list[RunSummary]
     total: int

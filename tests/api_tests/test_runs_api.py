@@ -400,6 +400,7 @@ def test_openapi_documents_every_route(http: TestClient) -> None:
         "/api/v1/runs",
         "/api/v1/runs/{run_id}",
         "/api/v1/runs/{run_id}/cancel",
+        "/api/v1/runs/{run_id}/comparison",
         "/api/v1/worker/claim",
         "/api/v1/worker/runs/{run_id}/heartbeat",
         "/api/v1/worker/runs/{run_id}/attempts",

@@ -9,6 +9,7 @@ from starlette.testclient import TestClient
 from api.settings import Settings
 from autotune.core.cuda_reserve import budget_for
 from autotune.core.gpus import find_gpu
+from autotune.core.schemas import DeviceInfo, Spec
 from autotune.remote.client import LeaseLost, RequestRejected, ServerClient
 from autotune.remote.protocol import CudaTarget, EmulatedTarget, EstimateTarget, RunStatus
 from tests.api_tests.factories import (
@@ -600,3 +601,49 @@ def test_an_estimate_is_claimed_only_by_an_estimate_device_and_answers_only_esti
     assert user.get_run(named_id).status == RunStatus.QUEUED
     claim = worker.claim("n", [named_device("H100 80GB")])
     assert claim is not None and claim.run_id == named_id
+
+
+def _finish(worker: ServerClient, run_id: int, device: DeviceInfo, spec: Spec) -> None:
+    claim = worker.claim("w", [device])
+    assert claim is not None and claim.run_id == run_id
+    worker.submit_result(run_id, claim.lease_id, tune_result(spec, device))
+
+
+def test_an_estimate_and_a_measurement_of_one_spec_on_one_gpu_are_compared(
+    user: ServerClient, worker: ServerClient
+) -> None:
+    spec = tiny_spec(64)
+    estimate_id = user.submit_run(spec, EstimateTarget(gpu="H100 80GB")).id
+    with pytest.raises(RequestRejected) as unfinished:
+        user.get_comparison(estimate_id)
+    assert unfinished.value.code == "no_comparison"
+    _finish(worker, estimate_id, estimate_device("H100 80GB"), spec)
+    with pytest.raises(RequestRejected) as alone:
+        user.get_comparison(estimate_id)  # nothing measured yet
+    assert alone.value.code == "no_comparison"
+    # A measurement of another spec, or on another GPU, is not its counterpart.
+    other_spec_id = user.submit_run(tiny_spec(32), named("H100 80GB")).id
+    _finish(worker, other_spec_id, named_device("H100 80GB"), tiny_spec(32))
+    other_gpu_id = user.submit_run(spec, named("A100 80GB")).id
+    _finish(worker, other_gpu_id, named_device("A100 80GB"), spec)
+    with pytest.raises(RequestRejected):
+        user.get_comparison(estimate_id)
+    measured_id = user.submit_run(spec, named("H100 80GB")).id
+    _finish(worker, measured_id, named_device("H100 80GB"), spec)
+    # Found from either side; the factories' results are the same, so the error is zero.
+    comparison = user.get_comparison(estimate_id)
+    assert comparison == user.get_comparison(measured_id)
+    assert (comparison.estimate_run_id, comparison.measured_run_id) == (estimate_id, measured_id)
+    assert comparison.gpu == "H100 80GB" and comparison.measured_device == named("H100 80GB")
+    measured = user.get_run(measured_id)
+    assert [m.checkpointing for m in comparison.modes] == [m.checkpointing for m in measured.modes]
+    for mode, probed in zip(comparison.modes, measured.modes, strict=True):
+        assert mode.measured_max_micro_batch == probed.max_micro_batch
+        assert mode.error_micro_batches == 0
+    assert comparison.speed_error == 0.0
+    # A real card of that GPU is the truth, preferred over the emulated one.
+    total = find_gpu("H100 80GB").total_memory_bytes
+    card = CudaTarget(name="NVIDIA H100 80GB HBM3", memory_bytes=total)
+    card_id = user.submit_run(spec, card).id
+    _finish(worker, card_id, cuda_device("NVIDIA H100 80GB HBM3", total), spec)
+    assert user.get_comparison(estimate_id).measured_run_id == card_id

@@ -154,7 +154,7 @@ def test_bad_input_exits_2_with_one_line(
 def test_probe_estimate_answers_for_a_named_gpu_without_running_the_step(tmp_path: Path) -> None:
     spec = tmp_path / "spec.yaml"
     spec.write_text(
-        "model: {preset: gpt2-mini}\ntraining: {precision: bf16, seq_len: 512, "
+        "model: {preset: gpt2-tiny}\ntraining: {precision: bf16, seq_len: 256, "
         "max_micro_batch: 8}\n"
     )
     done = autotune("probe", str(spec), "--estimate", "a100-80gb", "--json")
@@ -168,7 +168,7 @@ def test_probe_estimate_answers_for_a_named_gpu_without_running_the_step(tmp_pat
     )
     assert device["assumptions"][0].startswith("estimated: the step was traced on fake tensors")
     assert any("roofline" in line for line in device["assumptions"])
-    # A small GPT-2 at 512 tokens: 8 samples hold well under 80 GB, so the cap binds.
+    # A tiny GPT-2 at 256 tokens: 8 samples hold well under 80 GB, so the cap binds.
     for mode in result["modes"]:
         assert mode["max_micro_batch"] == 8 and mode["capped"]
 
