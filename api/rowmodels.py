@@ -155,4 +155,6 @@ def trial_row(row: RunRow, *, trial: Trial, now: datetime) -> TrialRow:
 
 def mode_row(run_id: int, *, lease_id: str, mode: ModeProbe) -> ModeRow:
     """A mode's summary; its attempts are stored as attempt rows."""
-    return ModeRow(run_id=run_id, lease_id=lease_id, **mode.model_dump(exclude={"attempts"}))
+    return ModeRow(
+        run_id=run_id, lease_id=lease_id, **mode.model_dump(mode="json", exclude={"attempts"})
+    )

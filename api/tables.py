@@ -159,6 +159,8 @@ class ModeRow(TableBase):
     recommended_micro_batch: Mapped[int]
     capped: Mapped[bool]
     accumulating_micro_batch: Mapped[int | None]
+    # The protocol's TracedFit, as JSON: read whole with the mode, never queried.
+    traced: Mapped[dict[str, Any] | None]
 
 
 class AttemptRow(TableBase):

@@ -3,7 +3,9 @@
 Part 1, the zoo: for every preset, three capacities and both checkpointing modes, the probe run
 as an estimate (`autotune.engine.estimate.EstimateRunner`: the step traced on fake tensors) and
 as an emulated probe (the same step executed on the CPU), with the time each took. The goal is
-an exact match on every row, and an estimate of a few seconds per mode.
+an exact match on every row, and an estimate of a few seconds per mode. The emulated probe runs
+twice: with its fit points run for real, and with them traced first
+(`autotune.engine.fit_points`), counting the real trials each mode takes (goal: 2).
 
 Part 2, large models: Hugging Face configs no CPU could run (7B-70B parameters), estimated for
 an H100 80GB and an H200 141GB at sequence 4096 with full training (fp32 master weights, AdamW):
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,6 +35,7 @@ from autotune.core.presets import PRESETS
 from autotune.core.schemas import ProbeResult, Spec
 from autotune.engine.device import EmulatedDevice
 from autotune.engine.estimate import EstimateRunner
+from autotune.engine.fit_points import TracedFitPoints
 from autotune.engine.probe import probe_session
 from autotune.engine.runner import InProcessRunner
 
@@ -125,15 +129,26 @@ def zoo_row(name: str, capacity_bytes: int) -> dict[str, Any]:
     started = time.perf_counter()
     emulated = probe_session(InProcessRunner(spec, EmulatedDevice(capacity_bytes)))
     emulated_s = time.perf_counter() - started
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    runner = InProcessRunner(spec, EmulatedDevice(capacity_bytes))
+    traced = probe_session(runner, tracer=TracedFitPoints(runner))
+    traced_s = time.perf_counter() - started
     estimate_modes, emulated_modes = _modes(estimated), _modes(emulated)
+    traced_modes = _modes(traced)
+    answers = [{k: m[k] for k in ("max", "recommended")} for m in emulated_modes]
     return {
         "preset": name,
         "capacity_bytes": capacity_bytes,
         "estimate": estimate_modes,
         "emulated": emulated_modes,
+        "emulated_traced_fit": traced_modes,
         "exact": estimate_modes == emulated_modes,
+        "traced_fit_agrees": [{k: m[k] for k in ("max", "recommended")} for m in traced_modes]
+        == answers,
         "estimate_s_per_mode": estimate_s / len(estimate_modes),
         "emulated_s_per_mode": emulated_s / len(emulated_modes),
+        "emulated_traced_fit_s_per_mode": traced_s / len(traced_modes),
     }
 
 
@@ -176,22 +191,45 @@ def _write(rows: list[dict[str, Any]], large: list[dict[str, Any]]) -> None:
         f"{SEQ_LEN} for the decoders; three capacities per preset.",
         "",
         "| preset | capacity (MiB) | estimate: max plain / ckpt | emulated: max plain / ckpt "
-        "| exact | estimate s/mode | emulated s/mode |",
-        "|---|---:|---|---|---|---:|---:|",
+        "| exact | estimate s/mode | emulated s/mode | real trials per mode: fit run / fit traced "
+        "| traced agrees | emulated, fit traced s/mode |",
+        "|---|---:|---|---|---|---:|---:|---|---|---:|",
     ]
     for row in rows:
 
         def maxima(modes: list[dict[str, Any]]) -> str:
             return " / ".join(str(mode["max"]) for mode in modes)
 
+        def trials(modes: list[dict[str, Any]]) -> str:
+            return " + ".join(str(mode["trials"]) for mode in modes)
+
         lines.append(
             f"| {row['preset']} | {row['capacity_bytes'] / 2**20:,.1f} | "
             f"{maxima(row['estimate'])} | {maxima(row['emulated'])} | "
             f"{'yes' if row['exact'] else '**no**'} | {row['estimate_s_per_mode']:.1f} | "
-            f"{row['emulated_s_per_mode']:.1f} |"
+            f"{row['emulated_s_per_mode']:.1f} | {trials(row['emulated'])} / "
+            f"{trials(row['emulated_traced_fit'])} | "
+            f"{'yes' if row['traced_fit_agrees'] else '**no**'} | "
+            f"{row['emulated_traced_fit_s_per_mode']:.1f} |"
         )
     exact = sum(row["exact"] for row in rows)
-    lines += ["", f"Exact on {exact} of {len(rows)} rows.", ""]
+    agrees = sum(row["traced_fit_agrees"] for row in rows)
+    untraced = [m["trials"] for row in rows for m in row["emulated"]]
+    traced = [m["trials"] for row in rows for m in row["emulated_traced_fit"]]
+    estimate_s = [row["estimate_s_per_mode"] for row in rows]
+    lines += [
+        "",
+        f"Estimate equal to the emulated probe on {exact} of {len(rows)} rows; the emulated "
+        f"probe with a traced fit equal to it on {agrees} of {len(rows)}.",
+        "",
+        f"Real trials per mode (an attempt at micro-batch 1 only: nothing fits): fit points run, "
+        f"median {statistics.median(untraced):g}, max {max(untraced)}; fit points traced, "
+        f"median {statistics.median(traced):g}, max {max(traced)}.",
+        "",
+        f"Estimate time per mode: median {statistics.median(estimate_s):.1f} s, max "
+        f"{max(estimate_s):.1f} s.",
+        "",
+    ]
     if large:
         lines += [
             "## Large models (full training: fp32 weights, AdamW; sequence 4096)",
@@ -234,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             large.append(large_row(name, gpu))
             print(json.dumps(large[-1]), flush=True)
             _write(rows, large)
-    return 0 if all(row["exact"] for row in rows) else 1
+    return 0 if all(row["exact"] and row["traced_fit_agrees"] for row in rows) else 1
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from pathlib import Path
 from types import FrameType
 
 from autotune.cli.options import (
+    NO_TRACE_HELP,
     Subcommands,
     add_device_args,
     add_server_args,
@@ -75,6 +76,7 @@ def _serve(args: argparse.Namespace, early_signals: list[int]) -> int:
         shutdown_grace_s=args.shutdown_grace,
         start_method=args.start_method,
         allowed_factories=tuple(args.allow_factory),
+        trace_fit=not args.no_trace,
     )
     with (
         ServerClient(args.server, token=args.token) as client,
@@ -176,4 +178,5 @@ def register(commands: Subcommands) -> None:
         "mypkg.models, never mypkgx); repeatable. Without it the worker refuses every factory "
         "spec: a factory is code that whoever submitted the spec asks this machine to run",
     )
+    worker.add_argument("--no-trace", action="store_true", help=NO_TRACE_HELP)
     worker.set_defaults(func=_cmd_worker)

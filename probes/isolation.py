@@ -40,7 +40,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
@@ -97,15 +97,18 @@ class ChildRequest:
     target_seconds: float = 1.0
     log_level: int = logging.WARNING
     allowed_factories: tuple[str, ...] = ()
+    trace_fit: bool = False
 
 
 @dataclass(frozen=True)
 class Description:
-    """What the tuner asks of a runner before any trial."""
+    """What the tuner asks of a runner before any trial; with `trace_fit`, also each mode's
+    traced fit points (`autotune.engine.fit_points`), made in the same child."""
 
     device_info: DeviceInfo
     supports_checkpointing: bool
     tokens_per_sample: int | None
+    fit_points: dict[bool, list[StepOutcome]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -224,10 +227,21 @@ def _perform(request: ChildRequest) -> object:
             # A CUDA device's capacity is final once a step's kernels are loaded (kernels
             # and library handles take memory on first use); the trials' children warm up too.
             session.warm_up(checkpointing=False)
+        fit_points: dict[bool, list[StepOutcome]] = {}
+        if request.trace_fit:
+            from autotune.engine.fit_points import trace_fit_points
+
+            fit_points = trace_fit_points(
+                spec,
+                session.device_info,
+                modes=[False, True] if session.supports_checkpointing else [False],
+                allowed_factory_prefixes=request.allowed_factories,
+            )
         return Description(
             device_info=session.device_info,
             supports_checkpointing=session.supports_checkpointing,
             tokens_per_sample=session.tokens_per_sample,
+            fit_points=fit_points,
         )
     if request.operation == "warm_up":
         return session.warm_up(checkpointing=request.checkpointing)
@@ -452,6 +466,8 @@ class ChildProcessRunner:
         start_method: "spawn" or "forkserver" (see `run_child`).
         allowed_factories: module prefixes whose factories the children may import (the
             worker's `--allow-factory`); by default none.
+        trace_fit: the first child (`describe`) also traces the step at the search's fit
+            points, which `fit_points` gives the probe (a `FitTracer`).
     """
 
     def __init__(
@@ -465,8 +481,10 @@ class ChildProcessRunner:
         interrupt: Interrupt | None = None,
         start_method: StartMethod = "spawn",
         allowed_factories: tuple[str, ...] = (),
+        trace_fit: bool = False,
     ) -> None:
         self.spec = spec
+        self.trace_fit = trace_fit
         self.start_method = start_method
         self.allowed_factories = allowed_factories
         self.device_name = device_name
@@ -496,6 +514,7 @@ class ChildProcessRunner:
             warm_mode=self._warm_mode,
             log_level=logging.getLogger("autotune").getEffectiveLevel(),
             allowed_factories=self.allowed_factories,
+            trace_fit=self.trace_fit,
             **fields,
         )
         self.children_run += 1
@@ -527,6 +546,10 @@ class ChildProcessRunner:
     @property
     def device_info(self) -> DeviceInfo:
         return self.describe().device_info
+
+    def fit_points(self, *, checkpointing: bool) -> list[StepOutcome]:
+        """The traced fit points of the first child (none without `trace_fit`)."""
+        return self.describe().fit_points.get(checkpointing, [])
 
     @property
     def supports_checkpointing(self) -> bool:

@@ -97,6 +97,8 @@ class WorkerConfig:
     start_method: StartMethod = "spawn"
     # Module prefixes whose factory specs this worker may import (`autotune.core.factoryaccess`).
     allowed_factories: tuple[str, ...] = ()
+    # Trace each mode's first fit points instead of running them (`autotune.engine.fit_points`).
+    trace_fit: bool = True
 
 
 class _LeaseKeeper:
@@ -455,15 +457,18 @@ class Worker:
             interrupt=lambda: self._interrupt(keeper),
             start_method=self.config.start_method,
             allowed_factories=self.config.allowed_factories,
+            trace_fit=self.config.trace_fit,
         )
 
     def _tune(
         self, claim: Claim, runner: TrialRunner, progress: _Progress, study_name: str
     ) -> TuneResult:
         spec = claim.spec
+        # An estimate's trials are traces already; a child runner traces in its first child.
+        tracer = runner if isinstance(runner, ChildProcessRunner) and runner.trace_fit else None
         if spec.training.target_global_batch is None:
             # Nothing to tune for: the probe alone answers (largest micro-batch per mode).
-            probe = probe_session(runner, on_attempt=progress.attempt)
+            probe = probe_session(runner, on_attempt=progress.attempt, tracer=tracer)
             return TuneResult(
                 spec=spec, device=runner.device_info, probe=probe, trials=[], recommendation=None
             )
@@ -474,6 +479,7 @@ class Worker:
             target_seconds=self.config.seconds_per_trial,
             on_attempt=progress.attempt,
             on_trial=progress.trial,
+            tracer=tracer,
         )
 
     def _post_failed_trial(

@@ -28,6 +28,8 @@ from autotune.cli.options import (
     CommandParser,
     Subcommands,
     add_device_args,
+    add_trace_arg,
+    fit_tracer,
     open_device,
     open_runner,
     positive_int,
@@ -74,7 +76,9 @@ def _cmd_probe(args: argparse.Namespace) -> int:
         f"probing [bold]{spec.model.label}[/bold] on {info.name} "
         f"(capacity {format_bytes(info.capacity_bytes)})"
     )
-    result = probe_session(runner, on_attempt=progress_printer(err))
+    result = probe_session(
+        runner, on_attempt=progress_printer(err), tracer=fit_tracer(args, runner)
+    )
     if args.json:
         sys.stdout.write(result.model_dump_json() + "\n")
     else:
@@ -133,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     probe.add_argument("spec", help="spec file (YAML or JSON)")
     add_device_args(probe, estimate=True)
+    add_trace_arg(probe)
     probe.add_argument("--json", action="store_true", help="print one JSON object")
     probe.set_defaults(func=_cmd_probe, extra="probe")
 

@@ -26,6 +26,7 @@ from autotune.core.gpus import UnknownGpu, find_gpu
 if TYPE_CHECKING:
     from autotune.core.schemas import Spec
     from autotune.engine.device import Device
+    from autotune.engine.probe import FitTracer
     from autotune.engine.runner import TrialRunner
 
 # What `add_subparsers()` returns (a private argparse class); every `register` function takes it.
@@ -187,6 +188,26 @@ def open_runner(args: argparse.Namespace, spec: Spec) -> TrialRunner:
 
     budget = budget_for(find_gpu(args.estimate), world_size)
     return EstimateRunner(spec, gpu=budget, allocator_config=allocator_config_from_environment())
+
+
+NO_TRACE_HELP = (
+    "run the search's first fit points as real trials instead of tracing the step on fake "
+    "tensors first (a right trace leaves two real trials per mode)"
+)
+
+
+def add_trace_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-trace", action="store_true", help=NO_TRACE_HELP)
+
+
+def fit_tracer(args: argparse.Namespace, runner: TrialRunner) -> FitTracer | None:
+    """The probe's tracer of `open_runner`'s runner: none for an estimate, whose trials are
+    traces already, nor with `--no-trace`."""
+    if args.no_trace or getattr(args, "estimate", None) is not None:
+        return None
+    from autotune.engine.fit_points import TracedFitPoints
+
+    return TracedFitPoints(runner)
 
 
 def allocator_config_from_environment() -> AllocatorConfig:

@@ -25,6 +25,8 @@ from rich.table import Table
 from autotune.cli.options import (
     Subcommands,
     add_device_args,
+    add_trace_arg,
+    fit_tracer,
     open_runner,
     positive_int,
     positive_seconds,
@@ -80,6 +82,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         target_seconds=args.seconds_per_trial,
         on_attempt=progress_printer(err),
         on_trial=trial_printer(err),
+        tracer=fit_tracer(args, runner),
     )
     _record_locally(result, storage_url, err)
     if args.json:
@@ -187,6 +190,7 @@ def register(commands: Subcommands) -> None:
     )
     tune.add_argument("spec", help="spec file (YAML or JSON) with training.target_global_batch")
     add_device_args(tune, estimate=True)
+    add_trace_arg(tune)
     tune.add_argument("--json", action="store_true", help="print one JSON object")
     tune.add_argument("--db", default=None, metavar="URL", help="database URL (Optuna + runs)")
     tune.add_argument("--trials", type=positive_int, default=None, help="measurement budget")

@@ -14,7 +14,8 @@ Each invariant is written next to the code that guarantees it:
   then checkpointed; every attempt is a distinct size in [1, cap]; the max is certified from both
   sides (an attempt at the max fits, one at max + 1 does not unless the max is the cap); fitting
   attempts stay within capacity; 0 <= recommended <= max; the accumulating max, when set, is at
-  most the recommended one (`tuner._probe_accumulation`);
+  most the recommended one (`tuner._probe_accumulation`); a traced fit, when given, predicted
+  a size within the cap from two or more distinct fitting steps (`engine.fit_points`);
 * the trials (`study.run_study`, `throughput.measure_throughput`): increasing numbers, distinct
   candidates, each an exact candidate of `candidates.enumerate_candidates` under the probe's
   limits; a complete trial has finite positive samples/s equal to micro x accumulation / step
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.core.candidates import enumerate_candidates
-from autotune.core.schemas import ModeProbe, Spec, Trial, TrialState, TuneResult
+from autotune.core.schemas import ModeProbe, Spec, TracedFit, Trial, TrialState, TuneResult
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,20 @@ class _Check:
             self.fail(f"{field}.max_micro_batch", "no attempt at the max that fits")
         if not mode.capped and verdicts.get(top + 1) is not False:
             self.fail(f"{field}.max_micro_batch", "no attempt at max + 1 that runs out of memory")
+        if mode.traced is not None:
+            self._traced(f"{field}.traced", mode.traced, cap)
+
+    def _traced(self, field: str, traced: TracedFit, cap: int) -> None:
+        """A trace is evidence the search verified, not an answer: its prediction may miss,
+        but it is a size the search could have tried, and its fit points are two distinct
+        complete steps (`autotune.engine.fit_points`)."""
+        if traced.predicted_max_micro_batch > cap:
+            self.fail(f"{field}.predicted_max_micro_batch", f"above the spec's cap {cap}")
+        sizes = [point.micro_batch for point in traced.fit_points]
+        if len(set(sizes)) < 2 or any(not 2 <= size <= cap for size in sizes):
+            self.fail(f"{field}.fit_points", f"not two or more distinct sizes in [2, {cap}]")
+        if not all(point.fits for point in traced.fit_points):
+            self.fail(f"{field}.fit_points", "a fit point that does not fit fits no model")
 
     def _accumulating_limit(self, checkpointing: bool) -> int:
         accumulating = self.modes[checkpointing].accumulating_micro_batch

@@ -311,6 +311,15 @@ class StepOutcome(FrozenModel):
     allocations: tuple[int, ...] | None = Field(default=None, exclude=True, repr=False)
 
 
+class TracedFit(FrozenModel):
+    """The step traced without running it (fake tensors on a model of the probe's device)
+    before the real trials: its fit points and the largest micro-batch they predicted. Next to
+    the real attempts it shows the trace's error on that device."""
+
+    predicted_max_micro_batch: int = Field(ge=0)
+    fit_points: list[StepOutcome] = Field(max_length=8)
+
+
 class ModeProbe(FrozenModel):
     """The search result for one checkpointing mode."""
 
@@ -325,6 +334,10 @@ class ModeProbe(FrozenModel):
         default=None,
         description="Largest micro-batch within the headroom when gradients accumulate over "
         "two or more micro-batches (earlier gradients stay alive); set by the tuner.",
+    )
+    traced: TracedFit | None = Field(
+        default=None,
+        description="The trace that gave the search its first fit, when the step was traced.",
     )
 
 

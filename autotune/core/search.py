@@ -6,6 +6,10 @@ seconds to minutes, so the search is tested with fake devices and serves any bac
 
 Algorithm (the memory model and the proof: docs/design.md#search, docs/design.md#per-op-fit):
 
+0. Traced fit points: when the same step was traced on fake tensors at two sizes (no kernel ran,
+   nothing was allocated: `autotune.engine.estimate`), fit on those and verify the prediction as
+   in step 2: p fits and p + 1 does not, done in 2 real trials. A missed prediction costs 2 calls
+   of budget, like any other, and the search goes on from step 1 inside the bracket it left.
 1. Fit points: try b=2, then b=3; with a hint `known_fitting` >= 2, try it and the size after it
    instead. A hint is only a guess and is verified like any other size; if it does not fit, start
    again from 2 and 3 below it. The second point is only tried when the first fits with a
@@ -38,7 +42,8 @@ exceeds it. A prediction is a bet the budget has no room for (the two fit points
 slack): each missed prediction round adds 2 calls to the budget (4 for an overestimate, whose
 near misses come from allocator rounding), the extra trace of step 3 and a wrong hint 1 each,
 which keeps room to look right next to a near miss first. Worst case: ceil(log2(cap)) + 2 + 7
-(+ 1 with a wrong hint); a right prediction finishes in 4.
+(+ 1 with a wrong hint, + 4 with a traced prediction that missed); a right prediction finishes
+in 4, a right traced one in 2.
 
 Invariants: no size is tried twice or above the cap, and the answer is certified: it fitted and
 the next size did not, unless it is the cap.
@@ -159,6 +164,7 @@ class SearchResult:
     peak_model: PeakModel | None  # the last model fitted, if any
     allocation_model: AllocationModel | None  # fitted on the same pair, when both recorded one
     capped: bool  # max_micro_batch == cap and cap fits
+    traced_prediction: int | None = None  # what the traced fit points predicted, if given
 
 
 class _Gallop(Enum):
@@ -234,6 +240,35 @@ class _Search:
         ):
             self.trial(first + 1)
 
+    def fit_traced(self, traced: Sequence[StepOutcome]) -> PeakModel | None:
+        """A model on the two smallest complete traced steps at b >= 2 with the same op count,
+        which were never run for real: the bracket stays as the real trials leave it."""
+        complete = sorted(
+            (obs for obs in traced if obs.fits and obs.series and obs.micro_batch >= 2),
+            key=lambda obs: obs.micro_batch,
+        )
+        for first, second in zip(complete, complete[1:], strict=False):
+            assert first.series is not None and second.series is not None
+            if first.micro_batch == second.micro_batch:
+                continue
+            model = PeakModel.fit(
+                first.micro_batch, first.series, second.micro_batch, second.series
+            )
+            if model is None:
+                continue
+            self.model = model
+            # Not a pair of real trials: a refit on the real ones must not take it for its own.
+            self.fitted_on = None
+            self.allocation_model = (
+                AllocationModel.fit(
+                    first.micro_batch, first.allocations, second.micro_batch, second.allocations
+                )
+                if first.allocations and second.allocations
+                else None
+            )
+            return model
+        return None
+
     def refit(self) -> PeakModel | None:
         """A model on the widest pair of complete traces (b >= 2) with the newest one's op count,
         or None when there is no such pair or it is the pair already used."""
@@ -262,14 +297,19 @@ class _Search:
             )
         return model
 
-    def follow_prediction(self, model: PeakModel, capacity_bytes: int) -> None:
-        """Verify the predicted p (p fits, p + 1 does not), else aim the gallop at the miss."""
+    def predict(
+        self, model: PeakModel, capacity_bytes: int, evidence: Sequence[StepOutcome]
+    ) -> int:
+        """The largest b the model predicts to fit (the live-bytes budget scaled by `evidence`,
+        the traces the model came from, when there is no allocation model)."""
         if self.allocation_model is not None:
-            predicted = self.allocation_model.max_micro_batch(
+            return self.allocation_model.max_micro_batch(
                 capacity_bytes, self.allocator_config, low=self.lo, high=self.hi
             )
-        else:
-            predicted = model.max_micro_batch(live_budget_bytes(capacity_bytes, self.attempts))
+        return model.max_micro_batch(live_budget_bytes(capacity_bytes, evidence))
+
+    def follow_prediction(self, predicted: int) -> None:
+        """Verify the predicted p (p fits, p + 1 does not), else aim the gallop at the miss."""
         target = min(max(predicted, self.lo), self.hi - 1)
         logger.debug("model predicts %d, trying %d", predicted, target)
         overestimate = target > self.lo and not self.trial(target).fits
@@ -334,6 +374,7 @@ def find_max_micro_batch(
     capacity_bytes: int | None,
     known_fitting: int = 0,
     allocator_config: AllocatorConfig | None = None,
+    traced: Sequence[StepOutcome] = (),
 ) -> SearchResult:
     """Find the exact largest micro-batch <= `cap` whose training step fits, in few trials.
 
@@ -347,6 +388,9 @@ def find_max_micro_batch(
             a first guess, tried like any other size.
         allocator_config: the device's caching-allocator settings, for predictions replayed
             through the allocator model (torch's defaults when None).
+        traced: the same step traced without running it (fake tensors on a model of the
+            device) at two or more sizes >= 2, with series: the first prediction's fit points,
+            which cost no trial. Evidence to verify, like the hint: never an answer.
 
     Returns:
         The certified answer, every trial in order and the last `PeakModel` fitted.
@@ -372,6 +416,16 @@ def find_max_micro_batch(
         raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
     search = _Search(fits, cap, capacity_bytes, allocator_config)
 
+    traced_prediction: int | None = None
+    if capacity_bytes is not None and traced:
+        model = search.fit_traced(traced)
+        if model is not None:
+            traced_prediction = min(search.predict(model, capacity_bytes, traced), cap)
+            logger.info("the traced step predicts %d", traced_prediction)
+            search.follow_prediction(traced_prediction)
+            if not search.done:
+                # The traced model missed: the real fit points below start over without it.
+                search.model, search.allocation_model = None, None
     hint = min(known_fitting, cap)
     if hint >= 2:
         search.try_fit_points(hint)
@@ -385,7 +439,7 @@ def find_max_micro_batch(
             model = None if search.done else search.refit()
             if model is None:
                 break
-            search.follow_prediction(model, capacity_bytes)
+            search.follow_prediction(search.predict(model, capacity_bytes, search.attempts))
     while not search.done:
         search.gallop_or_bisect()
 
@@ -396,4 +450,5 @@ def find_max_micro_batch(
         peak_model=search.model,
         allocation_model=search.allocation_model,
         capped=search.lo == cap,
+        traced_prediction=traced_prediction,
     )

@@ -10,12 +10,20 @@ it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from autotune.core.allocation_trace import AllocationModel
 from autotune.core.allocator_config import AllocatorConfig, parse_alloc_conf
 from autotune.core.errors import SpecError
-from autotune.core.schemas import DeviceInfo, ModeProbe, ProbeResult, Spec, StepOutcome
+from autotune.core.schemas import (
+    DeviceInfo,
+    ModeProbe,
+    ProbeResult,
+    Spec,
+    StepOutcome,
+    TracedFit,
+)
 from autotune.core.search import PeakModel, SearchResult, find_max_micro_batch, live_budget_bytes
 from autotune.engine.device import Device
 from autotune.engine.runner import InProcessRunner, TrialRunner
@@ -24,6 +32,16 @@ logger = logging.getLogger(__name__)
 
 AttemptCallback = Callable[[bool, StepOutcome], None]
 """Called with (checkpointing, attempt) as soon as a trial finishes, for progress displays."""
+
+
+class FitTracer(Protocol):
+    """Traces a session's step without running it, for the search's first fit
+    (`autotune.engine.fit_points`)."""
+
+    def fit_points(self, *, checkpointing: bool) -> Sequence[StepOutcome]:
+        """The step at two sizes >= 2 on a model of the session's device, with series (and
+        allocations); empty when it cannot be traced."""
+        ...
 
 
 def recommended_micro_batch(
@@ -158,8 +176,10 @@ def probe_mode(
     checkpointing: bool,
     known_fitting: int = 0,
     on_attempt: AttemptCallback | None = None,
+    traced: Sequence[StepOutcome] = (),
 ) -> ModeProbe:
-    """Search one checkpointing mode. `known_fitting` is a hint to verify, not a fact."""
+    """Search one checkpointing mode. `known_fitting` is a hint to verify, not a fact; so are
+    the `traced` fit points (`FitTracer`)."""
 
     def fits(micro_batch: int) -> StepOutcome:
         outcome = session.trial(micro_batch, checkpointing=checkpointing)
@@ -176,6 +196,7 @@ def probe_mode(
         capacity_bytes=capacity_bytes,
         known_fitting=known_fitting,
         allocator_config=allocator_config,
+        traced=traced,
     )
     logger.info(
         "checkpointing=%s: max micro-batch %d after %d trials",
@@ -212,9 +233,21 @@ def probe_mode(
         max_micro_batch=search.max_micro_batch,
         recommended_micro_batch=recommended,
         capped=search.capped,
-        # The series served the fit; a result keeps what the wire and the store keep.
-        attempts=[a.model_copy(update={"series": None, "allocations": None}) for a in attempts],
+        attempts=[_stored(attempt) for attempt in attempts],
+        traced=(
+            TracedFit(
+                predicted_max_micro_batch=search.traced_prediction,
+                fit_points=[_stored(point) for point in traced if point.fits],
+            )
+            if search.traced_prediction is not None
+            else None
+        ),
     )
+
+
+def _stored(outcome: StepOutcome) -> StepOutcome:
+    """The series served the fit; a result keeps what the wire and the store keep."""
+    return outcome.model_copy(update={"series": None, "allocations": None})
 
 
 def probe(spec: Spec, device: Device, *, on_attempt: AttemptCallback | None = None) -> ProbeResult:
@@ -231,9 +264,14 @@ def probe(spec: Spec, device: Device, *, on_attempt: AttemptCallback | None = No
 
 
 def probe_session(
-    session: TrialRunner, *, on_attempt: AttemptCallback | None = None
+    session: TrialRunner,
+    *,
+    on_attempt: AttemptCallback | None = None,
+    tracer: FitTracer | None = None,
 ) -> ProbeResult:
-    """`probe` on an existing session, which stays usable (warm, in steady state) afterwards."""
+    """`probe` on an existing session, which stays usable (warm, in steady state) afterwards.
+    With a `tracer`, each mode's first fit comes from the traced step: two real trials per
+    mode when the trace is right (docs/design.md#cheaper-real-probes)."""
     modes_to_probe = [False, True] if session.supports_checkpointing else [False]
     if not session.supports_checkpointing:
         logger.warning("this model cannot toggle gradient checkpointing; probing without only")
@@ -265,6 +303,7 @@ def probe_session(
             checkpointing=checkpointing,
             known_fitting=known_fitting,
             on_attempt=on_attempt,
+            traced=tracer.fit_points(checkpointing=checkpointing) if tracer is not None else (),
         )
         modes.append(mode)
         # Checkpointing only ever removes saved activations, so the plain max is a good first
@@ -299,4 +338,4 @@ def run_step(spec: Spec, device: Device, *, micro_batch: int, checkpointing: boo
     return outcome
 
 
-__all__ = ["probe", "probe_mode", "probe_session", "run_step"]
+__all__ = ["FitTracer", "probe", "probe_mode", "probe_session", "run_step"]

@@ -407,6 +407,10 @@ class _DeviceMemory(TorchDispatchMode):  # type: ignore[no-untyped-call]
     ) -> Any:
         if func.namespace == "profiler":  # record_function markers: no kernel, no memory
             return func(*args, **(kwargs or {}))
+        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+            # A step traced on fake tensors (autotune.engine.fit_points) in the same process:
+            # no storage, no kernel, nothing on the card.
+            return func(*args, **(kwargs or {}))
         self._cuda._before_op(func.overloadpacket.__name__, args)
         out = func(*args, **(kwargs or {}))
         self._cuda._place(out)

@@ -30,7 +30,12 @@ from autotune.core.schemas import (
 )
 from autotune.core.search import find_max_micro_batch
 from autotune.engine.device import Device
-from autotune.engine.probe import AttemptCallback, device_allocator_config, probe_session
+from autotune.engine.probe import (
+    AttemptCallback,
+    FitTracer,
+    device_allocator_config,
+    probe_session,
+)
 from autotune.engine.runner import InProcessRunner, TrialRunner
 from autotune.engine.study import run_study
 
@@ -113,8 +118,10 @@ def tune_session(
     target_seconds: float = 1.0,
     on_attempt: AttemptCallback | None = None,
     on_trial: TrialCallback | None = None,
+    tracer: FitTracer | None = None,
 ) -> TuneResult:
-    """`tune` on any trial runner (in this process, or a child process per trial).
+    """`tune` on any trial runner (in this process, or a child process per trial); the probe's
+    first fit points from `tracer` when given (`probe_session`).
 
     Raises:
         AssertionError: the result breaks an invariant of `autotune.core.result_check` (a bug).
@@ -122,7 +129,7 @@ def tune_session(
     spec = session.spec
     training = spec.training
     target_global_batch = training.required_target_global_batch()
-    probe_result = probe_session(session, on_attempt=on_attempt)
+    probe_result = probe_session(session, on_attempt=on_attempt, tracer=tracer)
     device_info = probe_result.device  # as measured: after the probe's warm-up
     limits = {mode.checkpointing: mode.recommended_micro_batch for mode in probe_result.modes}
     candidates = enumerate_candidates(target_global_batch, training.world_size, limits)

@@ -15,6 +15,7 @@ from autotune.core.schemas import (
     Recommendation,
     Spec,
     StepOutcome,
+    TracedFit,
     TrainingSpec,
     Trial,
     TrialState,
@@ -141,6 +142,10 @@ def tune_result(spec: Spec, device: DeviceInfo, *, study_name: str | None = None
             recommended_micro_batch=16,
             capped=False,
             attempts=[attempt(16, True), attempt(17, False)],
+            # The fit the trial-free trace gave this mode's search (autotune.engine.fit_points).
+            traced=TracedFit(
+                predicted_max_micro_batch=16, fit_points=[attempt(2, True), attempt(3, True)]
+            ),
         ),
     ]
     recommendation = Recommendation(

@@ -145,6 +145,22 @@ def test_probe_in_children_finds_what_one_process_finds() -> None:
     assert [m.checkpointing for m in in_children.modes] == [False, True]
     assert 0 < in_children.modes[0].max_micro_batch < 4096
 
+    # Traced in the first child (which describes the device anyway), the fit points cost no
+    # child of their own: each mode then takes the answer's trial and the next size's.
+    traced_runner = ChildProcessRunner(
+        spec, "cpu", capacity_bytes, start_method="forkserver", trace_fit=True
+    )
+    traced = probe_session(traced_runner, tracer=traced_runner)
+    for mode, expected in zip(traced.modes, in_process.modes, strict=True):
+        assert (mode.max_micro_batch, mode.recommended_micro_batch) == (
+            expected.max_micro_batch,
+            expected.recommended_micro_batch,
+        )
+        assert mode.traced is not None
+        assert [a.micro_batch for a in mode.attempts] == [mode.max_micro_batch + i for i in (0, 1)]
+    # describe, the warm-up and two trials per mode
+    assert traced_runner.children_run == 1 + 1 + 2 * 2 < runner.children_run
+
 
 def test_abort_is_a_crash_not_an_oom_and_the_next_trial_is_unharmed() -> None:
     runner = ChildProcessRunner(

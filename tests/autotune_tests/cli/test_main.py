@@ -68,16 +68,23 @@ def test_probe_json_is_one_object_with_both_modes(
     assert result["device"]["capacity_bytes"] == 200 * 2**20
     assert [mode["checkpointing"] for mode in result["modes"]] == [False, True]
     for mode in result["modes"]:
-        assert mode["max_micro_batch"] >= 1
+        assert mode["max_micro_batch"] > 3
         attempt = mode["attempts"][0]
         assert set(attempt) >= {"micro_batch", "fits", "peak_bytes"}
+        # The fit points were traced, not run: the answer and the next size were.
+        assert [a["micro_batch"] for a in mode["attempts"]] == [
+            mode["max_micro_batch"] + i for i in (0, 1)
+        ]
+        assert mode["traced"]["predicted_max_micro_batch"] == mode["max_micro_batch"]
     # Progress goes to stderr, never into the JSON.
     assert "micro-batch" in done.stderr
 
 
 def test_probe_table_by_default(spec_path: Path) -> None:
-    done = autotune("probe", str(spec_path), "--device", "cpu", "--memory", "200MiB")
+    done = autotune("probe", str(spec_path), "--device", "cpu", "--memory", "200MiB", "--no-trace")
     assert done.returncode == 0, done.stderr
+    # Without the trace the search runs its fit points, 2 and 3, for real.
+    assert "checkpointing off  micro-batch     2  fits" in done.stderr
     assert "max micro-batch" in done.stdout
     assert "recommended" in done.stdout
 

@@ -46,6 +46,15 @@ def _attempts(data: Data, mode: int) -> list[Data]:
     return attempts
 
 
+def _traced(
+    data: Data, mode: int = 0, *, sizes: tuple[int, ...] = (2, 3), **values: object
+) -> None:
+    """A trace that gave the mode's search its first fit (`autotune.engine.fit_points`)."""
+    points = [{"micro_batch": b, "fits": True, "peak_bytes": 1000 * b} for b in sizes]
+    traced = {"predicted_max_micro_batch": 4, "fit_points": points, **values}
+    data["probe"]["modes"][mode]["traced"] = traced
+
+
 def _no_recommendation(data: Data) -> None:
     data["recommendation"] = None
     data["exports"] = None
@@ -213,6 +222,29 @@ BROKEN: list[tuple[str, Callable[[Data], object], str]] = [
         lambda d: _trial(d, 0, peak_bytes=CAPACITY + 1),
         "trials[0].peak_bytes",
     ),
+    # A traced fit: a prediction the search verified, from two distinct fitting steps.
+    (
+        "a traced prediction above the cap",
+        lambda d: _traced(d, predicted_max_micro_batch=10**6),
+        "probe.modes[0].traced.predicted_max_micro_batch",
+    ),
+    ("one traced fit point", lambda d: _traced(d, sizes=(2,)), "probe.modes[0].traced.fit_points"),
+    (
+        "a traced fit point at 1",
+        lambda d: _traced(d, 1, sizes=(1, 3)),
+        "probe.modes[1].traced.fit_points",
+    ),
+    (
+        "a traced fit point that ran out",
+        lambda d: _traced(
+            d,
+            fit_points=[
+                {"micro_batch": 2, "fits": True, "peak_bytes": 1},
+                {"micro_batch": 3, "fits": False, "peak_bytes": 1},
+            ],
+        ),
+        "probe.modes[0].traced.fit_points",
+    ),
     # The answer.
     (
         "not the fastest",
@@ -257,6 +289,10 @@ BROKEN: list[tuple[str, Callable[[Data], object], str]] = [
 
 def test_a_valid_result_passes() -> None:
     assert check_result(tiny_spec(), _valid()) == []
+    data = _valid().model_dump(mode="json")
+    _traced(data, 0)
+    _traced(data, 1, predicted_max_micro_batch=0)  # a trace may miss: the trials decide
+    assert check_result(tiny_spec(), TuneResult.model_validate(data)) == []
     gpu_result = tune_result(tiny_spec(), cuda_device())
     assert check_result(tiny_spec(), gpu_result) == []
 

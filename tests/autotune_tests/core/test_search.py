@@ -967,3 +967,109 @@ def test_the_search_replays_with_the_device_s_allocator_settings() -> None:
         )
         assert result.max_micro_batch == device.brute_force_max(256)
         assert device.calls == [2, 3, result.max_micro_batch, result.max_micro_batch + 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Traced fit points: the same step traced without running it.
+
+
+def _traced(device: AllocatorDevice | FakeDevice, *sizes: int) -> list[StepOutcome]:
+    """What a trace of the step reports at `sizes`: the device's outcomes, never counted as
+    trials (the device's call log is left as it was)."""
+    if isinstance(device, AllocatorDevice):
+        return [device.outcome(size) for size in sizes]
+    calls = list(device.calls)
+    traced = [device.fits(size) for size in sizes]
+    device.calls = calls
+    return traced
+
+
+@pytest.mark.parametrize("capacity_mib", [200, 333, 512, 640])
+def test_a_right_traced_prediction_takes_two_trials(capacity_mib: int) -> None:
+    device = AllocatorDevice(capacity_mib * MiB)
+    result = find_max_micro_batch(
+        device.fits, cap=256, capacity_bytes=device.capacity_bytes, traced=_traced(device, 2, 3)
+    )
+    answer = device.brute_force_max(256)
+    assert device.calls == [answer, answer + 1]
+    assert result.max_micro_batch == result.traced_prediction == answer
+    # The models are the traced ones, so the recommendation can replay them.
+    assert result.allocation_model is not None and result.peak_model is not None
+
+
+def test_traced_live_bytes_alone_predict_through_the_scaled_budget() -> None:
+    # A trace without allocations: the live budget is scaled by the traces' own ratio.
+    step = transformer_step(checkpointing=False)
+    device = FakeDevice(step.series, capacity_for(step, 40))
+    result = find_max_micro_batch(
+        device.fits, cap=1024, capacity_bytes=device.capacity_bytes, traced=_traced(device, 2, 3)
+    )
+    assert_certified(result, device, 1024)
+    assert device.calls == [40, 41]
+    assert result.allocation_model is None
+
+
+@pytest.mark.parametrize("capacity_mib", [200, 512])
+def test_a_trace_of_another_step_costs_a_few_trials_and_the_answer_is_still_exact(
+    capacity_mib: int,
+) -> None:
+    # The trace models a step that is not the device's (a real card's kernels differ): its
+    # prediction misses, and the search goes on from the real fit points, still exact.
+    device = AllocatorDevice(capacity_mib * MiB)
+    other = FakeDevice(transformer_step(layers=2, checkpointing=True).series, 10**12)
+    for traced in (_traced(other, 2, 3), _traced(other, 40, 50)):
+        device.calls = []
+        result = find_max_micro_batch(
+            device.fits, cap=256, capacity_bytes=device.capacity_bytes, traced=traced
+        )
+        answer = device.brute_force_max(256)
+        assert result.max_micro_batch == answer
+        assert result.traced_prediction is not None and result.traced_prediction != answer
+        assert len(set(device.calls)) == len(device.calls)
+        assert answer in device.calls and answer + 1 in device.calls
+        # The budget of a missed traced bet: a lost prediction's 4 calls on top of today's.
+        assert len(device.calls) <= _budget_calls(256) + 4, device.calls
+
+
+def test_every_threshold_with_a_misleading_trace_is_exact_and_bounded() -> None:
+    # A device that lies about every size: the trace (its series) predicts one answer, the
+    # trials say another. Whatever the truth, the answer is certified within the budget.
+    step = transformer_step(checkpointing=True)
+    cap = 128
+    for threshold in range(0, cap + 1):
+        device = FakeDevice(step.series, capacity_for(step, 30), threshold=threshold)
+        traced = [
+            StepOutcome(
+                micro_batch=b, fits=True, peak_bytes=max(step.series(b)), series=step.series(b)
+            )
+            for b in (2, 3)
+        ]
+        result = find_max_micro_batch(
+            device.fits, cap=cap, capacity_bytes=device.capacity_bytes, traced=traced
+        )
+        assert_certified(result, device, cap)
+        assert result.traced_prediction == 30
+        assert len(device.calls) <= _budget_calls(cap) + 4 + 2, (threshold, device.calls)
+
+
+def test_a_trace_without_two_complete_steps_is_no_fit() -> None:
+    device = AllocatorDevice(333 * MiB)
+    unusable = [
+        _traced(device, 2),  # one size only
+        [device.outcome(2).model_copy(update={"series": None}), device.outcome(3)],
+        _traced(device, 1, 3),  # b = 1 runs another op sequence
+        [],
+    ]
+    for traced in unusable:
+        device.calls = []
+        result = find_max_micro_batch(
+            device.fits, cap=256, capacity_bytes=device.capacity_bytes, traced=traced
+        )
+        assert result.traced_prediction is None
+        assert device.calls[:2] == [2, 3], traced
+    # Without a capacity nothing can be predicted from a trace either.
+    device.calls = []
+    result = find_max_micro_batch(
+        device.fits, cap=256, capacity_bytes=None, traced=_traced(device, 2, 3)
+    )
+    assert result.traced_prediction is None
