@@ -34,12 +34,12 @@ def _answers(result: ProbeResult) -> list[tuple[int, int]]:
     return [(mode.max_micro_batch, mode.recommended_micro_batch) for mode in result.modes]
 
 
-@pytest.mark.parametrize("name", ["cnn", "llama-tiny"])
-def test_a_traced_probe_runs_the_answer_and_the_next_size_only(name: str) -> None:
-    spec = preset_spec(name, headroom=0.2, max_micro_batch=256)
-    # Not x 3: llama-tiny's checkpointed step at 117-119 runs out there where 120 fits (the
-    # allocator's retry frees a cache that the smaller sizes split differently), and a search
-    # that assumes memory monotone in b certifies either side of such a dip.
+def test_a_traced_probe_runs_the_answer_and_the_next_size_only() -> None:
+    # One preset here (the CUDA test below traces a decoder LM; bench/estimator.py every preset
+    # at three capacities). Near the capacity memory is not always monotone in b (llama-tiny's
+    # checkpointed step at 3x this capacity runs out at 117-119 and fits at 120), and a search
+    # certifies either side of such a dip: this capacity has none.
+    spec = preset_spec("cnn", headroom=0.2, max_micro_batch=256)
     capacity_bytes = capacity_for_about_four(spec) * 5 // 2
     untraced = probe_session(InProcessRunner(spec, EmulatedDevice(capacity_bytes)))
     runner = InProcessRunner(spec, EmulatedDevice(capacity_bytes))
