@@ -56,6 +56,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from itertools import pairwise
 
 from autotune.core.allocation_trace import AllocationModel
 from autotune.core.allocator_config import AllocatorConfig
@@ -244,26 +245,25 @@ class _Search:
         """A model on the two smallest complete traced steps at b >= 2 with the same op count,
         which were never run for real: the bracket stays as the real trials leave it."""
         complete = sorted(
-            (obs for obs in traced if obs.fits and obs.series and obs.micro_batch >= 2),
-            key=lambda obs: obs.micro_batch,
+            (
+                (obs.micro_batch, series, obs.allocations)
+                for obs in traced
+                if obs.fits and (series := obs.series) and obs.micro_batch >= 2
+            ),
+            key=lambda point: point[0],
         )
-        for first, second in zip(complete, complete[1:], strict=False):
-            assert first.series is not None and second.series is not None
-            if first.micro_batch == second.micro_batch:
+        for (b1, series1, allocations1), (b2, series2, allocations2) in pairwise(complete):
+            if b1 == b2:
                 continue
-            model = PeakModel.fit(
-                first.micro_batch, first.series, second.micro_batch, second.series
-            )
+            model = PeakModel.fit(b1, series1, b2, series2)
             if model is None:
                 continue
             self.model = model
             # Not a pair of real trials: a refit on the real ones must not take it for its own.
             self.fitted_on = None
             self.allocation_model = (
-                AllocationModel.fit(
-                    first.micro_batch, first.allocations, second.micro_batch, second.allocations
-                )
-                if first.allocations and second.allocations
+                AllocationModel.fit(b1, allocations1, b2, allocations2)
+                if allocations1 and allocations2
                 else None
             )
             return model

@@ -1073,3 +1073,36 @@ def test_a_trace_without_two_complete_steps_is_no_fit() -> None:
         device.fits, cap=256, capacity_bytes=None, traced=_traced(device, 2, 3)
     )
     assert result.traced_prediction is None
+
+
+def test_traced_points_fit_on_the_first_pair_of_distinct_sizes_with_one_op_sequence() -> None:
+    device = AllocatorDevice(333 * MiB)
+    answer = device.brute_force_max(256)
+    two, three, four = (device.outcome(size) for size in (2, 3, 4))
+    # b = 2 traced with one more op (a kernel that changes below 3): no model on (2, 3), so
+    # the pair (3, 4) is the first one; a size traced twice is one point, not a pair.
+    other_ops = two.model_copy(update={"series": (*(two.series or ()), 0)})
+    for traced in ([other_ops, three, four], [two, two, three], [three, two, three, two]):
+        device.calls = []
+        result = find_max_micro_batch(
+            device.fits, cap=256, capacity_bytes=device.capacity_bytes, traced=traced
+        )
+        assert device.calls == [answer, answer + 1], traced
+        assert result.traced_prediction == answer
+
+
+def test_traced_points_are_ordered_by_size_whatever_their_series() -> None:
+    # A first op that shrinks as b grows (a buffer sized for the rest of the batch): the series
+    # of 3 sort before those of 2, the sizes do not.
+    step = transformer_step(checkpointing=False)
+
+    def series(micro_batch: int) -> tuple[int, ...]:
+        return (10 * MiB - micro_batch, *step.series(micro_batch))
+
+    device = FakeDevice(series, capacity_for(step, 40))
+    traced = _traced(device, 3, 2)
+    result = find_max_micro_batch(
+        device.fits, cap=1024, capacity_bytes=device.capacity_bytes, traced=traced
+    )
+    assert device.calls == [40, 41]
+    assert result.traced_prediction == 40
