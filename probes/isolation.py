@@ -203,6 +203,7 @@ def _perform(request: ChildRequest) -> object:
     if request.operation == "devices":
         return _open_devices(request.device_name, request.memory_bytes)
     from autotune.engine.device import open_device
+    from autotune.engine.gpu_speed import timed_on_its_gpu
     from autotune.engine.runner import InProcessRunner
 
     spec = Spec.model_validate_json(request.spec_json)
@@ -227,6 +228,13 @@ def _perform(request: ChildRequest) -> object:
             # A CUDA device's capacity is final once a step's kernels are loaded (kernels
             # and library handles take memory on first use); the trials' children warm up too.
             session.warm_up(checkpointing=False)
+        # Tuning on an emulated named GPU, samples/s are its roofline's, and its device says so
+        # (a probe alone measures no speed).
+        described = (
+            timed_on_its_gpu(session, allowed_factory_prefixes=request.allowed_factories)
+            if spec.training.target_global_batch is not None
+            else session
+        )
         fit_points: dict[bool, list[StepOutcome]] = {}
         if request.trace_fit:
             from autotune.engine.fit_points import trace_fit_points
@@ -238,7 +246,7 @@ def _perform(request: ChildRequest) -> object:
                 allowed_factory_prefixes=request.allowed_factories,
             )
         return Description(
-            device_info=session.device_info,
+            device_info=described.device_info,
             supports_checkpointing=session.supports_checkpointing,
             tokens_per_sample=session.tokens_per_sample,
             fit_points=fit_points,
@@ -251,7 +259,8 @@ def _perform(request: ChildRequest) -> object:
         return session.trial(
             request.micro_batch, request.accumulation_steps, checkpointing=request.checkpointing
         )
-    return session.measure(
+    measured = timed_on_its_gpu(session, allowed_factory_prefixes=request.allowed_factories)
+    return measured.measure(
         request.micro_batch,
         request.accumulation_steps,
         checkpointing=request.checkpointing,

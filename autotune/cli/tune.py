@@ -35,6 +35,7 @@ from autotune.core.bytesize import format_bytes
 from autotune.core.defaults import ENV_DATABASE_URL, EXIT_FAILURE, EXIT_OK, server_database_url
 from autotune.core.recorder import installed_recorders
 from autotune.core.schemas import Trial, TrialState, TuneResult
+from autotune.core.throughput import speed_label
 
 
 def default_database_url() -> str:
@@ -42,7 +43,11 @@ def default_database_url() -> str:
     return os.environ.get(ENV_DATABASE_URL) or server_database_url()
 
 
-def trial_printer(console: Console) -> Callable[[Trial], None]:
+def trial_printer(console: Console, speed: str | None = None) -> Callable[[Trial], None]:
+    """Prints each trial as it finishes; `speed` says where samples/s come from
+    (`speed_label`), when the device is known."""
+    source = f" ({speed})" if speed else ""
+
     def show(trial: Trial) -> None:
         mode = "on " if trial.checkpointing else "off"
         head = (
@@ -51,7 +56,9 @@ def trial_printer(console: Console) -> Callable[[Trial], None]:
         )
         if trial.state is TrialState.COMPLETE and trial.samples_per_s is not None:
             spread = f" ±{trial.step_time_spread / 2:.0%}" if trial.step_time_spread else ""
-            console.print(f"{head}  [green]{trial.samples_per_s:,.1f} samples/s[/green]{spread}")
+            console.print(
+                f"{head}  [green]{trial.samples_per_s:,.1f} samples/s[/green]{spread}{source}"
+            )
         else:
             console.print(f"{head}  [red]{trial.state.value}[/red]")
 
@@ -65,7 +72,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.spec)
     target_global_batch = spec.training.required_target_global_batch()
-    runner = open_runner(args, spec)
+    from autotune.engine.gpu_speed import timed_on_its_gpu
+
+    # On an emulated named GPU, samples/s are that GPU's (roofline), not this CPU's.
+    runner = timed_on_its_gpu(open_runner(args, spec))
     info = runner.device_info
     storage_url = args.db or default_database_url()
     err = Console(stderr=True)
@@ -81,7 +91,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         seed=args.seed,
         target_seconds=args.seconds_per_trial,
         on_attempt=progress_printer(err),
-        on_trial=trial_printer(err),
+        on_trial=trial_printer(err, speed_label(info)),
         tracer=fit_tracer(args, runner),
     )
     _record_locally(result, storage_url, err)
@@ -138,7 +148,8 @@ def print_tune_result(console: Console, result: TuneResult) -> None:
     console.print(probe)
 
     trials = Table(title="Measured configurations")
-    for column in ("micro-batch", "accumulation", "checkpointing", "samples/s", "peak"):
+    samples_per_s = f"samples/s ({speed_label(result.device)})"
+    for column in ("micro-batch", "accumulation", "checkpointing", samples_per_s, "peak"):
         trials.add_column(column, justify="right")
     for trial in sorted(result.trials, key=lambda t: -(t.samples_per_s or 0.0)):
         trials.add_row(

@@ -205,6 +205,14 @@ class DeviceKind(StrEnum):
     ESTIMATE = "estimate"  # the emulated GPU's step traced on fake tensors: nothing ran
 
 
+class SpeedSource(StrEnum):
+    """Where a device's samples/s come from."""
+
+    MEASURED = "measured"  # timed on the GPU itself
+    CPU_TIMING = "cpu_timing"  # timed on the host CPU running the emulated step: no GPU's speed
+    ROOFLINE = "roofline"  # the traced step's roofline on the named GPU (stated assumptions)
+
+
 class CudaReserve(FrozenModel):
     """What CUDA takes on a named GPU besides the training step's own tensors, and where it
     sits (`autotune.core.cuda_reserve`, docs/design.md#named-gpus-and-what-cuda-takes)."""
@@ -266,6 +274,12 @@ class DeviceInfo(FrozenModel):
     )
     assumptions: list[Annotated[str, Field(max_length=ASSUMPTION_MAX)]] = Field(
         default_factory=list, max_length=32
+    )
+    speed: SpeedSource | None = Field(
+        default=None,
+        description="Where samples/s come from: measured on the GPU, CPU timings of the "
+        "emulated step, or the roofline of the traced step on the named GPU; None where no "
+        "speed is given (an estimate for a bare size) or recorded.",
     )
 
 

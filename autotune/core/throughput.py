@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from autotune.core.schemas import DeviceInfo, SpeedSource
+
 logger = logging.getLogger(__name__)
 
 # Fewer timed steps than this give no usable median or spread, unless one step alone already
@@ -127,3 +129,14 @@ def measure_throughput(
         measurement.step_time_spread,
     )
     return measurement
+
+
+def speed_label(device: DeviceInfo) -> str:
+    """Where a device's samples/s come from, as a table or a progress line says it."""
+    if device.speed is SpeedSource.MEASURED:
+        return "measured"
+    if device.speed is SpeedSource.CPU_TIMING:
+        return "CPU timing, not a GPU's"
+    if device.speed is SpeedSource.ROOFLINE:
+        return f"estimated for {device.gpu}"
+    return "source not recorded"

@@ -15,7 +15,7 @@ import torch
 
 from autotune.core.allocator_config import AllocatorConfig, canonical_conf
 from autotune.core.errors import DeviceError
-from autotune.core.schemas import DeviceInfo, DeviceKind, Phase, StepOutcome
+from autotune.core.schemas import DeviceInfo, DeviceKind, Phase, SpeedSource, StepOutcome
 from autotune.engine.cuda_runtime import CudaRuntime, TorchCudaRuntime
 from autotune.engine.nvml import GpuInfo, read_gpus
 from autotune.engine.out_of_memory import peak_phase, run_tracked
@@ -117,6 +117,7 @@ class CudaDevice:
         self.capacity_bytes = max(capacity_bytes, 0)
         return DeviceInfo(
             kind=DeviceKind.CUDA,
+            speed=SpeedSource.MEASURED,
             name=self._name,
             index=index,
             uuid=self._uuid,

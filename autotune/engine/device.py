@@ -23,7 +23,7 @@ from autotune.core.bytesize import format_bytes
 from autotune.core.cuda_reserve import GpuBudget, budget_for
 from autotune.core.errors import SpecError
 from autotune.core.gpus import UnknownGpu, find_gpu
-from autotune.core.schemas import DeviceInfo, DeviceKind, Phase, StepOutcome
+from autotune.core.schemas import DeviceInfo, DeviceKind, Phase, SpeedSource, StepOutcome
 from autotune.engine.attention import gpu_attention
 from autotune.engine.cuda_device import CudaDevice
 from autotune.engine.cuda_runtime import CudaRuntime
@@ -113,6 +113,7 @@ class EmulatedDevice:
             self._info = DeviceInfo(
                 kind=DeviceKind.EMULATED,
                 name=f"emulated {gpu.gpu.name} on cpu",
+                speed=SpeedSource.CPU_TIMING,
                 total_memory_bytes=gpu.gpu.total_memory_bytes,
                 capacity_bytes=gpu.capacity_bytes,
                 torch_version=torch.__version__,
@@ -131,6 +132,7 @@ class EmulatedDevice:
         self._info = DeviceInfo(
             kind=DeviceKind.EMULATED,
             name=f"emulated GPU ({format_bytes(capacity_bytes)}) on cpu",
+            speed=SpeedSource.CPU_TIMING,
             total_memory_bytes=capacity_bytes,
             capacity_bytes=capacity_bytes,
             torch_version=torch.__version__,

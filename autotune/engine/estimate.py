@@ -45,6 +45,7 @@ from autotune.core.schemas import (
     OptimizerName,
     Precision,
     Spec,
+    SpeedSource,
     StepOutcome,
 )
 from autotune.core.throughput import Measurement
@@ -161,7 +162,7 @@ def _sequences_not_packed() -> Iterator[None]:
         setattr(masking_utils, "find_packed_sequence_indices", original)  # noqa: B010
 
 
-def _check_traceable(spec: Spec) -> None:
+def check_traceable(spec: Spec) -> None:
     """Refuse what reads tensor values inside a step: fake tensors have none."""
     training = spec.training
     if training.optimizer is OptimizerName.ADAFACTOR:
@@ -191,6 +192,7 @@ def estimate_info(
         update={
             "kind": DeviceKind.ESTIMATE,
             "name": f"estimate for {name}",
+            "speed": SpeedSource.ROOFLINE if gpu is not None else None,
             "assumptions": [
                 "estimated: the step was traced on fake tensors (shapes only); no kernel "
                 "ran and no memory was allocated",
@@ -229,7 +231,7 @@ class EstimateRunner:
         """The emulated GPU to estimate for: a named `gpu` (memory and speed) or a bare
         `capacity_bytes` (memory only: a speed needs the card's peaks), with the caching
         allocator's settings (torch's defaults when None)."""
-        _check_traceable(spec)
+        check_traceable(spec)
         self._mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.gpu = gpu
         self.assumptions = assumptions or RooflineAssumptions()
@@ -321,4 +323,4 @@ class EstimateRunner:
         )
 
 
-__all__ = ["EstimateRunner"]
+__all__ = ["EstimateRunner", "check_traceable"]

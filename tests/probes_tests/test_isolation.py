@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from autotune.core.errors import FactoryRefused, ModelBuildError
-from autotune.core.schemas import ModelSpec, Spec, TrainingSpec
+from autotune.core.schemas import ModelSpec, Spec, SpeedSource, TrainingSpec
 from autotune.engine.device import open_device
+from autotune.engine.fit_points import tracer_for
 from autotune.engine.probe import probe_session
 from autotune.engine.runner import InProcessRunner
 from autotune.engine.tuner import tune_session
@@ -103,15 +104,28 @@ def test_children_open_a_named_gpu_for_the_world_size_of_the_run() -> None:
     runner = ChildProcessRunner(
         spec, "cpu", None, gpu="L4", start_method="forkserver", allowed_factories=TESTS
     )
-    *gpu_assumptions, data_parallel = runner.device_info.assumptions
+    *gpu_assumptions, data_parallel, speed = runner.device_info.assumptions
     opened = open_device("cpu", gpu="L4", world_size=4).info
-    assert runner.device_info.model_copy(update={"assumptions": gpu_assumptions}) == opened
+    assert (
+        runner.device_info.model_copy(
+            update={"assumptions": gpu_assumptions, "speed": SpeedSource.CPU_TIMING}
+        )
+        == opened
+    )
     assert data_parallel.startswith("data parallel, 4 ranks")  # what the step itself counts
     assert runner.device_info.gpu == "L4"
     assert runner.device_info.reserve is not None and runner.device_info.reserve.nccl_bytes > 0
     outcome = runner.trial(8, checkpointing=False)
     assert outcome.fits
     assert outcome.peak_bytes > runner.device_info.reserve.blas_workspace_bytes
+    # Its samples/s are the L4's roofline, not this CPU's, computed in the measuring child.
+    assert runner.device_info.speed is SpeedSource.ROOFLINE
+    assert speed.startswith("samples/s are not this host's: speed estimated by roofline on L4")
+    measured = runner.measure(8, 2, checkpointing=False, target_seconds=0.01)
+    assert measured is not None and measured.timed_steps == 0
+    estimate = tracer_for(spec, opened)
+    assert estimate.warm_up(checkpointing=False).fits
+    assert measured.step_time_s == estimate.step_time_s(8, 2, checkpointing=False)
 
 
 def test_spawned_children_answer_crash_and_leave_the_next_trial_unharmed() -> None:

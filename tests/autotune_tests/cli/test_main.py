@@ -218,6 +218,8 @@ def test_probe_on_a_named_gpu_states_the_gpu_its_reserve_and_assumptions(tmp_pat
     *gpu_assumptions, data_parallel = device["assumptions"]
     assert gpu_assumptions == list(expected.assumptions)
     assert data_parallel.startswith("data parallel, 2 ranks")  # what the step itself counts
+    # A probe measures no speed: samples/s would be CPU timings here (tune takes a roofline).
+    assert device["speed"] == "cpu_timing"
     for mode in result["modes"]:
         assert mode["max_micro_batch"] == 2 and mode["capped"]
         # Every step holds the BLAS workspaces (66 MiB on an H100).
