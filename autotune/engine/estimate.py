@@ -308,6 +308,18 @@ class EstimateRunner:
         check = self.trial(micro_batch, accumulation_steps, checkpointing=checkpointing)
         if not check.fits:
             return None
+        return self.roofline_measurement(
+            micro_batch,
+            accumulation_steps,
+            checkpointing=checkpointing,
+            peak_bytes=check.peak_bytes,
+        )
+
+    def roofline_measurement(
+        self, micro_batch: int, accumulation_steps: int, *, checkpointing: bool, peak_bytes: int
+    ) -> Measurement:
+        """A configuration's throughput by the roofline of its step (`step_time_s`), with the
+        peak a trial of it reached (traced here, or run on the emulated GPU)."""
         step_time_s = self.step_time_s(
             micro_batch, accumulation_steps, checkpointing=checkpointing
         )
@@ -319,7 +331,7 @@ class EstimateRunner:
             step_time_s=step_time_s,
             step_time_spread=0.0,
             timed_steps=0,
-            peak_bytes=check.peak_bytes,
+            peak_bytes=peak_bytes,
         )
 
 

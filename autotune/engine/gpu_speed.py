@@ -88,17 +88,10 @@ class RooflineTimedRunner:
         check = self.runner.trial(micro_batch, accumulation_steps, checkpointing=checkpointing)
         if not check.fits:
             return None
-        step_time_s = self.estimate.step_time_s(
-            micro_batch, accumulation_steps, checkpointing=checkpointing
-        )
-        samples = micro_batch * accumulation_steps
-        tokens = self.tokens_per_sample
-        return Measurement(
-            samples_per_s=samples / step_time_s,
-            tokens_per_s=samples * tokens / step_time_s if tokens is not None else None,
-            step_time_s=step_time_s,
-            step_time_spread=0.0,
-            timed_steps=0,
+        return self.estimate.roofline_measurement(
+            micro_batch,
+            accumulation_steps,
+            checkpointing=checkpointing,
             peak_bytes=check.peak_bytes,
         )
 
