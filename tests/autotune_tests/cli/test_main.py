@@ -90,34 +90,16 @@ def test_probe_table_by_default(spec_path: Path) -> None:
 
 
 def test_step_json_agrees_with_probe(
-    spec_path: Path, probed: subprocess.CompletedProcess[str]
+    spec_path: Path, probed: subprocess.CompletedProcess[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
+    # `step` in this process (the probe ran in its own): a fresh model on a fresh device each.
     best = json.loads(probed.stdout)["modes"][0]["max_micro_batch"]
-    fits = autotune(
-        "step",
-        str(spec_path),
-        "--micro-batch",
-        str(best),
-        "--device",
-        "cpu",
-        "--memory",
-        "200MiB",
-        "--json",
-    )
-    assert fits.returncode == 0, fits.stderr
-    assert json.loads(fits.stdout)["fits"] is True
-    over = autotune(
-        "step",
-        str(spec_path),
-        "--micro-batch",
-        str(best + 1),
-        "--device",
-        "cpu",
-        "--memory",
-        "200MiB",
-        "--json",
-    )
-    result = json.loads(over.stdout)
+    device = ["--device", "cpu", "--memory", "200MiB", "--json"]
+    capsys.readouterr()
+    assert main(["step", str(spec_path), "--micro-batch", str(best), *device]) == 0
+    assert json.loads(capsys.readouterr().out)["fits"] is True
+    assert main(["step", str(spec_path), "--micro-batch", str(best + 1), *device]) == 0
+    result = json.loads(capsys.readouterr().out)
     assert result["fits"] is False
     assert 0 < result["peak_bytes"] <= 200 * 2**20
 
@@ -227,17 +209,27 @@ def test_probe_on_a_named_gpu_states_the_gpu_its_reserve_and_assumptions(tmp_pat
     assert "emulated H100 80GB on cpu" in done.stderr
 
 
-def test_the_allocator_settings_of_the_environment_are_the_emulated_gpu_s(spec_path: Path) -> None:
+def test_the_allocator_settings_of_the_environment_are_the_emulated_gpu_s(
+    spec_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """PYTORCH_ALLOC_CONF changes what a card reserves; the emulated GPU reads it as torch would,
-    and a value torch would refuse is a usage error naming the variable."""
-    args = ("step", str(spec_path), "--micro-batch", "32", "--device", "cpu", "--memory", "1GiB")
-    plain = autotune(*args, "--json")
-    expandable = autotune(*args, "--json", env={"PYTORCH_ALLOC_CONF": "expandable_segments:True"})
-    assert plain.returncode == expandable.returncode == 0, expandable.stderr
+    and a value torch would refuse is a usage error naming the variable. In this process: the
+    command reads the environment at its entry point, as a fresh process would."""
+    args = ["step", str(spec_path), "--micro-batch", "32", "--device", "cpu", "--memory", "1GiB"]
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    capsys.readouterr()
+    assert main([*args, "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    assert main([*args, "--json"]) == 0
+    expandable = json.loads(capsys.readouterr().out)
     # Expandable segments map 20 MiB pages where plain segments round requests to 2 MiB
     # (measured: 244 MiB against 240 MiB at this micro-batch).
-    assert json.loads(expandable.stdout)["peak_bytes"] != json.loads(plain.stdout)["peak_bytes"]
-    bad = autotune(*args, env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:yes"})
-    assert bad.returncode == 2
-    (line,) = bad.stderr.strip().splitlines()
+    assert expandable["peak_bytes"] != plain["peak_bytes"]
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:yes")
+    code, stderr = in_process(args, capsys)
+    assert code == 2
+    (line,) = stderr.strip().splitlines()
     assert "PYTORCH_CUDA_ALLOC_CONF" in line and "expandable_segments" in line
