@@ -9,9 +9,10 @@ with two: the answer fits, the next size does not (docs/design.md#cheaper-real-p
 trace is evidence, never an answer: when it disagrees with the trials, the search goes on from
 real fit points, as it would without it.
 
-A trace that cannot be made (a model that reads tensor values in its step, fp16's gradient
-scaler, a factory that fails under fake tensors) leaves the probe as it was, with a warning: it
-only ever costs the trials it would have saved.
+A trace that cannot be made (a model that reads tensor values in its step, Adafactor, a factory
+that fails under fake tensors) leaves the probe as it was, with a warning: it only ever costs
+the trials it would have saved. fp16 is traced as bf16 (the same tensors but its gradient
+scaler's few bytes): a near fit, which the trials verify.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from autotune.core.allocator_config import parse_alloc_conf
 from autotune.core.cuda_reserve import GpuBudget, budget_for
 from autotune.core.errors import SpecError
 from autotune.core.gpus import UnknownGpu, find_gpu
-from autotune.core.schemas import DeviceInfo, DeviceKind, Spec, StepOutcome
+from autotune.core.schemas import DeviceInfo, DeviceKind, Precision, Spec, StepOutcome
 from autotune.engine.estimate import EstimateRunner
 from autotune.engine.runner import TrialRunner
 
@@ -91,6 +92,12 @@ def trace_fit_points(
     sizes = [b for b in FIT_POINT_MICRO_BATCHES if b <= spec.training.max_micro_batch]
     if len(sizes) < 2 or not modes:
         return {}
+    if spec.training.precision is Precision.FP16:
+        # fp16's gradient scaler reads whether the gradients overflowed, which a fake tensor
+        # cannot say; bf16 holds the same tensors but the scaler's few bytes (three blocks on
+        # gpt2-tiny): near enough for a first fit, which the trials verify.
+        bf16 = spec.training.model_copy(update={"precision": Precision.BF16})
+        spec = spec.model_copy(update={"training": bf16})
     try:
         tracer = tracer_for(spec, device, allowed_factory_prefixes=allowed_factory_prefixes)
         if not any(tracer.warm_up(checkpointing=mode).fits for mode in modes):
