@@ -41,6 +41,16 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     # gpt2-tiny steps ten times slower (threads wait at each op's barrier for a descheduled peer).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow tests (real processes and servers) first, each group still in pytest-randomly's
+    order: xdist hands tests out in this order, and a long test handed out last keeps one worker
+    busy while the others wait (a clean `make test` took from 5m43 to 6m26 by the luck of the
+    shuffle). Longest first packs the three workers' time."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 CLIENT_TOKEN = "client-token-for-tests"
 WORKER_TOKEN = "worker-token-for-tests"
 POSTGRES_URL = os.environ.get(

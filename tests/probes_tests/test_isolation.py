@@ -28,6 +28,8 @@ from probes.isolation import ChildProcessRunner, StartMethod
 from tests.probes_tests.factories import HEAVY_STATE_ROWS, wide_spec
 from tests.probes_tests.live import MARK_VARIABLE, REPO, marked_pids, new_mark, wait_for_no_marked
 
+pytestmark = pytest.mark.slow  # every test starts child processes
+
 TESTS = ("tests",)  # the test factories' package, allowed as a worker's --allow-factory would
 
 MIB = 2**20

@@ -3,6 +3,8 @@ errors, which never reach a device, run `main` in this process)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -54,8 +56,13 @@ def spec_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def probed(spec_path: Path) -> subprocess.CompletedProcess[str]:
-    """One `autotune probe --json` run, shared by the tests that read it."""
-    return autotune("probe", str(spec_path), "--device", "cpu", "--memory", "200MiB", "--json")
+    """One `autotune probe --json` run, shared by the tests that read it: in this process
+    (`main` writes to whatever sys.stdout and sys.stderr are), as its child would run it."""
+    argv = ["probe", str(spec_path), "--device", "cpu", "--memory", "200MiB", "--json"]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def test_probe_json_is_one_object_with_both_modes(

@@ -53,6 +53,7 @@ def _maxima(runner: EstimateRunner | InProcessRunner) -> list[tuple[bool, int, i
 FAMILY_PRESETS = ["cnn", "gpt2-tiny", "llama-tiny", "mlp"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILY_PRESETS)
 def test_the_estimate_finds_the_emulated_gpus_answer_at_three_capacities(name: str) -> None:
     spec = _spec(name)
