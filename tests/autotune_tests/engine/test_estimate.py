@@ -19,7 +19,7 @@ from autotune.engine.estimate import EstimateRunner
 from autotune.engine.probe import probe_session
 from autotune.engine.runner import InProcessRunner
 
-SEQ_LEN = 16
+SEQ_LEN = 8
 HUGE_BYTES = 1 << 40
 
 
