@@ -12,6 +12,8 @@ any of these ends in 503 `database_unavailable` (`api.errors`), which clients re
 from __future__ import annotations
 
 import logging
+import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.resources import files
@@ -89,11 +91,29 @@ def _configure_sqlite(dbapi_connection: Any, _record: Any) -> None:
     # how each transaction starts (SQLAlchemy's documented recipe for pysqlite).
     dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
+    _set_wal(cursor)
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.close()
+
+
+def _set_wal(cursor: Any) -> None:
+    """WAL mode, which the database file keeps once set. Switching to it takes the file's
+    exclusive lock, and SQLite answers "database is locked" at once, without its busy handler,
+    when another process holds a lock: two servers starting on one new file (a test starts
+    eight) raced there. So it is set only when not already, and retried within the busy
+    timeout."""
+    deadline_s = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            if cursor.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or time.monotonic() > deadline_s:
+                raise
+            time.sleep(0.05)
 
 
 def _begin_sqlite(connection: Connection) -> None:
