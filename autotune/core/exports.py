@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from autotune.core.schemas import Exports, Recommendation
+from autotune.core.schemas import Exports, Recommendation, TrainingSpec
 
 _ACTIVATION_CHECKPOINTING_SINCE_MAJOR = 5
 # How DDP must be built for a rank to hold what was measured.
@@ -59,7 +59,7 @@ def build_exports(
     *,
     token_model: bool,
     transformers_version: str | None,
-    tf32: bool | None = None,
+    training: TrainingSpec | None = None,
 ) -> Exports:
     """Settings that reproduce `rec` in Hugging Face, Axolotl, DeepSpeed, Lightning and plain
     PyTorch.
@@ -70,11 +70,16 @@ def build_exports(
             label tokens of the whole step, else by samples.
         transformers_version: The user's transformers version, or None when unknown; picks the
             Hugging Face checkpointing key (see the module docstring).
-        tf32: the spec's TF32 setting, when it sets one: the throughput was measured with it.
+        training: the spec's training section (None: the defaults). A TF32 setting is
+            exported as measured; a `target_global_tokens` makes every export state the tokens
+            per step, and Axolotl pack its samples to `seq_len` (`sequence_len`,
+            `sample_packing`), the full samples the target was turned into.
 
     Raises:
         ValueError: when `rec.global_batch` is not micro-batch * accumulation * world size.
     """
+    training = training or TrainingSpec()
+    tf32 = training.tf32
     b, accumulation, world = rec.micro_batch, rec.accumulation_steps, rec.world_size
     if b * accumulation * world != rec.global_batch:
         raise ValueError(
@@ -109,12 +114,17 @@ def build_exports(
         hf["tf32"] = axolotl["tf32"] = tf32
         # Lightning has no Trainer flag: the module sets torch's matmul precision.
         lightning["module"]["float32_matmul_precision"] = "high" if tf32 else "highest"
+    packed_seq_len = training.seq_len if training.target_global_tokens is not None else None
+    if packed_seq_len is not None:
+        axolotl["sequence_len"] = packed_seq_len
+        axolotl["sample_packing"] = True
     return Exports(
+        tokens_per_sample=packed_seq_len,
         hf=hf,
         axolotl=axolotl,
         deepspeed=deepspeed,
         lightning=lightning,
-        pytorch_loop=_pytorch_loop(rec, token_model=token_model),
+        pytorch_loop=_pytorch_loop(rec, token_model=token_model, tokens_per_sample=packed_seq_len),
     )
 
 
@@ -122,10 +132,10 @@ def render_exports(exports: Exports) -> dict[str, str]:
     """Paste-ready text per target: `hf` and `lightning` as Python, `axolotl` as YAML,
     `deepspeed` as JSON, `pytorch_loop` as is; on several ranks also `data_parallel`, what the
     memory was measured with and what DeepSpeed (whose JSON cannot say it) does instead."""
-    batch = _batch_comment(exports.deepspeed)
+    batch = _batch_comment(exports.deepspeed, exports.tokens_per_sample)
     ranks = _ranks(exports.deepspeed)
     texts = {
-        "hf": _render_hf(exports.hf, batch, ranks),
+        "hf": _render_hf(exports.hf, batch, ranks, exports.tokens_per_sample),
         "axolotl": f"# Axolotl config (merge into your YAML)\n{batch}"
         + _axolotl_ddp_comment(ranks)
         + yaml.safe_dump(exports.axolotl, sort_keys=False),
@@ -147,13 +157,20 @@ def _ranks(deepspeed: dict[str, Any]) -> int:
     return ranks
 
 
-def _batch_comment(deepspeed: dict[str, Any]) -> str:
-    """The batch arithmetic as a comment line."""
+def _batch_comment(deepspeed: dict[str, Any], tokens_per_sample: int | None) -> str:
+    """The batch arithmetic as a comment line (two for a token target)."""
     micro = deepspeed["train_micro_batch_size_per_gpu"]
     accumulation = deepspeed["gradient_accumulation_steps"]
+    samples = deepspeed["train_batch_size"]
+    tokens = (
+        f"# = {samples * tokens_per_sample} tokens per optimizer step: packed samples of "
+        f"{tokens_per_sample} tokens each\n"
+        if tokens_per_sample is not None
+        else ""
+    )
     return (
-        f"# global batch {deepspeed['train_batch_size']} = {micro} per rank x {accumulation} "
-        f"accumulation steps x {_ranks(deepspeed)} rank(s)\n"
+        f"# global batch {samples} = {micro} per rank x {accumulation} "
+        f"accumulation steps x {_ranks(deepspeed)} rank(s)\n{tokens}"
     )
 
 
@@ -180,7 +197,7 @@ def _data_parallel_note(ranks: int) -> str:
     )
 
 
-def _render_hf(hf: dict[str, Any], batch: str, ranks: int) -> str:
+def _render_hf(hf: dict[str, Any], batch: str, ranks: int, tokens_per_sample: int | None) -> str:
     if "activation_checkpointing" in hf:
         rule = "activation_checkpointing: the flag's name since transformers 5"
     else:
@@ -198,8 +215,15 @@ def _render_hf(hf: dict[str, Any], batch: str, ranks: int) -> str:
         if ranks > 1
         else ""
     )
+    # TrainingArguments has no sequence length; TRL's SFTConfig (a TrainingArguments) packs.
+    packing = (
+        "# The token target assumes packed samples: with TRL, SFTConfig(packing=True,\n"
+        f"# max_length={tokens_per_sample}, ...) takes these arguments too.\n"
+        if tokens_per_sample is not None
+        else ""
+    )
     return (
-        f"# Hugging Face TrainingArguments; {rule}.\n{batch}"
+        f"# Hugging Face TrainingArguments; {rule}.\n{batch}{packing}"
         "from transformers import TrainingArguments\n\n"
         f"args = TrainingArguments(\n{kwargs}    # ... your other arguments\n)\n{ddp}"
     )
@@ -290,7 +314,7 @@ def _set_constant(source: str, name: str, value: str) -> str:
     return source
 
 
-def _pytorch_loop(rec: Recommendation, *, token_model: bool) -> str:
+def _pytorch_loop(rec: Recommendation, *, token_model: bool, tokens_per_sample: int | None) -> str:
     if token_model:
         normaliser = (
             "Loss: summed token cross-entropy of the whole optimizer step divided by the number\n"
@@ -320,7 +344,13 @@ def _pytorch_loop(rec: Recommendation, *, token_model: bool) -> str:
         f"{rec.world_size} rank(s):\n"
         f"{rec.global_batch} samples per optimizer step; activation checkpointing "
         f"{'on' if rec.checkpointing else 'off'}.\n"
-        f"{normaliser}\n{ranks}"
+        + (
+            f"{rec.global_batch * tokens_per_sample} tokens per optimizer step: samples packed "
+            f"to {tokens_per_sample} tokens each.\n"
+            if tokens_per_sample is not None
+            else ""
+        )
+        + f"{normaliser}\n{ranks}"
         'Run it as is for a demo on random data; replace DemoModel and the data with yours.\n"""\n'
     )
     loop_imports, loop = _split_module(_template("train_loop.py"))

@@ -288,6 +288,14 @@ class _Check:
             ("lightning", "datamodule", "batch_size"): rec.micro_batch,
             ("lightning", "module", "gradient_checkpointing"): rec.checkpointing,
         }
+        training = self.spec.training
+        if training.target_global_tokens is not None:
+            # The samples the token target was turned into are full packed sequences.
+            expected[("axolotl", "sequence_len")] = training.seq_len
+            expected[("axolotl", "sample_packing")] = True
+            expected[("tokens_per_sample",)] = training.seq_len
+        elif exports.tokens_per_sample is not None:
+            self.fail("exports.tokens_per_sample", "set although the target is not in tokens")
         data = exports.model_dump()
         for path, value in expected.items():
             found = _at(data, *path)

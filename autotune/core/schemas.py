@@ -135,14 +135,36 @@ class TrainingSpec(FrozenModel):
     target_global_batch: int | None = Field(
         default=None, ge=1, description="Samples per optimizer step across all ranks."
     )
+    target_global_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Tokens per optimizer step across all ranks, the way LLM papers state the "
+        "batch size; needs seq_len, and sets target_global_batch = tokens / seq_len (packed "
+        "sequences: every sample holds seq_len tokens).",
+    )
     world_size: int = Field(default=1, ge=1, description="Data-parallel ranks.")
     headroom: float = Field(
         default=0.05, ge=0.0, lt=1.0, description="Fraction of capacity to leave free."
     )
     max_micro_batch: int = Field(default=1024, ge=1, description="Search cap.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _samples_from_tokens(cls, data: Any) -> Any:
+        """A token target is stored with the sample target it stands for, so that everything
+        downstream (candidates, checks, exports) reads one `target_global_batch`; `_shape`
+        then checks that the two agree."""
+        if not isinstance(data, dict) or data.get("target_global_batch") is not None:
+            return data
+        tokens, seq_len = data.get("target_global_tokens"), data.get("seq_len")
+        if type(tokens) is int and type(seq_len) is int and seq_len > 0 and tokens % seq_len == 0:
+            return {**data, "target_global_batch": tokens // seq_len}
+        return data
+
     @model_validator(mode="after")
     def _shape(self) -> TrainingSpec:
+        if self.target_global_tokens is not None:
+            self._check_token_target(self.target_global_tokens)
         if self.seq_len is not None and self.input_shape is not None:
             raise ValueError("give seq_len (token models) or input_shape, not both")
         if self.input_shape is not None and (
@@ -151,6 +173,27 @@ class TrainingSpec(FrozenModel):
             raise ValueError("input_shape: every dimension must be >= 1")
         return self
 
+    def _check_token_target(self, tokens: int) -> None:
+        if self.seq_len is None:
+            raise ValueError(
+                "training.target_global_tokens: needs training.seq_len (tokens per sample)"
+            )
+        samples, remainder = divmod(tokens, self.seq_len)
+        if remainder:
+            nearest = [n for n in (samples, samples + 1) if n > 0]
+            raise ValueError(
+                f"training.target_global_tokens: {tokens} is not a multiple of seq_len "
+                f"{self.seq_len} (packed sequences: every sample holds {self.seq_len} tokens); "
+                "the nearest token targets are "
+                + " and ".join(f"{n * self.seq_len} ({n} samples)" for n in nearest)
+            )
+        if self.target_global_batch != samples:
+            raise ValueError(
+                f"training.target_global_batch: {self.target_global_batch}, but "
+                f"target_global_tokens {tokens} / seq_len {self.seq_len} is {samples} samples; "
+                "give one of the two"
+            )
+
     def required_target_global_batch(self) -> int:
         """The target global batch, which tuning needs (probing does not).
 
@@ -158,7 +201,9 @@ class TrainingSpec(FrozenModel):
             SpecError: the spec sets none.
         """
         if self.target_global_batch is None:
-            raise SpecError("training.target_global_batch: required for tuning")
+            raise SpecError(
+                "training.target_global_batch: required for tuning (or target_global_tokens)"
+            )
         return self.target_global_batch
 
 
@@ -417,6 +462,11 @@ class Exports(FrozenModel):
     deepspeed: dict[str, Any]
     lightning: dict[str, Any]
     pytorch_loop: str
+    tokens_per_sample: int | None = Field(
+        default=None,
+        description="Set for a token target (training.target_global_tokens): the packed "
+        "sample length the target was turned into samples with.",
+    )
 
 
 class TuneResult(FrozenModel):

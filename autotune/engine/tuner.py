@@ -207,7 +207,7 @@ def tune_session(
                 recommendation,
                 token_model=session.tokens_per_sample is not None,
                 transformers_version=_installed_transformers_version(),
-                tf32=training.tf32,
+                training=training,
             ),
             study_name=study_name,
         )

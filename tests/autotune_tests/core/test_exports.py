@@ -24,7 +24,7 @@ from torch import nn
 from torch.multiprocessing.spawn import spawn
 
 from autotune.core.exports import build_exports, hf_checkpointing_key, render_exports
-from autotune.core.schemas import Exports, Recommendation
+from autotune.core.schemas import Exports, Recommendation, TrainingSpec
 
 IGNORE_INDEX = -100
 VOCAB = 37
@@ -418,9 +418,49 @@ def test_token_loop_on_two_ddp_ranks_matches_the_full_batch(tmp_path: Path) -> N
     torch.testing.assert_close(torch.load(tmp_path / "grads.pt"), _grads(reference))
 
 
+@pytest.mark.parametrize(("b", "accumulation", "world"), [(4, 8, 1), (2, 4, 4), (16, 1, 2)])
+def test_a_token_target_round_trips_into_every_export(
+    b: int, accumulation: int, world: int
+) -> None:
+    seq_len = 128
+    tokens = b * accumulation * world * seq_len
+    training = TrainingSpec(seq_len=seq_len, target_global_tokens=tokens, world_size=world)
+    assert training.target_global_batch == tokens // seq_len
+    exports = build_exports(
+        _rec(b, accumulation, world),
+        token_model=True,
+        transformers_version="5.23.0",
+        training=training,
+    )
+    axolotl = exports.axolotl
+    assert axolotl["sample_packing"] is True
+    per_step = axolotl["micro_batch_size"] * axolotl["gradient_accumulation_steps"] * world
+    assert per_step * axolotl["sequence_len"] == tokens
+    assert exports.deepspeed["train_batch_size"] * seq_len == tokens
+    texts = render_exports(exports)
+    for name in ("hf", "axolotl", "lightning", "pytorch_loop"):
+        assert f"{tokens} tokens per optimizer step" in texts[name], name
+    assert f"max_length={seq_len}" in texts["hf"]
+    assert yaml.safe_load(texts["axolotl"]) == axolotl
+    # A target in samples says nothing about tokens.
+    plain = build_exports(
+        _rec(b, accumulation, world),
+        token_model=True,
+        transformers_version="5.23.0",
+        training=TrainingSpec(seq_len=seq_len, target_global_batch=tokens // seq_len),
+    )
+    assert plain.tokens_per_sample is None and "sequence_len" not in plain.axolotl
+    assert not any("tokens per optimizer step" in text for text in render_exports(plain).values())
+
+
 @pytest.mark.parametrize("tf32", [True, False])
 def test_a_spec_s_tf32_setting_is_exported_as_measured(tf32: bool) -> None:
-    exports = build_exports(_rec(8, 4), token_model=True, transformers_version="5.23.0", tf32=tf32)
+    exports = build_exports(
+        _rec(8, 4),
+        token_model=True,
+        transformers_version="5.23.0",
+        training=TrainingSpec(tf32=tf32),
+    )
     assert exports.hf["tf32"] is tf32 and exports.axolotl["tf32"] is tf32
     precision = "high" if tf32 else "highest"
     assert (

@@ -70,6 +70,21 @@ def test_yaml_and_json_give_the_same_spec(tmp_path: Path) -> None:
             "training.input_shape: this is a",
         ),
         ("model: {hf_config: {model_type: llama}}", "training.seq_len: required for Hugging Face"),
+        (
+            "model: {preset: gpt2-tiny}\ntraining: {seq_len: 100, target_global_tokens: 4096}",
+            "training.target_global_tokens: 4096 is not a multiple of seq_len 100 (packed "
+            "sequences: every sample holds 100 tokens); the nearest token targets are 4000 (40 "
+            "samples) and 4100 (41 samples)",
+        ),
+        (
+            "model: {preset: gpt2-tiny}\ntraining: {target_global_tokens: 4096}",
+            "training.target_global_tokens: needs training.seq_len",
+        ),
+        (
+            "model: {preset: gpt2-tiny}\n"
+            "training: {seq_len: 128, target_global_tokens: 4096, target_global_batch: 64}",
+            "training.target_global_batch: 64, but target_global_tokens 4096 / seq_len 128 is 32",
+        ),
         ("- just\n- a list", "spec: expected a mapping"),
         ("model: [unclosed", "not valid yaml"),
     ],

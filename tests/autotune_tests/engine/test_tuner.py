@@ -22,6 +22,7 @@ from tests.probes_tests.factories import wide_spec
 pytestmark = pytest.mark.xdist_group("tuner")
 
 MiB = 2**20
+SEQ_LEN = 32
 CAPACITY_BYTES = 180 * MiB  # gpt2-tiny at 32 tokens: about 10 samples without checkpointing
 
 
@@ -31,7 +32,7 @@ def capacity_bytes(world_size: int) -> int:
 
 
 def tiny_spec(**training: object) -> Spec:
-    settings: dict[str, object] = {"seq_len": 32, "max_micro_batch": 64, **training}
+    settings: dict[str, object] = {"seq_len": SEQ_LEN, "max_micro_batch": 64, **training}
     return Spec.model_validate({"model": {"preset": "gpt2-tiny"}, "training": settings})
 
 
@@ -51,7 +52,10 @@ def tuned(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int, int], Tune
 
     def get(target: int, world_size: int) -> Tuned:
         if (target, world_size) not in done:
-            spec = tiny_spec(target_global_batch=target, world_size=world_size)
+            # Several ranks state the target as LLM runs do, in tokens: the same samples.
+            unit = "target_global_batch" if world_size == 1 else "target_global_tokens"
+            amount = target if world_size == 1 else target * SEQ_LEN
+            spec = tiny_spec(**{unit: amount}, world_size=world_size)
             url = sqlite_url(tmp_path_factory.mktemp("tune"))
             result = tune(
                 spec,
@@ -94,6 +98,9 @@ def test_recommendation_hits_the_target_exactly_and_fits(
     assert max(t.samples_per_s or 0 for t in within or complete) == rec.samples_per_s
     assert result.exports is not None
     assert result.exports.deepspeed["train_batch_size"] == target
+    if spec.training.target_global_tokens is not None:
+        assert result.exports.tokens_per_sample == SEQ_LEN
+        assert rec.global_batch * SEQ_LEN == spec.training.target_global_tokens
 
 
 def test_the_study_is_stored_for_the_dashboard(tuned: Callable[[int, int], Tuned]) -> None:
@@ -233,7 +240,9 @@ def test_cli_tune_needs_a_target(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert (
-        done.stderr.strip() == "autotune: error: training.target_global_batch: required for tuning"
+        done.stderr.strip()
+        == "autotune: error: training.target_global_batch: required for tuning "
+        "(or target_global_tokens)"
     )
 
 
