@@ -31,7 +31,14 @@ from typing import Any
 
 import yaml
 
-from autotune.core.schemas import Exports, Recommendation, TrainingSpec
+from autotune.core.schemas import (
+    Exports,
+    OptimizerName,
+    Precision,
+    Recommendation,
+    TrainingSpec,
+    WeightsDtype,
+)
 
 _ACTIVATION_CHECKPOINTING_SINCE_MAJOR = 5
 # How DDP must be built for a rank to hold what was measured.
@@ -85,12 +92,12 @@ def build_exports(
         raise ValueError(
             f"inconsistent recommendation: {b} * {accumulation} * {world} != {rec.global_batch}"
         )
-    hf = {
+    hf: dict[str, Any] = {
         "per_device_train_batch_size": b,
         "gradient_accumulation_steps": accumulation,
         hf_checkpointing_key(transformers_version): rec.checkpointing,
     }
-    axolotl = {
+    axolotl: dict[str, Any] = {
         "micro_batch_size": b,
         "gradient_accumulation_steps": accumulation,
         "gradient_checkpointing": rec.checkpointing,
@@ -114,6 +121,20 @@ def build_exports(
         hf["tf32"] = axolotl["tf32"] = tf32
         # Lightning has no Trainer flag: the module sets torch's matmul precision.
         lightning["module"]["float32_matmul_precision"] = "high" if tf32 else "highest"
+    if training.precision is not Precision.FP32:
+        hf[training.precision.value] = True  # TrainingArguments' bf16 / fp16 autocast flags
+    if training.weights is WeightsDtype.BF16:
+        # Axolotl's bf16 loads the weights in bf16 and trains them so: no fp32 master copy.
+        axolotl["bf16"] = True
+        lightning["trainer"]["precision"] = "bf16-true"
+    elif training.precision is Precision.BF16:
+        lightning["trainer"]["precision"] = "bf16-mixed"
+    elif training.precision is Precision.FP16:
+        lightning["trainer"]["precision"] = "16-mixed"
+    if training.optimizer is OptimizerName.ADAMW_8BIT:
+        # The same name in both: transformers' OptimizerNames.ADAMW_BNB.
+        hf["optim"] = axolotl["optimizer"] = "adamw_bnb_8bit"
+        lightning["module"]["optimizer"] = "bitsandbytes.optim.AdamW8bit"
     packed_seq_len = training.seq_len if training.target_global_tokens is not None else None
     if packed_seq_len is not None:
         axolotl["sequence_len"] = packed_seq_len
@@ -124,7 +145,12 @@ def build_exports(
         axolotl=axolotl,
         deepspeed=deepspeed,
         lightning=lightning,
-        pytorch_loop=_pytorch_loop(rec, token_model=token_model, tokens_per_sample=packed_seq_len),
+        pytorch_loop=_pytorch_loop(
+            rec,
+            token_model=token_model,
+            tokens_per_sample=packed_seq_len,
+            setup=_setup_lines(training),
+        ),
     )
 
 
@@ -135,7 +161,13 @@ def render_exports(exports: Exports) -> dict[str, str]:
     batch = _batch_comment(exports.deepspeed, exports.tokens_per_sample)
     ranks = _ranks(exports.deepspeed)
     texts = {
-        "hf": _render_hf(exports.hf, batch, ranks, exports.tokens_per_sample),
+        "hf": _render_hf(
+            exports.hf,
+            batch,
+            ranks,
+            exports.tokens_per_sample,
+            weights_bf16=exports.lightning["trainer"].get("precision") == "bf16-true",
+        ),
         "axolotl": f"# Axolotl config (merge into your YAML)\n{batch}"
         + _axolotl_ddp_comment(ranks)
         + yaml.safe_dump(exports.axolotl, sort_keys=False),
@@ -197,7 +229,14 @@ def _data_parallel_note(ranks: int) -> str:
     )
 
 
-def _render_hf(hf: dict[str, Any], batch: str, ranks: int, tokens_per_sample: int | None) -> str:
+def _render_hf(
+    hf: dict[str, Any],
+    batch: str,
+    ranks: int,
+    tokens_per_sample: int | None,
+    *,
+    weights_bf16: bool,
+) -> str:
     if "activation_checkpointing" in hf:
         rule = "activation_checkpointing: the flag's name since transformers 5"
     else:
@@ -216,6 +255,12 @@ def _render_hf(hf: dict[str, Any], batch: str, ranks: int, tokens_per_sample: in
         else ""
     )
     # TrainingArguments has no sequence length; TRL's SFTConfig (a TrainingArguments) packs.
+    weights = (
+        "# bf16 weights, no fp32 master copy: load the model with\n"
+        "#     AutoModelForCausalLM.from_pretrained(..., dtype=torch.bfloat16)\n"
+        if weights_bf16
+        else ""
+    )
     packing = (
         "# The token target assumes packed samples: with TRL, SFTConfig(packing=True,\n"
         f"# max_length={tokens_per_sample}, ...) takes these arguments too.\n"
@@ -223,7 +268,7 @@ def _render_hf(hf: dict[str, Any], batch: str, ranks: int, tokens_per_sample: in
         else ""
     )
     return (
-        f"# Hugging Face TrainingArguments; {rule}.\n{batch}{packing}"
+        f"# Hugging Face TrainingArguments; {rule}.\n{batch}{weights}{packing}"
         "from transformers import TrainingArguments\n\n"
         f"args = TrainingArguments(\n{kwargs}    # ... your other arguments\n)\n{ddp}"
     )
@@ -248,6 +293,12 @@ def _render_lightning(lightning: dict[str, Any], batch: str) -> str:
         )
     else:
         checkpointing = "# Activation checkpointing: off (Lightning has no Trainer flag for it).\n"
+    optimizer = lightning["module"].get("optimizer")
+    if optimizer is not None:
+        checkpointing += (
+            f"# Optimizer as measured: return {optimizer}(self.parameters(), ...) from your\n"
+            "# LightningModule's configure_optimizers.\n"
+        )
     matmul_precision = lightning["module"].get("float32_matmul_precision")
     if matmul_precision is not None:
         # TF32 as measured: torch's switch, set before the Trainer runs.
@@ -314,7 +365,34 @@ def _set_constant(source: str, name: str, value: str) -> str:
     return source
 
 
-def _pytorch_loop(rec: Recommendation, *, token_model: bool, tokens_per_sample: int | None) -> str:
+_AUTOCAST_DTYPES = {Precision.BF16: "torch.bfloat16", Precision.FP16: "torch.float16"}
+
+
+def _setup_lines(training: TrainingSpec) -> str:
+    """What the loop's model and optimizer must be to hold what was measured, when it is not
+    the demo's fp32 weights and torch AdamW."""
+    lines = []
+    if training.weights is WeightsDtype.BF16:
+        lines.append(
+            "Weights in bf16 with no fp32 master copy: model.to(torch.bfloat16) (Hugging Face:\n"
+            "from_pretrained(..., dtype=torch.bfloat16)), computing under bf16 autocast.\n"
+        )
+    elif training.precision is not Precision.FP32:
+        scaler = " with a GradScaler" if training.precision is Precision.FP16 else ""
+        lines.append(
+            "fp32 weights, forward under "
+            f"torch.autocast(dtype={_AUTOCAST_DTYPES[training.precision]}){scaler}.\n"
+        )
+    if training.optimizer is OptimizerName.ADAMW_8BIT:
+        lines.append(
+            "Optimizer: bitsandbytes.optim.AdamW8bit(model.parameters(), ...) (8-bit states).\n"
+        )
+    return "".join(lines)
+
+
+def _pytorch_loop(
+    rec: Recommendation, *, token_model: bool, tokens_per_sample: int | None, setup: str
+) -> str:
     if token_model:
         normaliser = (
             "Loss: summed token cross-entropy of the whole optimizer step divided by the number\n"
@@ -350,6 +428,7 @@ def _pytorch_loop(rec: Recommendation, *, token_model: bool, tokens_per_sample: 
             if tokens_per_sample is not None
             else ""
         )
+        + setup
         + f"{normaliser}\n{ranks}"
         'Run it as is for a demo on random data; replace DemoModel and the data with yours.\n"""\n'
     )

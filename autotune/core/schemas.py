@@ -41,10 +41,19 @@ class Precision(StrEnum):
     FP16 = "fp16"  # autocast to float16 with a gradient scaler
 
 
+class WeightsDtype(StrEnum):
+    """What the parameters (and so their gradients and optimizer states) are stored in."""
+
+    FP32 = "fp32"  # fp32 master weights, whatever the compute precision
+    BF16 = "bf16"  # bf16 weights, no fp32 master copy (torch_dtype=bfloat16 fine-tuning)
+
+
 class OptimizerName(StrEnum):
     ADAMW = "adamw"
     SGD = "sgd"  # with momentum, so it keeps one state tensor per parameter like real runs
     ADAFACTOR = "adafactor"
+    # bitsandbytes' AdamW8bit, whose state sizes autotune.engine.adamw_8bit allocates
+    ADAMW_8BIT = "adamw8bit"
 
 
 _FACTORY_PATTERN = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
@@ -131,6 +140,12 @@ class TrainingSpec(FrozenModel):
         description="TF32 for fp32 matmuls and cuDNN convolutions on a CUDA device (faster, "
         "10-bit mantissa); None keeps torch's defaults (matmuls IEEE, convolutions TF32).",
     )
+    weights: WeightsDtype = Field(
+        default=WeightsDtype.FP32,
+        description="fp32: master weights in fp32 (autocast computes in `precision`); bf16: "
+        "parameters, gradients and optimizer states in bf16 with no fp32 copy (needs "
+        "precision bf16).",
+    )
     optimizer: OptimizerName = OptimizerName.ADAMW
     target_global_batch: int | None = Field(
         default=None, ge=1, description="Samples per optimizer step across all ranks."
@@ -163,6 +178,11 @@ class TrainingSpec(FrozenModel):
 
     @model_validator(mode="after")
     def _shape(self) -> TrainingSpec:
+        if self.weights is WeightsDtype.BF16 and self.precision is not Precision.BF16:
+            raise ValueError(
+                "training.weights: bf16 weights compute in bf16; set precision: bf16 (fp16's "
+                "gradient scaler needs fp32 master weights)"
+            )
         if self.target_global_tokens is not None:
             self._check_token_target(self.target_global_tokens)
         if self.seq_len is not None and self.input_shape is not None:

@@ -8,6 +8,7 @@ up, because the CPU defaults differ and change the peak (docs/design.md#memory-m
 from __future__ import annotations
 
 import contextlib
+import importlib
 import itertools
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -21,16 +22,18 @@ from torch.amp.grad_scaler import _refresh_per_optimizer_state
 from torch.utils._python_dispatch import _disable_current_modes
 
 from autotune.core.errors import SpecError
-from autotune.core.schemas import OptimizerName, Precision, TrainingSpec
+from autotune.core.schemas import OptimizerName, Precision, TrainingSpec, WeightsDtype
+from autotune.engine.adamw_8bit import ADAMW_8BIT_ASSUMPTION, AdamW8bit
 from autotune.engine.autocast import cuda_autocast_policy
 from autotune.engine.data_parallel import EmulatedReducer
-from autotune.engine.workload import Batch, Workload, fp32_on
+from autotune.engine.workload import Batch, Workload, cast_weights, fp32_on
 
 # Learning rates only have to keep long timing runs finite; they change neither memory nor time.
 _LEARNING_RATES = {
     OptimizerName.ADAMW: 1e-4,
     OptimizerName.SGD: 1e-3,
     OptimizerName.ADAFACTOR: 1e-3,
+    OptimizerName.ADAMW_8BIT: 1e-4,
 }
 _AUTOCAST_DTYPES = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
@@ -95,14 +98,18 @@ class TrainingStep:
     as is; bf16 runs the forward under `torch.autocast(dtype=bfloat16)`; fp16 under
     `torch.autocast(dtype=float16)` with a `GradScaler`. On the CPU (the emulated GPU)
     autocast follows CUDA's op lists (`autotune.engine.autocast`). Weights stay fp32 (the
-    master copy) in every case.
+    master copy) unless `training.weights` is bf16.
     """
 
     def __init__(self, workload: Workload, training: TrainingSpec, device: torch.device) -> None:
         self._workload = workload
         self._device = device
         self.model = fp32_on(workload.model, device).train()
+        if training.weights is WeightsDtype.BF16:
+            # No fp32 master copy: what from_pretrained(torch_dtype=torch.bfloat16) trains.
+            self.model = cast_weights(self.model, torch.bfloat16)
         self.optimizer = _build_optimizer(self.model, training.optimizer)
+        allowance = isinstance(self.optimizer, AdamW8bit)
         self._autocast_dtype = _AUTOCAST_DTYPES.get(training.precision)
         self.scaler = (
             torch.amp.GradScaler(device.type) if training.precision is Precision.FP16 else None
@@ -120,7 +127,7 @@ class TrainingStep:
         # What the step counts beyond the device's own accounting, for the result to state.
         self.assumptions: tuple[str, ...] = (
             (self.reducer.assumption(training.world_size),) if self.reducer is not None else ()
-        )
+        ) + ((ADAMW_8BIT_ASSUMPTION,) if allowance else ())
 
     @property
     def checkpointing(self) -> bool:
@@ -248,7 +255,23 @@ def _build_optimizer(model: nn.Module, name: OptimizerName) -> torch.optim.Optim
         return torch.optim.AdamW(params, lr=lr, foreach=True)
     if name is OptimizerName.SGD:
         return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=True)
+    if name is OptimizerName.ADAMW_8BIT:
+        return _adamw_8bit(params, lr)
     return torch.optim.Adafactor(params, lr=lr, foreach=True)
+
+
+def _adamw_8bit(params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """bitsandbytes' own AdamW8bit where it runs (a CUDA device with the library installed),
+    else the allowance that allocates its states (`autotune.engine.adamw_8bit`)."""
+    if params and params[0].device.type == "cuda":
+        try:
+            bitsandbytes = importlib.import_module("bitsandbytes")
+        except ImportError:
+            pass
+        else:
+            optimizer: torch.optim.Optimizer = bitsandbytes.optim.AdamW8bit(params, lr=lr)
+            return optimizer
+    return AdamW8bit(params, lr=lr)
 
 
 def _autocast(

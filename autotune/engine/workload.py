@@ -101,6 +101,26 @@ def fp32_on(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
+def cast_weights(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`model` with its floating parameters and buffers in `dtype`, as `model.to(dtype)` would
+    leave it; new tensors are assigned rather than swapped in place, which a model made on fake
+    tensors (the estimate) does not allow. Tied parameters stay tied."""
+    converted: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_floating_point() or param.dtype == dtype:
+                continue
+            if id(param) not in converted:
+                converted[id(param)] = nn.Parameter(
+                    param.detach().to(dtype), requires_grad=param.requires_grad
+                )
+            module._parameters[name] = converted[id(param)]
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.is_floating_point() and buffer.dtype != dtype:
+                module._buffers[name] = buffer.to(dtype)
+    return model
+
+
 def count_label_tokens(batch: Batch) -> torch.Tensor:
     """Label tokens that `causal_lm_loss_sum` sums over: all but the first, minus padding.
 

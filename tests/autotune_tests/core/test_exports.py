@@ -453,6 +453,31 @@ def test_a_token_target_round_trips_into_every_export(
     assert not any("tokens per optimizer step" in text for text in render_exports(plain).values())
 
 
+def test_weights_precision_and_the_8bit_optimizer_are_exported_as_measured() -> None:
+    training = TrainingSpec(precision="bf16", weights="bf16", optimizer="adamw8bit")
+    exports = build_exports(
+        _rec(8, 4), token_model=True, transformers_version="5.23.0", training=training
+    )
+    assert exports.hf["bf16"] is True and exports.hf["optim"] == "adamw_bnb_8bit"
+    assert exports.axolotl["bf16"] is True and exports.axolotl["optimizer"] == "adamw_bnb_8bit"
+    assert exports.lightning["trainer"]["precision"] == "bf16-true"
+    texts = render_exports(exports)
+    assert "dtype=torch.bfloat16" in texts["hf"]
+    assert "bitsandbytes.optim.AdamW8bit" in texts["lightning"]
+    assert "bitsandbytes.optim.AdamW8bit" in texts["pytorch_loop"]
+    assert "no fp32 master copy" in texts["pytorch_loop"]
+    # fp32 master weights under bf16 autocast: mixed precision, and no bf16 load.
+    mixed = build_exports(
+        _rec(8, 4),
+        token_model=True,
+        transformers_version="5.23.0",
+        training=TrainingSpec(precision="bf16"),
+    )
+    assert mixed.hf["bf16"] is True and "bf16" not in mixed.axolotl and "optim" not in mixed.hf
+    assert mixed.lightning["trainer"]["precision"] == "bf16-mixed"
+    assert "dtype=torch.bfloat16" not in render_exports(mixed)["hf"]
+
+
 @pytest.mark.parametrize("tf32", [True, False])
 def test_a_spec_s_tf32_setting_is_exported_as_measured(tf32: bool) -> None:
     exports = build_exports(

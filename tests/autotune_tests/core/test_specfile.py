@@ -85,6 +85,10 @@ def test_yaml_and_json_give_the_same_spec(tmp_path: Path) -> None:
             "training: {seq_len: 128, target_global_tokens: 4096, target_global_batch: 64}",
             "training.target_global_batch: 64, but target_global_tokens 4096 / seq_len 128 is 32",
         ),
+        (
+            "model: {preset: mlp}\ntraining: {weights: bf16}",
+            "training.weights: bf16 weights compute in bf16; set precision: bf16",
+        ),
         ("- just\n- a list", "spec: expected a mapping"),
         ("model: [unclosed", "not valid yaml"),
     ],
