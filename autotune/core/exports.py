@@ -135,12 +135,17 @@ def build_exports(
         # The same name in both: transformers' OptimizerNames.ADAMW_BNB.
         hf["optim"] = axolotl["optimizer"] = "adamw_bnb_8bit"
         lightning["module"]["optimizer"] = "bitsandbytes.optim.AdamW8bit"
+    lora = _lora_config(training)
+    if lora is not None:
+        axolotl.update(_axolotl_lora(lora))
+        lightning["module"]["lora"] = lora
     packed_seq_len = training.seq_len if training.target_global_tokens is not None else None
     if packed_seq_len is not None:
         axolotl["sequence_len"] = packed_seq_len
         axolotl["sample_packing"] = True
     return Exports(
         tokens_per_sample=packed_seq_len,
+        lora=lora,
         hf=hf,
         axolotl=axolotl,
         deepspeed=deepspeed,
@@ -150,7 +155,49 @@ def build_exports(
             token_model=token_model,
             tokens_per_sample=packed_seq_len,
             setup=_setup_lines(training),
+            lora=lora,
         ),
+    )
+
+
+def _lora_config(training: TrainingSpec) -> dict[str, Any] | None:
+    """peft `LoraConfig` keyword arguments for the spec's adapters."""
+    if training.lora is None:
+        return None
+    lora = training.lora
+    config: dict[str, Any] = {
+        "r": lora.r,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": lora.target_modules,
+    }
+    if lora.modules_to_save:
+        config["modules_to_save"] = list(lora.modules_to_save)
+    return config
+
+
+def _axolotl_lora(lora: dict[str, Any]) -> dict[str, Any]:
+    """Axolotl's adapter keys: `lora_target_linear` for every linear layer, else the names."""
+    keys: dict[str, Any] = {
+        "adapter": "lora",
+        "lora_r": lora["r"],
+        "lora_alpha": lora["lora_alpha"],
+        "lora_dropout": lora["lora_dropout"],
+    }
+    if lora["target_modules"] == "all-linear":
+        keys["lora_target_linear"] = True
+    else:
+        keys["lora_target_modules"] = list(lora["target_modules"])
+    if "modules_to_save" in lora:
+        keys["lora_modules_to_save"] = list(lora["modules_to_save"])
+    return keys
+
+
+def _lora_snippet(lora: dict[str, Any], indent: str = "") -> str:
+    kwargs = ", ".join(f"{key}={value!r}" for key, value in lora.items())
+    return (
+        f"{indent}from peft import LoraConfig, get_peft_model\n"
+        f"{indent}model = get_peft_model(model, LoraConfig({kwargs}))\n"
     )
 
 
@@ -167,6 +214,7 @@ def render_exports(exports: Exports) -> dict[str, str]:
             ranks,
             exports.tokens_per_sample,
             weights_bf16=exports.lightning["trainer"].get("precision") == "bf16-true",
+            lora=exports.lora,
         ),
         "axolotl": f"# Axolotl config (merge into your YAML)\n{batch}"
         + _axolotl_ddp_comment(ranks)
@@ -236,6 +284,7 @@ def _render_hf(
     tokens_per_sample: int | None,
     *,
     weights_bf16: bool,
+    lora: dict[str, Any] | None,
 ) -> str:
     if "activation_checkpointing" in hf:
         rule = "activation_checkpointing: the flag's name since transformers 5"
@@ -271,6 +320,12 @@ def _render_hf(
         f"# Hugging Face TrainingArguments; {rule}.\n{batch}{weights}{packing}"
         "from transformers import TrainingArguments\n\n"
         f"args = TrainingArguments(\n{kwargs}    # ... your other arguments\n)\n{ddp}"
+        + (
+            "\n# LoRA adapters as measured, on the model you give the Trainer:\n"
+            + _lora_snippet(lora)
+            if lora is not None
+            else ""
+        )
     )
 
 
@@ -293,6 +348,14 @@ def _render_lightning(lightning: dict[str, Any], batch: str) -> str:
         )
     else:
         checkpointing = "# Activation checkpointing: off (Lightning has no Trainer flag for it).\n"
+    lora = lightning["module"].get("lora")
+    if lora is not None:
+        checkpointing += (
+            "# LoRA adapters as measured: in your LightningModule's configure_model,\n"
+            + _lora_snippet(lora, indent="#     ")
+            .replace("model = ", "self.model = ", 1)
+            .replace("(model,", "(self.model,", 1)
+        )
     optimizer = lightning["module"].get("optimizer")
     if optimizer is not None:
         checkpointing += (
@@ -358,8 +421,21 @@ def _import_block(statements: list[str]) -> str:
     return "\n\n".join("\n".join(group) for group in (stdlib, others) if group) + "\n"
 
 
+def _literal(value: dict[str, Any] | None) -> str:
+    """A dict as the Python source of a literal, one key per line."""
+    if value is None:
+        return "None"
+    items = "".join(f"    {key!r}: {item!r},\n" for key, item in value.items())
+    return "{\n" + items.replace("'", '"') + "}"
+
+
 def _set_constant(source: str, name: str, value: str) -> str:
-    source, count = re.subn(rf"^{name} = .*$", f"{name} = {value}", source, flags=re.MULTILINE)
+    source, count = re.subn(
+        rf"^{name}((?:: [^=]+)?) = .*$",
+        lambda match: f"{name}{match.group(1)} = {value}",
+        source,
+        flags=re.MULTILINE,
+    )
     if count != 1:
         raise AssertionError(f"template train_loop.py: {count} definitions of {name}")
     return source
@@ -391,7 +467,12 @@ def _setup_lines(training: TrainingSpec) -> str:
 
 
 def _pytorch_loop(
-    rec: Recommendation, *, token_model: bool, tokens_per_sample: int | None, setup: str
+    rec: Recommendation,
+    *,
+    token_model: bool,
+    tokens_per_sample: int | None,
+    setup: str,
+    lora: dict[str, Any] | None,
 ) -> str:
     if token_model:
         normaliser = (
@@ -445,6 +526,7 @@ def _pytorch_loop(
         ("WORLD_SIZE", str(rec.world_size)),
         ("GLOBAL_BATCH", f"MICRO_BATCH * ACCUMULATION_STEPS * WORLD_SIZE  # {rec.global_batch}"),
         ("CHECKPOINTING", str(rec.checkpointing)),
+        ("LORA", _literal(lora)),
     ):
         loop = _set_constant(loop, name, value)
     return f"{header}\n{_import_block(loop_imports + task_imports)}\n{loop}"

@@ -6,8 +6,12 @@ does, and an entry point's `[extra]` says what to install when its module cannot
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+from autotune.core.errors import ModelBuildError
 
 COMMAND_GROUP = "autotune.commands"
 RECORDER_GROUP = "autotune.recorders"
@@ -49,3 +53,18 @@ def is_missing_dependency(error: BaseException) -> bool:
 def install_hint(extra: str | None) -> str:
     """What to run to get `extra`."""
     return f"pip install 'autotune[{extra}]'" if extra else "pip install autotune"
+
+
+def import_extra(module_name: str, *, needed_for: str, extra: str) -> Any:
+    """Import an optional dependency, or say which extra installs it.
+
+    Raises:
+        ModelBuildError: `module_name` is not installed.
+    """
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelBuildError(
+            f"{needed_for}: needs {module_name} ({exc}); install the `{extra}` extra: "
+            f"{install_hint(extra)}"
+        ) from exc

@@ -296,6 +296,12 @@ class _Check:
             expected[("tokens_per_sample",)] = training.seq_len
         elif exports.tokens_per_sample is not None:
             self.fail("exports.tokens_per_sample", "set although the target is not in tokens")
+        if training.lora is not None:
+            expected[("axolotl", "adapter")] = "lora"
+            expected[("axolotl", "lora_r")] = training.lora.r
+            expected[("lora", "r")] = training.lora.r
+        elif exports.lora is not None:
+            self.fail("exports.lora", "set although the spec trains no adapters")
         data = exports.model_dump()
         for path, value in expected.items():
             found = _at(data, *path)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -129,6 +129,35 @@ class ModelSpec(FrozenModel):
         return f"hf:{self.hf_config['model_type']}"
 
 
+# A module's name or dotted suffix, as in named_modules(): no quotes or spaces to escape.
+ModuleName = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[\w.\-]+$")]
+
+
+class LoraSpec(FrozenModel):
+    """LoRA adapters on a frozen base model, built with the `peft` library (the `lora` extra).
+    Key names follow peft's `LoraConfig` where they can: `r`, `alpha` (lora_alpha), `dropout`
+    (lora_dropout), `target_modules`, `modules_to_save`."""
+
+    r: int = Field(default=16, ge=1, le=65536, description="Adapter rank.")
+    alpha: float = Field(default=32.0, gt=0, description="lora_alpha: the update's scale.")
+    dropout: float = Field(
+        default=0.0, ge=0.0, lt=1.0, description="lora_dropout on each adapter's input."
+    )
+    target_modules: Literal["all-linear"] | Annotated[list[ModuleName], Field(min_length=1)] = (
+        Field(
+            default="all-linear",
+            description='Module names (or name suffixes) to adapt, or "all-linear": every linear '
+            "layer but the output head.",
+        )
+    )
+    modules_to_save: list[ModuleName] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Modules trained in full beside the adapters (peft keeps a trainable "
+        "copy), e.g. lm_head or embed_tokens.",
+    )
+
+
 class TrainingSpec(FrozenModel):
     seq_len: int | None = Field(default=None, ge=1, description="Tokens per sample.")
     input_shape: tuple[int, ...] | None = Field(
@@ -147,6 +176,10 @@ class TrainingSpec(FrozenModel):
         "precision bf16).",
     )
     optimizer: OptimizerName = OptimizerName.ADAMW
+    lora: LoraSpec | None = Field(
+        default=None,
+        description="Train LoRA adapters on the frozen model instead of every parameter.",
+    )
     target_global_batch: int | None = Field(
         default=None, ge=1, description="Samples per optimizer step across all ranks."
     )
@@ -482,6 +515,10 @@ class Exports(FrozenModel):
     deepspeed: dict[str, Any]
     lightning: dict[str, Any]
     pytorch_loop: str
+    lora: dict[str, Any] | None = Field(
+        default=None,
+        description="peft LoraConfig keyword arguments when the run trains LoRA adapters.",
+    )
     tokens_per_sample: int | None = Field(
         default=None,
         description="Set for a token target (training.target_global_tokens): the packed "

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from autotune.core.errors import SpecError
 from autotune.core.schemas import OptimizerName, Precision, TrainingSpec, WeightsDtype
 from autotune.engine.adamw_8bit import ADAMW_8BIT_ASSUMPTION, AdamW8bit
+from autotune.engine.adapters import adapter_parameter_ids, apply_lora
 from autotune.engine.autocast import cuda_autocast_policy
 from autotune.engine.data_parallel import EmulatedReducer
 from autotune.engine.workload import Batch, Workload, cast_weights, fp32_on
@@ -105,9 +106,15 @@ class TrainingStep:
         self._workload = workload
         self._device = device
         self.model = fp32_on(workload.model, device).train()
+        if training.lora is not None:
+            # Adapters before the cast, as a script adds them to the model it loaded: peft makes
+            # them on the base layers' device, and keeps them fp32 on a bf16 base.
+            self.model = apply_lora(self.model, training.lora).train()
         if training.weights is WeightsDtype.BF16:
             # No fp32 master copy: what from_pretrained(torch_dtype=torch.bfloat16) trains.
-            self.model = cast_weights(self.model, torch.bfloat16)
+            self.model = cast_weights(
+                self.model, torch.bfloat16, keep=adapter_parameter_ids(self.model)
+            )
         self.optimizer = _build_optimizer(self.model, training.optimizer)
         allowance = isinstance(self.optimizer, AdamW8bit)
         self._autocast_dtype = _AUTOCAST_DTYPES.get(training.precision)

@@ -39,7 +39,7 @@ import itertools
 import json
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,7 @@ from torch import nn
 from autotune.core.errors import AutotuneError, ModelBuildError, SpecError
 from autotune.core.factoryaccess import check_factory_allowed
 from autotune.core.hubid import hub_id_problem
+from autotune.core.plugins import import_extra
 from autotune.core.presets import PRESETS, DecoderPreset
 from autotune.core.schemas import Spec, TrainingSpec
 from autotune.engine.zoo import CheckpointedStack, build_model
@@ -101,14 +102,19 @@ def fp32_on(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
-def cast_weights(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """`model` with its floating parameters and buffers in `dtype`, as `model.to(dtype)` would
-    leave it; new tensors are assigned rather than swapped in place, which a model made on fake
-    tensors (the estimate) does not allow. Tied parameters stay tied."""
+def cast_weights(
+    model: nn.Module, dtype: torch.dtype, *, keep: Set[int] = frozenset()
+) -> nn.Module:
+    """`model` with its floating parameters (but those whose id is in `keep`) and buffers in
+    `dtype`, as `model.to(dtype)` would leave it; new tensors are assigned rather than swapped
+    in place, which a model made on fake tensors (the estimate) does not allow. Tied parameters
+    stay tied."""
     converted: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is None or not param.is_floating_point() or param.dtype == dtype:
+                continue
+            if id(param) in keep:
                 continue
             if id(param) not in converted:
                 converted[id(param)] = nn.Parameter(
@@ -220,13 +226,7 @@ def _flag_setter(model: CheckpointedStack) -> Callable[[bool], None]:
 
 
 def _import_transformers() -> Any:
-    try:
-        return importlib.import_module("transformers")
-    except ImportError as exc:
-        raise ModelBuildError(
-            f"Hugging Face models need transformers ({exc}); install the `hf` extra: "
-            "pip install 'autotune[hf]'"
-        ) from exc
+    return import_extra("transformers", needed_for="Hugging Face models", extra="hf")
 
 
 def _config_errors() -> tuple[type[Exception], ...]:

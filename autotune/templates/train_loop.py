@@ -29,6 +29,8 @@ ACCUMULATION_STEPS = 2
 WORLD_SIZE = 1
 GLOBAL_BATCH = MICRO_BATCH * ACCUMULATION_STEPS * WORLD_SIZE
 CHECKPOINTING = False
+# peft LoraConfig keyword arguments when LoRA adapters were measured, else None.
+LORA: dict[str, Any] | None = None
 
 # autotune-template: task
 
@@ -60,10 +62,16 @@ def enable_checkpointing(model: nn.Module) -> None:
 
 
 def prepare_model(model: nn.Module) -> nn.Module:
-    """Checkpointing as recommended, then DDP on several ranks. Call before creating the
-    optimizer, after moving the model to its device."""
+    """Checkpointing as recommended, LoRA adapters if measured with them, then DDP on several
+    ranks. Call before creating the optimizer (of the parameters that require grad), after
+    moving the model to its device."""
     if CHECKPOINTING:
         enable_checkpointing(model)
+    if LORA is not None:
+        # The base model frozen, adapters trained: pip install peft.
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(**LORA))
     if WORLD_SIZE > 1:
         # Gradients as views of DDP's all-reduce buckets, the memory the recommendation was
         # measured with; DDP's default keeps a second copy of every gradient.
@@ -156,7 +164,8 @@ def main() -> None:
         torch.cuda.set_device(device)
     torch.manual_seed(0)
     model = prepare_model(DemoModel().to(device))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
     batches = demo_batches(2 * ACCUMULATION_STEPS, MICRO_BATCH)
     losses = train(model, optimizer, batches, num_steps=2)
     print(f"loss per optimizer step: {losses}")

@@ -190,10 +190,17 @@ def test_hf_keys_are_fields_of_the_installed_training_arguments() -> None:
     assert set(exports.hf) <= fields
 
 
-@pytest.mark.parametrize("token_model", [True, False])
-@pytest.mark.parametrize("world", [1, 4])
-def test_pytorch_loop_is_lint_clean(token_model: bool, world: int) -> None:
-    source = _exports(_rec(4, 2, world=world), token_model=token_model).pytorch_loop
+@pytest.mark.parametrize(
+    ("token_model", "world", "lora"),
+    [(True, 1, False), (False, 1, False), (True, 4, False), (False, 4, True), (True, 1, True)],
+)
+def test_pytorch_loop_is_lint_clean(token_model: bool, world: int, lora: bool) -> None:
+    source = build_exports(
+        _rec(4, 2, world=world),
+        token_model=token_model,
+        transformers_version="5.23.0",
+        training=TrainingSpec(lora=LORA if lora else None),
+    ).pytorch_loop
     for args in (
         ["check", "--select", "E,W,F,I,B,UP", "--line-length", "99"],
         ["format", "--check", "--line-length", "99"],
@@ -338,6 +345,82 @@ def test_token_loop_accumulates_the_full_batch_gradient(checkpointing: bool) -> 
         (mean / accumulation).backward()  # type: ignore[no-untyped-call]
     with pytest.raises(AssertionError):
         torch.testing.assert_close(_grads(naive), expected)
+
+
+LORA = {
+    "r": 4,
+    "alpha": 8.0,
+    "target_modules": ["head", "blocks.1.0"],
+    "modules_to_save": ["embed"],
+}
+
+
+def test_lora_is_exported_in_each_ecosystems_keys() -> None:
+    exports = build_exports(
+        _rec(4, 2),
+        token_model=True,
+        transformers_version="5.23.0",
+        training=TrainingSpec(lora=LORA),
+    )
+    config = {
+        "r": 4,
+        "lora_alpha": 8.0,
+        "lora_dropout": 0.0,
+        "target_modules": ["head", "blocks.1.0"],
+        "modules_to_save": ["embed"],
+    }
+    assert exports.lora == config
+    assert {k: exports.axolotl[k] for k in exports.axolotl if "lora" in k or k == "adapter"} == {
+        "adapter": "lora",
+        "lora_r": 4,
+        "lora_alpha": 8.0,
+        "lora_dropout": 0.0,
+        "lora_target_modules": ["head", "blocks.1.0"],
+        "lora_modules_to_save": ["embed"],
+    }
+    texts = render_exports(exports)
+    assert _call_kwargs(texts["hf"], "LoraConfig") == config
+    assert "LoraConfig(r=4" in texts["lightning"]
+    every_linear = build_exports(
+        _rec(4, 2),
+        token_model=True,
+        transformers_version="5.23.0",
+        training=TrainingSpec(lora={"r": 8}),
+    )
+    assert every_linear.axolotl["lora_target_linear"] is True
+    assert "lora_target_modules" not in every_linear.axolotl
+    peft = pytest.importorskip("peft")
+    peft.LoraConfig(**config)  # peft takes the keys as they are
+
+
+def test_lora_loop_accumulates_the_full_batch_gradient() -> None:
+    pytest.importorskip("peft")
+    b, accumulation = 3, 4
+    exports = build_exports(
+        _rec(b, accumulation),
+        token_model=True,
+        transformers_version="5.23.0",
+        training=TrainingSpec(lora=LORA),
+    )
+    loop = _load_loop(exports.pytorch_loop)
+    batches = _token_batches(accumulation, b, seed=2)
+    torch.manual_seed(0)
+    model = loop["prepare_model"](CausalToyLM())
+    reference = copy.deepcopy(model)  # the same adapters, before any step
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert 0 < len(trainable) < len(list(model.parameters()))
+    optimizer = torch.optim.SGD(trainable, lr=0.1)
+
+    loop["train_step"](model, optimizer, batches)
+
+    _full_batch_token_grads(reference, batches)
+    expected = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    found = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert all(grad is not None for grad in expected.values())
+    assert any(bool(grad.abs().sum() > 0) for grad in expected.values() if grad is not None)
+    torch.testing.assert_close(found, expected)
+    # Frozen: no gradient at all.
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
 
 
 def test_sample_loop_accumulates_the_full_batch_gradient() -> None:
