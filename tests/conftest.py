@@ -51,6 +51,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
+@pytest.fixture(autouse=True)
+def _no_fake_process_group_left() -> Iterator[None]:
+    """A sharded trial makes a fake default process group in its process
+    (`autotune.engine.sharding`), which a process runs one spec with; tests share processes, and
+    the next one (a generated loop checking its world size) must not find it."""
+    yield
+    dist = sys.modules.get("torch.distributed")  # never imports torch for tests that do not
+    if dist is not None and dist.is_initialized() and dist.get_backend() == "fake":
+        dist.destroy_process_group()
+
+
 CLIENT_TOKEN = "client-token-for-tests"
 WORKER_TOKEN = "worker-token-for-tests"
 POSTGRES_URL = os.environ.get(

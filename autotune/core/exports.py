@@ -36,6 +36,7 @@ from autotune.core.schemas import (
     OptimizerName,
     Precision,
     Recommendation,
+    Sharding,
     TrainingSpec,
     WeightsDtype,
 )
@@ -114,7 +115,10 @@ def build_exports(
         "datamodule": {"batch_size": b},
         "module": {"gradient_checkpointing": rec.checkpointing},
     }
-    if world > 1:
+    sharding = training.sharding
+    if sharding is not Sharding.NONE:
+        _add_sharding(training, hf, axolotl, deepspeed, lightning, transformers_version)
+    elif world > 1:
         # The Trainer's `strategy`: DDPStrategy passes these to DDP.
         lightning["ddp_strategy"] = dict(DDP_KWARGS)
     if tf32 is not None:
@@ -156,8 +160,56 @@ def build_exports(
             tokens_per_sample=packed_seq_len,
             setup=_setup_lines(training),
             lora=lora,
+            training=training,
         ),
     )
+
+
+# DeepSpeed's ZeRO stage for each sharding; hybrid is stage 3 within MiCS groups.
+ZERO_STAGES = {Sharding.ZERO1: 1, Sharding.ZERO2: 2, Sharding.ZERO3: 3, Sharding.HYBRID: 3}
+_FSDP1_STRATEGIES = {
+    Sharding.ZERO2: "SHARD_GRAD_OP",
+    Sharding.ZERO3: "FULL_SHARD",
+    Sharding.HYBRID: "HYBRID_SHARD",
+}
+
+
+def _add_sharding(
+    training: TrainingSpec,
+    hf: dict[str, Any],
+    axolotl: dict[str, Any],
+    deepspeed: dict[str, Any],
+    lightning: dict[str, Any],
+    transformers_version: str | None,
+) -> None:
+    """Each ecosystem's settings for the measured sharding: ZeRO-1 through DeepSpeed (torch's
+    ZeroRedundancyOptimizer was measured), ZeRO-2/3 and hybrid through FSDP (FSDP2 was)."""
+    sharding = training.sharding
+    zero: dict[str, Any] = {"stage": ZERO_STAGES[sharding]}
+    if sharding is Sharding.HYBRID:
+        zero["mics_shard_size"] = training.shard_group_size
+    deepspeed["zero_optimization"] = zero
+    if sharding is Sharding.ZERO1:
+        hf["deepspeed"] = {**deepspeed, "zero_optimization": dict(zero)}
+        axolotl["deepspeed"] = "deepspeed_configs/zero1.json"
+        lightning["strategy"] = "deepspeed_stage_1"
+        return
+    fsdp2 = sharding is not Sharding.HYBRID  # FSDP2 through the Trainer: full or grad-op shard
+    if transformers_version is not None and _transformers_major(transformers_version) >= 5:
+        hf["fsdp"] = True
+        hf["fsdp_config"] = (
+            {"version": 2, "reshard_after_forward": sharding is Sharding.ZERO3}
+            if fsdp2
+            else {"version": 1, "reshard_after_forward": "hybrid_shard"}
+        )
+    else:
+        hf["fsdp"] = f"{_FSDP1_STRATEGIES[sharding].lower()} auto_wrap"
+    axolotl["fsdp_version"] = 2 if fsdp2 else 1
+    axolotl["fsdp_config"] = {
+        "reshard_after_forward": sharding is Sharding.ZERO3 if fsdp2 else "hybrid_shard",
+        "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+    }
+    lightning["fsdp_strategy"] = {"sharding_strategy": _FSDP1_STRATEGIES[sharding]}
 
 
 def _lora_config(training: TrainingSpec) -> dict[str, Any] | None:
@@ -207,25 +259,50 @@ def render_exports(exports: Exports) -> dict[str, str]:
     memory was measured with and what DeepSpeed (whose JSON cannot say it) does instead."""
     batch = _batch_comment(exports.deepspeed, exports.tokens_per_sample)
     ranks = _ranks(exports.deepspeed)
+    zero = exports.deepspeed.get("zero_optimization")
+    # DDP's notes are for unsharded ranks; sharded ones get their own.
+    ddp_ranks = 1 if zero is not None else ranks
     texts = {
         "hf": _render_hf(
             exports.hf,
             batch,
-            ranks,
+            ddp_ranks,
             exports.tokens_per_sample,
             weights_bf16=exports.lightning["trainer"].get("precision") == "bf16-true",
             lora=exports.lora,
         ),
         "axolotl": f"# Axolotl config (merge into your YAML)\n{batch}"
-        + _axolotl_ddp_comment(ranks)
+        + _axolotl_ddp_comment(ddp_ranks)
         + yaml.safe_dump(exports.axolotl, sort_keys=False),
         "deepspeed": json.dumps(exports.deepspeed, indent=2) + "\n",
         "lightning": _render_lightning(exports.lightning, batch),
         "pytorch_loop": exports.pytorch_loop,
     }
-    if ranks > 1:
+    if zero is not None:
+        texts["data_parallel"] = _sharding_note(ranks, zero)
+    elif ranks > 1:
         texts["data_parallel"] = _data_parallel_note(ranks)
     return texts
+
+
+def _sharding_note(ranks: int, zero: dict[str, Any]) -> str:
+    stage = zero["stage"]
+    group = zero.get("mics_shard_size")
+    measured = (
+        "torch DDP with ZeroRedundancyOptimizer (each rank the optimizer states of its share of\n"
+        "# the parameters)"
+        if stage == 1
+        else "torch FSDP2 (fully_shard on each block, then the root"
+        + (", without resharding after forward" if stage == 2 else "")
+        + (f", sharded within groups of {group} ranks" if group else "")
+        + ")"
+    )
+    return (
+        f"# {ranks} ranks, ZeRO stage {stage}: memory per rank was measured with {measured};\n"
+        "# gradients reduce-scattered after every micro-batch. DeepSpeed's own ZeRO keeps\n"
+        "# flat buffers besides (reduce_bucket_size, allgather_bucket_size, stage 3's\n"
+        "# prefetch_bucket_size) that were not measured: leave them room or lower them.\n"
+    )
 
 
 def _ranks(deepspeed: dict[str, Any]) -> int:
@@ -337,6 +414,15 @@ def _render_lightning(lightning: dict[str, Any], batch: str) -> str:
         strategy_kwargs = ", ".join(f"{k}={v!r}" for k, v in lightning["ddp_strategy"].items())
         trainer_kwargs += f", strategy=DDPStrategy({strategy_kwargs})"
         strategy_import = "from lightning.pytorch.strategies import DDPStrategy\n"
+    elif "fsdp_strategy" in lightning:
+        strategy_kwargs = ", ".join(f"{k}={v!r}" for k, v in lightning["fsdp_strategy"].items())
+        # Lightning wraps what auto_wrap_policy names: your model's block class.
+        trainer_kwargs += (
+            f", strategy=FSDPStrategy({strategy_kwargs}, auto_wrap_policy={{YourBlock}})"
+        )
+        strategy_import = "from lightning.pytorch.strategies import FSDPStrategy\n"
+    elif "strategy" in lightning:
+        trainer_kwargs += f", strategy={lightning['strategy']!r}"
     if lightning["module"]["gradient_checkpointing"]:
         checkpointing = (
             "# Activation checkpointing: ON. Lightning has no Trainer flag for it; enable it in\n"
@@ -473,6 +559,7 @@ def _pytorch_loop(
     tokens_per_sample: int | None,
     setup: str,
     lora: dict[str, Any] | None,
+    training: TrainingSpec,
 ) -> str:
     if token_model:
         normaliser = (
@@ -491,9 +578,13 @@ def _pytorch_loop(
         ranks = (
             f"\nOn {rec.world_size} ranks: launch with torchrun (one process per GPU); the label\n"
             "count is all-reduced across ranks before the first backward, and the loss is\n"
-            f"multiplied by {rec.world_size} to undo DDP's averaging of gradients over ranks.\n"
-            "DDP keeps gradients as views of its buckets (gradient_as_bucket_view=True), the\n"
-            "memory the recommendation was measured with.\n"
+            f"multiplied by {rec.world_size} to undo the averaging of gradients over ranks.\n"
+            + (
+                "DDP keeps gradients as views of its buckets (gradient_as_bucket_view=True), the\n"
+                "memory the recommendation was measured with.\n"
+                if training.sharding is Sharding.NONE
+                else f"Sharding {training.sharding}, as measured: see SHARDING below.\n"
+            )
         )
     else:
         ranks = ""
@@ -527,6 +618,8 @@ def _pytorch_loop(
         ("GLOBAL_BATCH", f"MICRO_BATCH * ACCUMULATION_STEPS * WORLD_SIZE  # {rec.global_batch}"),
         ("CHECKPOINTING", str(rec.checkpointing)),
         ("LORA", _literal(lora)),
+        ("SHARDING", repr(training.sharding.value).replace("'", '"')),
+        ("SHARD_GROUP_SIZE", str(training.shard_group_size or 1)),
     ):
         loop = _set_constant(loop, name, value)
     return f"{header}\n{_import_block(loop_imports + task_imports)}\n{loop}"

@@ -32,7 +32,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.core.candidates import enumerate_candidates
-from autotune.core.schemas import ModeProbe, Spec, TracedFit, Trial, TrialState, TuneResult
+from autotune.core.exports import ZERO_STAGES
+from autotune.core.schemas import (
+    ModeProbe,
+    Sharding,
+    Spec,
+    TracedFit,
+    Trial,
+    TrialState,
+    TuneResult,
+)
 
 
 @dataclass(frozen=True)
@@ -296,6 +305,9 @@ class _Check:
             expected[("tokens_per_sample",)] = training.seq_len
         elif exports.tokens_per_sample is not None:
             self.fail("exports.tokens_per_sample", "set although the target is not in tokens")
+        if training.sharding is not Sharding.NONE:
+            stage = ZERO_STAGES[training.sharding]
+            expected[("deepspeed", "zero_optimization", "stage")] = stage
         if training.lora is not None:
             expected[("axolotl", "adapter")] = "lora"
             expected[("axolotl", "lora_r")] = training.lora.r

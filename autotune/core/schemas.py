@@ -48,6 +48,16 @@ class WeightsDtype(StrEnum):
     BF16 = "bf16"  # bf16 weights, no fp32 master copy (torch_dtype=bfloat16 fine-tuning)
 
 
+class Sharding(StrEnum):
+    """How data-parallel ranks share the training state (docs/design.md#sharded-data-parallel)."""
+
+    NONE = "none"  # DDP: every rank holds everything
+    ZERO1 = "zero1"  # optimizer states sharded
+    ZERO2 = "zero2"  # and gradients (FSDP SHARD_GRAD_OP: parameters kept after forward)
+    ZERO3 = "zero3"  # and parameters: FSDP full shard, each block gathered while it runs
+    HYBRID = "hybrid"  # full shard within groups of shard_group_size ranks, replicated across
+
+
 class OptimizerName(StrEnum):
     ADAMW = "adamw"
     SGD = "sgd"  # with momentum, so it keeps one state tensor per parameter like real runs
@@ -191,6 +201,16 @@ class TrainingSpec(FrozenModel):
         "sequences: every sample holds seq_len tokens).",
     )
     world_size: int = Field(default=1, ge=1, description="Data-parallel ranks.")
+    sharding: Sharding = Field(
+        default=Sharding.NONE,
+        description="none (DDP) | zero1 | zero2 | zero3 (= FSDP full shard) | hybrid (full "
+        "shard within groups of shard_group_size ranks).",
+    )
+    shard_group_size: int | None = Field(
+        default=None,
+        ge=2,
+        description="hybrid: ranks that shard among themselves (GPUs per node, typically 8).",
+    )
     headroom: float = Field(
         default=0.05, ge=0.0, lt=1.0, description="Fraction of capacity to leave free."
     )
@@ -211,6 +231,7 @@ class TrainingSpec(FrozenModel):
 
     @model_validator(mode="after")
     def _shape(self) -> TrainingSpec:
+        self._check_sharding()
         if self.weights is WeightsDtype.BF16 and self.precision is not Precision.BF16:
             raise ValueError(
                 "training.weights: bf16 weights compute in bf16; set precision: bf16 (fp16's "
@@ -225,6 +246,26 @@ class TrainingSpec(FrozenModel):
         ):
             raise ValueError("input_shape: every dimension must be >= 1")
         return self
+
+    def _check_sharding(self) -> None:
+        if self.sharding is not Sharding.NONE and self.world_size < 2:
+            raise ValueError(
+                f"training.sharding: {self.sharding} shards across ranks; set world_size >= 2"
+            )
+        group = self.shard_group_size
+        if self.sharding is Sharding.HYBRID:
+            if group is None:
+                raise ValueError(
+                    "training.shard_group_size: hybrid sharding needs the ranks per shard "
+                    "group (GPUs per node, typically 8)"
+                )
+            if self.world_size % group or group >= self.world_size:
+                raise ValueError(
+                    f"training.shard_group_size: {group} must divide world_size "
+                    f"{self.world_size} and be smaller (equal is zero3)"
+                )
+        elif group is not None:
+            raise ValueError("training.shard_group_size: only for sharding: hybrid")
 
     def _check_token_target(self, tokens: int) -> None:
         if self.seq_len is None:

@@ -208,7 +208,9 @@ class EmulatedReducer:
         if grad is None:
             return
         view = self._views[index]
-        if grad.untyped_storage().data_ptr() == view.untyped_storage().data_ptr():
+        # The same storage, compared by its StorageImpl: a fake tensor (the estimate) has no
+        # data pointer, every one of them reads 0.
+        if grad.untyped_storage()._cdata == view.untyped_storage()._cdata:
             return  # already the bucket's view: reduced in place
         view.copy_(grad)
         if self.gradient_as_bucket_view:

@@ -45,6 +45,7 @@ from autotune.engine.attention import gpu_attention
 from autotune.engine.cuda_runtime import CudaProperties
 from autotune.engine.nvml import NvmlLibrary
 from autotune.engine.simulated_nvml import NvmlDevice, NvmlState, SimulatedNvml
+from autotune.engine.tracker import local_tensor
 
 _MiB = 2**20
 # Each op's kernels, loaded at its first run, until the kernels of a training step
@@ -367,7 +368,7 @@ class SimulatedCuda:
 
     def _place_tensor(self, tensor: torch.Tensor) -> None:
         try:
-            storage = tensor.untyped_storage()
+            storage = local_tensor(tensor).untyped_storage()
         except (RuntimeError, NotImplementedError):
             return  # sparse and other storage-less layouts
         key = id(storage)

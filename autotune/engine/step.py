@@ -22,11 +22,13 @@ from torch.amp.grad_scaler import _refresh_per_optimizer_state
 from torch.utils._python_dispatch import _disable_current_modes
 
 from autotune.core.errors import SpecError
-from autotune.core.schemas import OptimizerName, Precision, TrainingSpec, WeightsDtype
+from autotune.core.schemas import OptimizerName, Precision, Sharding, TrainingSpec, WeightsDtype
 from autotune.engine.adamw_8bit import ADAMW_8BIT_ASSUMPTION, AdamW8bit
 from autotune.engine.adapters import adapter_parameter_ids, apply_lora
 from autotune.engine.autocast import cuda_autocast_policy
 from autotune.engine.data_parallel import EmulatedReducer
+from autotune.engine.sharding import assumption as sharding_assumption
+from autotune.engine.sharding import process_group, shard_model, zero1_optimizer
 from autotune.engine.workload import Batch, Workload, cast_weights, fp32_on
 
 # Learning rates only have to keep long timing runs finite; they change neither memory nor time.
@@ -115,8 +117,19 @@ class TrainingStep:
             self.model = cast_weights(
                 self.model, torch.bfloat16, keep=adapter_parameter_ids(self.model)
             )
-        self.optimizer = _build_optimizer(self.model, training.optimizer)
-        allowance = isinstance(self.optimizer, AdamW8bit)
+        sharded = training.sharding in (Sharding.ZERO2, Sharding.ZERO3, Sharding.HYBRID)
+        if sharded:
+            self.model = shard_model(self.model, training, device)
+        elif training.sharding is Sharding.ZERO1:
+            process_group(training.world_size)
+        self.optimizer = _build_optimizer(
+            self.model, training.optimizer, zero1=training.sharding is Sharding.ZERO1
+        )
+        # What holds this rank's optimizer state: ZeRO-1's local optimizer, else the optimizer.
+        self._local_optimizer: torch.optim.Optimizer = getattr(
+            self.optimizer, "optim", self.optimizer
+        )
+        allowance = isinstance(self._local_optimizer, AdamW8bit)
         self._autocast_dtype = _AUTOCAST_DTYPES.get(training.precision)
         self.scaler = (
             torch.amp.GradScaler(device.type) if training.precision is Precision.FP16 else None
@@ -130,11 +143,17 @@ class TrainingStep:
         self._checkpointing = False
         if workload.set_checkpointing is not None:
             workload.set_checkpointing(False)
-        self.reducer = EmulatedReducer(self.model) if training.world_size > 1 else None
+        self.reducer = (
+            EmulatedReducer(self.model) if training.world_size > 1 and not sharded else None
+        )
         # What the step counts beyond the device's own accounting, for the result to state.
         self.assumptions: tuple[str, ...] = (
             (self.reducer.assumption(training.world_size),) if self.reducer is not None else ()
-        ) + ((ADAMW_8BIT_ASSUMPTION,) if allowance else ())
+        )
+        if training.sharding is not Sharding.NONE:
+            self.assumptions += (sharding_assumption(training),)
+        if allowance:
+            self.assumptions += (ADAMW_8BIT_ASSUMPTION,)
 
     @property
     def checkpointing(self) -> bool:
@@ -199,7 +218,7 @@ class TrainingStep:
             tensors += self.reducer.buckets
         tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
         tensors += list(self.model.buffers())
-        for state in self.optimizer.state.values():
+        for state in self._local_optimizer.state.values():
             tensors += [value for value in state.values() if isinstance(value, torch.Tensor)]
         if self.scaler is not None:
             # Private attributes, but the only handle on the scaler's device tensors.
@@ -218,7 +237,7 @@ class TrainingStep:
         with _disable_current_modes():
             return StateSnapshot(
                 model_state=_copy_to_cpu(self.model.state_dict()),
-                optimizer_state=_copy_to_cpu(self.optimizer.state_dict()),
+                optimizer_state=_copy_to_cpu(self._local_optimizer.state_dict()),
                 scaler_state=scaler_state,
             )
 
@@ -231,7 +250,7 @@ class TrainingStep:
         self.model.load_state_dict(snapshot.model_state)  # copies in place: params keep identity
         # load_state_dict keeps CPU tensors as they are, so give it copies, or the next step
         # would update the snapshot in place.
-        self.optimizer.load_state_dict(_copy_to_cpu(snapshot.optimizer_state))
+        self._local_optimizer.load_state_dict(_copy_to_cpu(snapshot.optimizer_state))
         if self.scaler is not None and snapshot.scaler_state is not None:
             self.scaler.load_state_dict(snapshot.scaler_state)
 
@@ -240,7 +259,7 @@ class TrainingStep:
         state lazily inside the first `step()`, one tensor at a time: running out of memory there
         leaves a parameter with part of it (AdamW's `exp_avg` without `exp_avg_sq`), and every
         later step raises KeyError. With nothing to restore yet, the empty state is the undo."""
-        self.optimizer.state.clear()
+        self._local_optimizer.state.clear()
 
     def clear_grads(self) -> None:
         """Drop all gradients (after an OOM, so that a failed step leaves nothing behind), and
@@ -255,19 +274,32 @@ class TrainingStep:
             self.scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
 
-def _build_optimizer(model: nn.Module, name: OptimizerName) -> torch.optim.Optimizer:
+def _build_optimizer(
+    model: nn.Module, name: OptimizerName, *, zero1: bool = False
+) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
-    lr = _LEARNING_RATES[name]
+    optimizer_class, kwargs = _optimizer_class(name, params)
+    kwargs["lr"] = _LEARNING_RATES[name]
+    if zero1:
+        return zero1_optimizer(params, optimizer_class, **kwargs)
+    return optimizer_class(params, **kwargs)
+
+
+def _optimizer_class(
+    name: OptimizerName, params: list[nn.Parameter]
+) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """The class and keyword arguments (but the learning rate) to build `name` with, as a CUDA
+    run builds it (`foreach=True`)."""
     if name is OptimizerName.ADAMW:
-        return torch.optim.AdamW(params, lr=lr, foreach=True)
+        return torch.optim.AdamW, {"foreach": True}
     if name is OptimizerName.SGD:
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=True)
-    if name is OptimizerName.ADAMW_8BIT:
-        return _adamw_8bit(params, lr)
-    return torch.optim.Adafactor(params, lr=lr, foreach=True)
+        return torch.optim.SGD, {"momentum": 0.9, "foreach": True}
+    if name is OptimizerName.ADAFACTOR:
+        return torch.optim.Adafactor, {"foreach": True}
+    return _adamw_8bit_class(params), {}
 
 
-def _adamw_8bit(params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+def _adamw_8bit_class(params: list[nn.Parameter]) -> type[torch.optim.Optimizer]:
     """bitsandbytes' own AdamW8bit where it runs (a CUDA device with the library installed),
     else the allowance that allocates its states (`autotune.engine.adamw_8bit`)."""
     if params and params[0].device.type == "cuda":
@@ -276,9 +308,9 @@ def _adamw_8bit(params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
         except ImportError:
             pass
         else:
-            optimizer: torch.optim.Optimizer = bitsandbytes.optim.AdamW8bit(params, lr=lr)
-            return optimizer
-    return AdamW8bit(params, lr=lr)
+            optimizer_class: type[torch.optim.Optimizer] = bitsandbytes.optim.AdamW8bit
+            return optimizer_class
+    return AdamW8bit
 
 
 def _autocast(

@@ -161,7 +161,7 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def _count(self, tensor: torch.Tensor) -> int:
         """Count `tensor`'s storage if new (or its growth if resized); return the bytes added."""
         try:
-            storage = tensor.untyped_storage()
+            storage = local_tensor(tensor).untyped_storage()
         except (RuntimeError, NotImplementedError):
             # Sparse and other storage-less layouts: nothing a dense allocator would hold.
             return 0
@@ -351,6 +351,14 @@ def _out_of_memory_message(error: AllocatorOutOfMemory, phase: Phase) -> str:
         f"{unallocated_bytes / _MiB:.2f} MiB is reserved by PyTorch but unallocated; "
         f"phase {phase.value}"
     )
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """What a device holds of `tensor`: a DTensor's (sharded parameters, their gradients and
+    optimizer states) local shard, any other tensor itself. A DTensor's own storage is its
+    global size."""
+    local = getattr(tensor, "_local_tensor", None)  # torch.distributed.tensor.DTensor
+    return local if isinstance(local, torch.Tensor) else tensor
 
 
 def resident_tensors(

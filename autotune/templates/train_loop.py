@@ -31,6 +31,9 @@ GLOBAL_BATCH = MICRO_BATCH * ACCUMULATION_STEPS * WORLD_SIZE
 CHECKPOINTING = False
 # peft LoraConfig keyword arguments when LoRA adapters were measured, else None.
 LORA: dict[str, Any] | None = None
+# none (DDP) | zero1 (ZeroRedundancyOptimizer) | zero2, zero3 (FSDP2) | hybrid (FSDP2, 2-D mesh)
+SHARDING = "none"
+SHARD_GROUP_SIZE = 1  # hybrid: ranks that shard among themselves
 
 # autotune-template: task
 
@@ -53,18 +56,51 @@ def enable_checkpointing(model: nn.Module) -> None:
     if switch is not None:
         switch(gradient_checkpointing_kwargs={"use_reentrant": False})
         return
-    block_lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    if not block_lists:
-        raise ValueError("no nn.ModuleList of blocks found: wrap your blocks in CheckpointedBlock")
-    blocks = max(block_lists, key=len)
+    blocks = largest_block_list(model)
     for index, block in enumerate(blocks):
         blocks[index] = CheckpointedBlock(block)
 
 
+def largest_block_list(model: nn.Module) -> nn.ModuleList:
+    """The model's blocks: its largest nn.ModuleList (the layers, in most models)."""
+    block_lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not block_lists:
+        raise ValueError("no nn.ModuleList of blocks found: wrap your blocks in CheckpointedBlock")
+    return max(block_lists, key=len)
+
+
+def shard(model: nn.Module) -> None:
+    """FSDP2 as measured: every block its own unit, then the root; ZeRO-2 keeps a block's
+    parameters gathered from its forward to its backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device_type = next(model.parameters()).device.type
+    if SHARDING == "hybrid":
+        shape = (WORLD_SIZE // SHARD_GROUP_SIZE, SHARD_GROUP_SIZE)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device_type, (WORLD_SIZE,))
+    reshard_after_forward = SHARDING != "zero2"
+    for block in largest_block_list(model):
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+
+
+def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """AdamW over the parameters that train; with ZeRO-1, each rank keeps its partition's
+    states (torch's ZeroRedundancyOptimizer)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if SHARDING == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(trainable, optimizer_class=torch.optim.AdamW, lr=lr)
+    return torch.optim.AdamW(trainable, lr=lr)
+
+
 def prepare_model(model: nn.Module) -> nn.Module:
-    """Checkpointing as recommended, LoRA adapters if measured with them, then DDP on several
-    ranks. Call before creating the optimizer (of the parameters that require grad), after
-    moving the model to its device."""
+    """Checkpointing as recommended, LoRA adapters if measured with them, then DDP or sharding
+    on several ranks. Call after moving the model to its device, before make_optimizer."""
     if CHECKPOINTING:
         enable_checkpointing(model)
     if LORA is not None:
@@ -72,7 +108,10 @@ def prepare_model(model: nn.Module) -> nn.Module:
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(**LORA))
-    if WORLD_SIZE > 1:
+    if SHARDING in ("zero2", "zero3", "hybrid"):
+        # FSDP2 shards in place; it reduce-scatters after every micro-batch (no no_sync).
+        shard(model)
+    elif WORLD_SIZE > 1:
         # Gradients as views of DDP's all-reduce buckets, the memory the recommendation was
         # measured with; DDP's default keeps a second copy of every gradient.
         model = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
@@ -109,7 +148,8 @@ def train_step(
     num_targets = torch.tensor(local_targets, dtype=torch.int64, device=device)
     if dist.is_initialized():
         dist.all_reduce(num_targets)
-    # DDP averages gradients over ranks; the factor WORLD_SIZE turns that mean back into a sum.
+    # DDP and FSDP average gradients over ranks; the factor WORLD_SIZE turns that mean back
+    # into a sum.
     scale = WORLD_SIZE / max(int(num_targets.item()), 1)
     optimizer.zero_grad(set_to_none=True)
     total_loss = 0.0
@@ -164,8 +204,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     torch.manual_seed(0)
     model = prepare_model(DemoModel().to(device))
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+    optimizer = make_optimizer(model, lr=1e-3)
     batches = demo_batches(2 * ACCUMULATION_STEPS, MICRO_BATCH)
     losses = train(model, optimizer, batches, num_steps=2)
     print(f"loss per optimizer step: {losses}")

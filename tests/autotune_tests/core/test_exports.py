@@ -191,15 +191,30 @@ def test_hf_keys_are_fields_of_the_installed_training_arguments() -> None:
 
 
 @pytest.mark.parametrize(
-    ("token_model", "world", "lora"),
-    [(True, 1, False), (False, 1, False), (True, 4, False), (False, 4, True), (True, 1, True)],
+    ("token_model", "world", "lora", "sharding"),
+    [
+        (True, 1, False, "none"),
+        (False, 1, False, "none"),
+        (True, 4, False, "none"),
+        (False, 4, True, "zero1"),
+        (True, 1, True, "none"),
+        (True, 4, True, "hybrid"),
+    ],
 )
-def test_pytorch_loop_is_lint_clean(token_model: bool, world: int, lora: bool) -> None:
+def test_pytorch_loop_is_lint_clean(
+    token_model: bool, world: int, lora: bool, sharding: str
+) -> None:
+    training = TrainingSpec(
+        world_size=world,
+        lora=LORA if lora else None,
+        sharding=sharding,
+        shard_group_size=2 if sharding == "hybrid" else None,
+    )
     source = build_exports(
         _rec(4, 2, world=world),
         token_model=token_model,
         transformers_version="5.23.0",
-        training=TrainingSpec(lora=LORA if lora else None),
+        training=training,
     ).pytorch_loop
     for args in (
         ["check", "--select", "E,W,F,I,B,UP", "--line-length", "99"],
@@ -484,6 +499,91 @@ def _ddp_rank(
             torch.save(_grads(model), f"{workdir}/grads.pt")
     finally:
         dist.destroy_process_group()
+
+
+def _fsdp_rank(
+    rank: int, source: str, batches: list[dict[str, torch.Tensor]], workdir: str
+) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=2)
+    try:
+        loop = _load_loop(source)
+        torch.manual_seed(0)
+        model = loop["prepare_model"](CausalToyLM())
+        accumulation = len(batches) // 2
+        mine = batches[rank * accumulation : (rank + 1) * accumulation]
+        loop["train_step"](model, loop["make_optimizer"](model, lr=0.1), mine)
+        # As measured: every parameter and gradient is this rank's shard (FSDP2's DTensors).
+        assert all(type(p.grad).__name__ == "DTensor" for p in model.parameters())
+        grads = {
+            name.replace(".block.", "."): p.grad.full_tensor()  # a collective: on both ranks
+            for name, p in model.named_parameters()
+        }
+        if rank == 0:
+            torch.save(grads, f"{workdir}/grads.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_sharded_loop_on_two_gloo_ranks_matches_the_full_batch(tmp_path: Path) -> None:
+    """The ZeRO-3 loop: FSDP2 on every block and the root, the gradients reduce-scattered after
+    every micro-batch and accumulated sharded, still the full batch's."""
+    b, accumulation = 2, 2
+    source = build_exports(
+        _rec(b, accumulation, world=2, checkpointing=True),
+        token_model=True,
+        transformers_version="5.23.0",
+        training=TrainingSpec(world_size=2, sharding="zero3"),
+    ).pytorch_loop
+    batches = _token_batches(2 * accumulation, b, seed=5)
+    batches.sort(key=lambda mb: int((mb["labels"] != IGNORE_INDEX).sum()))
+    spawn(_fsdp_rank, args=(source, batches, str(tmp_path)), nprocs=2, join=True)  # type: ignore[no-untyped-call]
+
+    torch.manual_seed(0)
+    reference = CausalToyLM()
+    _full_batch_token_grads(reference, batches)
+    torch.testing.assert_close(torch.load(tmp_path / "grads.pt"), _grads(reference))
+
+
+@pytest.mark.parametrize("sharding", ["zero1", "zero2", "zero3", "hybrid"])
+def test_sharding_is_exported_in_each_ecosystems_keys(sharding: str) -> None:
+    training = TrainingSpec(
+        world_size=8, sharding=sharding, shard_group_size=4 if sharding == "hybrid" else None
+    )
+    exports = build_exports(
+        _rec(2, 2, world=8), token_model=True, transformers_version="5.23.0", training=training
+    )
+    stage = {"zero1": 1, "zero2": 2, "zero3": 3, "hybrid": 3}[sharding]
+    assert exports.deepspeed["zero_optimization"]["stage"] == stage
+    assert exports.deepspeed["zero_optimization"].get("mics_shard_size") == (
+        4 if sharding == "hybrid" else None
+    )
+    texts = render_exports(exports)
+    assert f"ZeRO stage {stage}" in texts["data_parallel"]
+    assert "gradient_as_bucket_view" not in texts["hf"] + texts["axolotl"]
+    if sharding == "zero1":
+        assert exports.hf["deepspeed"]["zero_optimization"] == {"stage": 1}
+        assert exports.lightning["strategy"] == "deepspeed_stage_1"
+        assert exports.axolotl["deepspeed"] == "deepspeed_configs/zero1.json"
+        return
+    assert exports.hf["fsdp"] is True
+    strategy = {"zero2": "SHARD_GRAD_OP", "zero3": "FULL_SHARD", "hybrid": "HYBRID_SHARD"}
+    assert exports.lightning["fsdp_strategy"] == {"sharding_strategy": strategy[sharding]}
+    assert f"FSDPStrategy(sharding_strategy='{strategy[sharding]}'" in texts["lightning"]
+    if sharding == "hybrid":
+        assert exports.hf["fsdp_config"] == {"version": 1, "reshard_after_forward": "hybrid_shard"}
+    else:
+        expected = {"version": 2, "reshard_after_forward": sharding == "zero3"}
+        assert exports.hf["fsdp_config"] == expected
+        assert exports.axolotl["fsdp_version"] == 2
+    # Before transformers 5: the fsdp string.
+    old = build_exports(
+        _rec(2, 2, world=8), token_model=True, transformers_version="4.57.0", training=training
+    )
+    assert old.hf["fsdp"] == f"{strategy[sharding].lower()} auto_wrap"
+    transformers = pytest.importorskip("transformers")
+    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    assert set(exports.hf) <= fields
 
 
 def test_token_loop_on_two_ddp_ranks_matches_the_full_batch(tmp_path: Path) -> None:
