@@ -480,17 +480,23 @@ def test_loop_refuses_to_run_on_the_wrong_number_of_ranks() -> None:
         loop["train_step"](model, torch.optim.SGD(model.parameters()), _token_batches(2, 2, 0))
 
 
+def _train_my_half(rank: int, source: str, batches: list[dict[str, torch.Tensor]]) -> nn.Module:
+    """One optimizer step of the loop on this rank's half of the micro-batches."""
+    loop = _load_loop(source)
+    torch.manual_seed(0)
+    model: nn.Module = loop["prepare_model"](CausalToyLM())
+    accumulation = len(batches) // 2
+    mine = batches[rank * accumulation : (rank + 1) * accumulation]
+    loop["train_step"](model, loop["make_optimizer"](model, lr=0.1), mine)
+    return model
+
+
 def _ddp_rank(
     rank: int, source: str, batches: list[dict[str, torch.Tensor]], workdir: str
 ) -> None:
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=2)
     try:
-        loop = _load_loop(source)
-        torch.manual_seed(0)
-        model = loop["prepare_model"](CausalToyLM())
-        accumulation = len(batches) // 2
-        mine = batches[rank * accumulation : (rank + 1) * accumulation]
-        loop["train_step"](model, torch.optim.SGD(model.parameters(), lr=0.1), mine)
+        model = _train_my_half(rank, source, batches)
         # As measured: the gradients are views of DDP's buckets (fewer storages than params).
         assert model.gradient_as_bucket_view
         storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
@@ -506,12 +512,7 @@ def _fsdp_rank(
 ) -> None:
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=2)
     try:
-        loop = _load_loop(source)
-        torch.manual_seed(0)
-        model = loop["prepare_model"](CausalToyLM())
-        accumulation = len(batches) // 2
-        mine = batches[rank * accumulation : (rank + 1) * accumulation]
-        loop["train_step"](model, loop["make_optimizer"](model, lr=0.1), mine)
+        model = _train_my_half(rank, source, batches)
         # As measured: every parameter and gradient is this rank's shard (FSDP2's DTensors).
         assert all(type(p.grad).__name__ == "DTensor" for p in model.parameters())
         grads = {
