@@ -136,6 +136,8 @@ class RecommendationRow(TableBase):
     micro_batch: Mapped[int]
     accumulation_steps: Mapped[int]
     checkpointing: Mapped[bool]
+    checkpointed_blocks: Mapped[int | None]
+    num_blocks: Mapped[int | None]
     world_size: Mapped[int]
     global_batch: Mapped[int]
     samples_per_s: Mapped[float]
@@ -203,6 +205,7 @@ class TrialRow(TableBase):
     micro_batch: Mapped[int]
     accumulation_steps: Mapped[int]
     checkpointing: Mapped[bool]
+    checkpointed_blocks: Mapped[int | None]
     state: Mapped[str] = mapped_column(String(16))
     samples_per_s: Mapped[float | None]
     tokens_per_s: Mapped[float | None]

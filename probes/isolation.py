@@ -94,6 +94,7 @@ class ChildRequest:
     micro_batch: int = 1
     accumulation_steps: int = 1
     checkpointing: bool = False
+    checkpointed_blocks: int | None = None
     target_seconds: float = 1.0
     log_level: int = logging.WARNING
     allowed_factories: tuple[str, ...] = ()
@@ -109,6 +110,7 @@ class Description:
     supports_checkpointing: bool
     tokens_per_sample: int | None
     fit_points: dict[bool, list[StepOutcome]] = field(default_factory=dict)
+    num_blocks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -250,6 +252,7 @@ def _perform(request: ChildRequest) -> object:
             supports_checkpointing=session.supports_checkpointing,
             tokens_per_sample=session.tokens_per_sample,
             fit_points=fit_points,
+            num_blocks=session.num_blocks,
         )
     if request.operation == "warm_up":
         return session.warm_up(checkpointing=request.checkpointing)
@@ -257,7 +260,10 @@ def _perform(request: ChildRequest) -> object:
         session.warm_up(checkpointing=request.warm_mode)
     if request.operation == "trial":
         return session.trial(
-            request.micro_batch, request.accumulation_steps, checkpointing=request.checkpointing
+            request.micro_batch,
+            request.accumulation_steps,
+            checkpointing=request.checkpointing,
+            checkpointed_blocks=request.checkpointed_blocks,
         )
     measured = timed_on_its_gpu(session, allowed_factory_prefixes=request.allowed_factories)
     return measured.measure(
@@ -265,6 +271,7 @@ def _perform(request: ChildRequest) -> object:
         request.accumulation_steps,
         checkpointing=request.checkpointing,
         target_seconds=request.target_seconds,
+        checkpointed_blocks=request.checkpointed_blocks,
     )
 
 
@@ -344,6 +351,7 @@ def _describe_request(request: ChildRequest) -> dict[str, Any]:
         "micro_batch": request.micro_batch,
         "accumulation_steps": request.accumulation_steps,
         "checkpointing": request.checkpointing,
+        "checkpointed_blocks": request.checkpointed_blocks,
     }
 
 
@@ -565,6 +573,10 @@ class ChildProcessRunner:
         return self.describe().supports_checkpointing
 
     @property
+    def num_blocks(self) -> int | None:
+        return self.describe().num_blocks
+
+    @property
     def tokens_per_sample(self) -> int | None:
         return self.describe().tokens_per_sample
 
@@ -576,13 +588,19 @@ class ChildProcessRunner:
         return outcome
 
     def trial(
-        self, micro_batch: int, accumulation_steps: int = 1, *, checkpointing: bool
+        self,
+        micro_batch: int,
+        accumulation_steps: int = 1,
+        *,
+        checkpointing: bool,
+        checkpointed_blocks: int | None = None,
     ) -> StepOutcome:
         outcome = self._run(
             "trial",
             micro_batch=micro_batch,
             accumulation_steps=accumulation_steps,
             checkpointing=checkpointing,
+            checkpointed_blocks=checkpointed_blocks,
         )
         assert isinstance(outcome, StepOutcome)
         return outcome
@@ -594,6 +612,7 @@ class ChildProcessRunner:
         *,
         checkpointing: bool,
         target_seconds: float,
+        checkpointed_blocks: int | None = None,
     ) -> Measurement | None:
         measurement = self._run(
             "measure",
@@ -601,6 +620,7 @@ class ChildProcessRunner:
             accumulation_steps=accumulation_steps,
             checkpointing=checkpointing,
             target_seconds=target_seconds,
+            checkpointed_blocks=checkpointed_blocks,
         )
         assert measurement is None or isinstance(measurement, Measurement)
         return measurement

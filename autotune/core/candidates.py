@@ -21,6 +21,8 @@ class Candidate:
     micro_batch: int
     accumulation_steps: int
     checkpointing: bool
+    # With checkpointing, the first this many blocks only (partial checkpointing); None: all.
+    checkpointed_blocks: int | None = None
 
     def global_batch(self, world_size: int) -> int:
         """Samples per optimizer step across all ranks."""

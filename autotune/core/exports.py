@@ -89,6 +89,7 @@ def build_exports(
     training = training or TrainingSpec()
     tf32 = training.tf32
     b, accumulation, world = rec.micro_batch, rec.accumulation_steps, rec.world_size
+    partial = rec.checkpointed_blocks if rec.checkpointing else None
     if b * accumulation * world != rec.global_batch:
         raise ValueError(
             f"inconsistent recommendation: {b} * {accumulation} * {world} != {rec.global_batch}"
@@ -96,7 +97,9 @@ def build_exports(
     hf: dict[str, Any] = {
         "per_device_train_batch_size": b,
         "gradient_accumulation_steps": accumulation,
-        hf_checkpointing_key(transformers_version): rec.checkpointing,
+        # Partial checkpointing is set on the model (the text says how): the Trainer's flag
+        # would checkpoint every layer.
+        hf_checkpointing_key(transformers_version): rec.checkpointing and partial is None,
     }
     axolotl: dict[str, Any] = {
         "micro_batch_size": b,
@@ -147,7 +150,11 @@ def build_exports(
     if packed_seq_len is not None:
         axolotl["sequence_len"] = packed_seq_len
         axolotl["sample_packing"] = True
+    if partial is not None:
+        lightning["module"]["checkpointed_blocks"] = partial
     return Exports(
+        checkpointed_blocks=partial,
+        num_blocks=rec.num_blocks if partial is not None else None,
         tokens_per_sample=packed_seq_len,
         lora=lora,
         hf=hf,
@@ -270,9 +277,11 @@ def render_exports(exports: Exports) -> dict[str, str]:
             exports.tokens_per_sample,
             weights_bf16=exports.lightning["trainer"].get("precision") == "bf16-true",
             lora=exports.lora,
+            partial=_partial_snippet(exports),
         ),
         "axolotl": f"# Axolotl config (merge into your YAML)\n{batch}"
         + _axolotl_ddp_comment(ddp_ranks)
+        + _axolotl_partial_comment(exports)
         + yaml.safe_dump(exports.axolotl, sort_keys=False),
         "deepspeed": json.dumps(exports.deepspeed, indent=2) + "\n",
         "lightning": _render_lightning(exports.lightning, batch),
@@ -362,6 +371,7 @@ def _render_hf(
     *,
     weights_bf16: bool,
     lora: dict[str, Any] | None,
+    partial: str,
 ) -> str:
     if "activation_checkpointing" in hf:
         rule = "activation_checkpointing: the flag's name since transformers 5"
@@ -403,6 +413,45 @@ def _render_hf(
             if lora is not None
             else ""
         )
+        + partial
+    )
+
+
+def _partial_snippet(exports: Exports) -> str:
+    """The Hugging Face text's partial checkpointing: the Trainer's flag is off, the model's
+    first k layers are checkpointed."""
+    count = exports.checkpointed_blocks
+    if count is None:
+        return ""
+    total = f" of {exports.num_blocks}" if exports.num_blocks is not None else ""
+    return (
+        f"\n# Partial activation checkpointing, as measured: the first {count}{total} layers.\n"
+        "# (The Trainer's flag above would checkpoint every layer.) On the model:\n"
+        + "".join(f"{line}\n" for line in _partial_lines(count, "model"))
+    )
+
+
+def _partial_lines(count: int, model: str) -> list[str]:
+    """How to checkpoint the first `count` layers of a Hugging Face model: enable checkpointing,
+    then clear the flag of every later `GradientCheckpointingLayer` (transformers 4.52 on)."""
+    return [
+        f"{model}.gradient_checkpointing_enable(",
+        '    gradient_checkpointing_kwargs={"use_reentrant": False}',
+        ")",
+        "from transformers.modeling_layers import GradientCheckpointingLayer",
+        f"layers = [m for m in {model}.modules() if isinstance(m, GradientCheckpointingLayer)]",
+        f"for layer in layers[{count}:]:",
+        "    layer.gradient_checkpointing = False",
+    ]
+
+
+def _axolotl_partial_comment(exports: Exports) -> str:
+    count = exports.checkpointed_blocks
+    if count is None:
+        return ""
+    return (
+        f"# Measured with the first {count} layers checkpointed; Axolotl checkpoints every\n"
+        "# layer (gradient_checkpointing: true): the same memory or less, more recompute.\n"
     )
 
 
@@ -423,7 +472,15 @@ def _render_lightning(lightning: dict[str, Any], batch: str) -> str:
         strategy_import = "from lightning.pytorch.strategies import FSDPStrategy\n"
     elif "strategy" in lightning:
         trainer_kwargs += f", strategy={lightning['strategy']!r}"
-    if lightning["module"]["gradient_checkpointing"]:
+    if "checkpointed_blocks" in lightning["module"]:
+        count = lightning["module"]["checkpointed_blocks"]
+        checkpointing = (
+            f"# Activation checkpointing of the first {count} layers, as measured. Lightning has\n"
+            "# no Trainer flag for it; in your LightningModule's configure_model, e.g. for a\n"
+            "# Hugging Face model (self.model):\n"
+            + "".join(f"#     {line}\n" for line in _partial_lines(count, "self.model"))
+        )
+    elif lightning["module"]["gradient_checkpointing"]:
         checkpointing = (
             "# Activation checkpointing: ON. Lightning has no Trainer flag for it; enable it in\n"
             "# your LightningModule, e.g. for a Hugging Face model:\n"
@@ -617,6 +674,12 @@ def _pytorch_loop(
         ("WORLD_SIZE", str(rec.world_size)),
         ("GLOBAL_BATCH", f"MICRO_BATCH * ACCUMULATION_STEPS * WORLD_SIZE  # {rec.global_batch}"),
         ("CHECKPOINTING", str(rec.checkpointing)),
+        (
+            "CHECKPOINT_BLOCKS",
+            str(list(range(rec.checkpointed_blocks)))
+            if rec.checkpointing and rec.checkpointed_blocks is not None
+            else "None",
+        ),
         ("LORA", _literal(lora)),
         ("SHARDING", repr(training.sharding.value).replace("'", '"')),
         ("SHARD_GROUP_SIZE", str(training.shard_group_size or 1)),

@@ -175,6 +175,8 @@ class _Check:
             if key in seen:
                 self.fail(f"{at}.micro_batch", "this candidate was already measured")
             seen.add(key)
+            if trial.checkpointed_blocks is not None and not trial.checkpointing:
+                self.fail(f"{at}.checkpointed_blocks", "set on a trial without checkpointing")
             product = trial.micro_batch * trial.accumulation_steps * training.world_size
             if target is not None and product != target:
                 self.fail(
@@ -250,6 +252,12 @@ class _Check:
             )
         if rec.global_batch != training.target_global_batch:
             self.fail("recommendation.global_batch", "not the spec's target_global_batch")
+        if (rec.checkpointed_blocks is None) != (rec.num_blocks is None) or (
+            rec.checkpointed_blocks is not None
+            and rec.num_blocks is not None
+            and not rec.checkpointed_blocks < rec.num_blocks
+        ):
+            self.fail("recommendation.checkpointed_blocks", "not fewer than its num_blocks")
         if rec.capacity_bytes != self.capacity_bytes:
             self.fail("recommendation.capacity_bytes", "not the device's capacity")
         if not 0 <= rec.peak_bytes <= self.capacity_bytes:
@@ -259,8 +267,13 @@ class _Check:
         measured = [
             t
             for t in pool
-            if (t.micro_batch, t.accumulation_steps, t.checkpointing)
-            == (rec.micro_batch, rec.accumulation_steps, rec.checkpointing)
+            if (t.micro_batch, t.accumulation_steps, t.checkpointing, t.checkpointed_blocks)
+            == (
+                rec.micro_batch,
+                rec.accumulation_steps,
+                rec.checkpointing,
+                rec.checkpointed_blocks,
+            )
         ]
         if not measured:
             self.fail("recommendation", "not a measured configuration it could be chosen from")
@@ -297,6 +310,7 @@ class _Check:
             ("lightning", "datamodule", "batch_size"): rec.micro_batch,
             ("lightning", "module", "gradient_checkpointing"): rec.checkpointing,
         }
+        expected[("checkpointed_blocks",)] = rec.checkpointed_blocks if rec.checkpointing else None
         training = self.spec.training
         if training.target_global_tokens is not None:
             # The samples the token target was turned into are full packed sequences.

@@ -516,6 +516,12 @@ class Trial(FrozenModel):
     micro_batch: int = Field(ge=1)
     accumulation_steps: int = Field(ge=1)
     checkpointing: bool
+    checkpointed_blocks: int | None = Field(
+        default=None,
+        ge=1,
+        description="With checkpointing, the first this many blocks only (partial "
+        "checkpointing); None: every block.",
+    )
     state: TrialState
     samples_per_s: float | None = None
     tokens_per_s: float | None = None
@@ -532,6 +538,16 @@ class Recommendation(FrozenModel):
     micro_batch: int = Field(ge=1)
     accumulation_steps: int = Field(ge=1)
     checkpointing: bool
+    checkpointed_blocks: int | None = Field(
+        default=None,
+        ge=1,
+        description="With checkpointing, the first this many blocks only; None: every block.",
+    )
+    num_blocks: int | None = Field(
+        default=None,
+        ge=1,
+        description="Blocks the model has, when checkpointed_blocks is set.",
+    )
     world_size: int = Field(ge=1)
     global_batch: int = Field(ge=1)
     samples_per_s: float
@@ -560,6 +576,12 @@ class Exports(FrozenModel):
         default=None,
         description="peft LoraConfig keyword arguments when the run trains LoRA adapters.",
     )
+    checkpointed_blocks: int | None = Field(
+        default=None,
+        ge=1,
+        description="Partial checkpointing: the first this many blocks are checkpointed.",
+    )
+    num_blocks: int | None = Field(default=None, ge=1, description="Blocks the model has.")
     tokens_per_sample: int | None = Field(
         default=None,
         description="Set for a token target (training.target_global_tokens): the packed "

@@ -452,3 +452,19 @@ def find_max_micro_batch(
         capped=search.lo == cap,
         traced_prediction=traced_prediction,
     )
+
+
+def fewest_fitting(fits: Callable[[int], bool], *, failing: int, fitting: int) -> int:
+    """The smallest k in (failing, fitting] with fits(k), by bisection: `fits` must be monotone
+    (false up to some k, true from there), false at `failing` and true at `fitting` (neither
+    is asked). Used for partial checkpointing: the fewest checkpointed blocks at which a
+    micro-batch fits, more blocks only costing more recompute."""
+    if failing >= fitting:
+        raise ValueError(f"need failing < fitting, got {failing} and {fitting}")
+    while fitting - failing > 1:
+        middle = (failing + fitting) // 2
+        if fits(middle):
+            fitting = middle
+        else:
+            failing = middle
+    return fitting

@@ -17,17 +17,32 @@ arguments.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
+class PartialCheckpointing(Protocol):
+    """Checkpointing of only the first k of a model's blocks, what
+    `Workload.partial_checkpointing` offers when the model can
+    (docs/design.md#partial-checkpointing)."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    def limit(self, count: int | None) -> None:
+        """While checkpointing is on, checkpoint blocks 0..count-1 only; None: all."""
+        ...
+
+
 class BlockCheckpointing:
-    """The switch `checkpoint_blocks` returns: call it with True or False."""
+    """The switch `checkpoint_blocks` returns: call it with True or False. It also checkpoints
+    only the first k blocks when asked (`limit`), a `PartialCheckpointing`."""
 
     def __init__(self, blocks: Iterable[nn.Module]) -> None:
         self.enabled = False
+        self.count: int | None = None
         self.blocks = list(blocks)
         if not self.blocks:
             raise ValueError("checkpoint_blocks: no blocks given")
@@ -39,24 +54,34 @@ class BlockCheckpointing:
                     f"checkpoint_blocks: this {type(block).__name__}'s forward is already "
                     "replaced (checkpoint_blocks called twice on it?)"
                 )
+        for index, block in enumerate(self.blocks):
             # An instance attribute, so nn.Module.__call__ (hooks included) calls it.
-            block.forward = _CheckpointedForward(block, self)
+            block.forward = _CheckpointedForward(block, self, index)
 
     def __call__(self, enabled: bool) -> None:
         self.enabled = enabled
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def limit(self, count: int | None) -> None:
+        self.count = count
 
 
 class _CheckpointedForward:
     """A block's forward, checkpointed while its switch is on. A class rather than a closure
     so that `copy.deepcopy` and pickling of the model carry it along."""
 
-    def __init__(self, block: nn.Module, switch: BlockCheckpointing) -> None:
+    def __init__(self, block: nn.Module, switch: BlockCheckpointing, index: int) -> None:
         self.block = block
         self.switch = switch
+        self.index = index
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = type(self.block).forward.__get__(self.block)
-        if self.switch.enabled and self.block.training:
+        count = self.switch.count
+        if self.switch.enabled and self.block.training and (count is None or self.index < count):
             return checkpoint(forward, *args, use_reentrant=False, **kwargs)
         return forward(*args, **kwargs)
 

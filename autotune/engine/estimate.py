@@ -256,18 +256,37 @@ class EstimateRunner:
     def tokens_per_sample(self) -> int | None:
         return self._runner.tokens_per_sample
 
+    @property
+    def num_blocks(self) -> int | None:
+        return self._runner.num_blocks
+
     def warm_up(self, *, checkpointing: bool = False) -> StepOutcome:
         with self._mode, _sequences_not_packed():
             return self._runner.warm_up(checkpointing=checkpointing)
 
     def trial(
-        self, micro_batch: int, accumulation_steps: int = 1, *, checkpointing: bool = False
+        self,
+        micro_batch: int,
+        accumulation_steps: int = 1,
+        *,
+        checkpointing: bool = False,
+        checkpointed_blocks: int | None = None,
     ) -> StepOutcome:
         with self._mode, _sequences_not_packed():
-            return self._runner.trial(micro_batch, accumulation_steps, checkpointing=checkpointing)
+            return self._runner.trial(
+                micro_batch,
+                accumulation_steps,
+                checkpointing=checkpointing,
+                checkpointed_blocks=checkpointed_blocks,
+            )
 
     def step_time_s(
-        self, micro_batch: int, accumulation_steps: int = 1, *, checkpointing: bool = False
+        self,
+        micro_batch: int,
+        accumulation_steps: int = 1,
+        *,
+        checkpointing: bool = False,
+        checkpointed_blocks: int | None = None,
     ) -> float:
         """The roofline time of one optimizer step on the named GPU (its recompute included
         when checkpointing).
@@ -276,17 +295,23 @@ class EstimateRunner:
         allocates them and only the last synchronises ranks), so a long accumulation is traced
         as 2 and 3 micro-steps, their difference being one middle micro-step: five traced
         micro-steps instead of `accumulation_steps` (an 8B model traces one in seconds)."""
+        mode = (checkpointing, checkpointed_blocks)
         if accumulation_steps <= _TRACED_ACCUMULATION:
-            return self._kernel_times(micro_batch, accumulation_steps, checkpointing).time_s
-        two_s = self._kernel_times(micro_batch, 2, checkpointing).time_s
-        three_s = self._kernel_times(micro_batch, 3, checkpointing).time_s
+            return self._kernel_times(micro_batch, accumulation_steps, *mode).time_s
+        two_s = self._kernel_times(micro_batch, 2, *mode).time_s
+        three_s = self._kernel_times(micro_batch, 3, *mode).time_s
         return two_s + (accumulation_steps - 2) * (three_s - two_s)
 
     def _kernel_times(
-        self, micro_batch: int, accumulation_steps: int, checkpointing: bool
+        self,
+        micro_batch: int,
+        accumulation_steps: int,
+        checkpointing: bool,
+        checkpointed_blocks: int | None,
     ) -> _KernelTimes:
         step = self._runner.step
         step.checkpointing = checkpointing
+        step.checkpoint_blocks(checkpointed_blocks if checkpointing else None)
         if self.gpu is None:
             raise SpecError("estimate: a speed needs a named GPU (--estimate NAME), not a size")
         times = _KernelTimes(self.gpu, self.assumptions, bool(self.spec.training.tf32))
@@ -301,11 +326,17 @@ class EstimateRunner:
         *,
         checkpointing: bool,
         target_seconds: float,
+        checkpointed_blocks: int | None = None,
     ) -> Measurement | None:
         """The estimated throughput of one configuration, with its traced peak; None when it
         does not fit. `target_seconds` is unused: nothing is timed."""
         del target_seconds
-        check = self.trial(micro_batch, accumulation_steps, checkpointing=checkpointing)
+        check = self.trial(
+            micro_batch,
+            accumulation_steps,
+            checkpointing=checkpointing,
+            checkpointed_blocks=checkpointed_blocks,
+        )
         if not check.fits:
             return None
         return self.roofline_measurement(
@@ -313,15 +344,25 @@ class EstimateRunner:
             accumulation_steps,
             checkpointing=checkpointing,
             peak_bytes=check.peak_bytes,
+            checkpointed_blocks=checkpointed_blocks,
         )
 
     def roofline_measurement(
-        self, micro_batch: int, accumulation_steps: int, *, checkpointing: bool, peak_bytes: int
+        self,
+        micro_batch: int,
+        accumulation_steps: int,
+        *,
+        checkpointing: bool,
+        peak_bytes: int,
+        checkpointed_blocks: int | None = None,
     ) -> Measurement:
         """A configuration's throughput by the roofline of its step (`step_time_s`), with the
         peak a trial of it reached (traced here, or run on the emulated GPU)."""
         step_time_s = self.step_time_s(
-            micro_batch, accumulation_steps, checkpointing=checkpointing
+            micro_batch,
+            accumulation_steps,
+            checkpointing=checkpointing,
+            checkpointed_blocks=checkpointed_blocks,
         )
         samples = micro_batch * accumulation_steps
         tokens = self.tokens_per_sample

@@ -66,13 +66,27 @@ class RooflineTimedRunner:
     def tokens_per_sample(self) -> int | None:
         return self.runner.tokens_per_sample
 
+    @property
+    def num_blocks(self) -> int | None:
+        return self.runner.num_blocks
+
     def warm_up(self, *, checkpointing: bool) -> StepOutcome:
         return self.runner.warm_up(checkpointing=checkpointing)
 
     def trial(
-        self, micro_batch: int, accumulation_steps: int = 1, *, checkpointing: bool
+        self,
+        micro_batch: int,
+        accumulation_steps: int = 1,
+        *,
+        checkpointing: bool,
+        checkpointed_blocks: int | None = None,
     ) -> StepOutcome:
-        return self.runner.trial(micro_batch, accumulation_steps, checkpointing=checkpointing)
+        return self.runner.trial(
+            micro_batch,
+            accumulation_steps,
+            checkpointing=checkpointing,
+            checkpointed_blocks=checkpointed_blocks,
+        )
 
     def measure(
         self,
@@ -81,11 +95,17 @@ class RooflineTimedRunner:
         *,
         checkpointing: bool,
         target_seconds: float,
+        checkpointed_blocks: int | None = None,
     ) -> Measurement | None:
         """The configuration's roofline throughput on the GPU, with the peak of the real step;
         None when the real step does not fit. Nothing is timed (`target_seconds` is unused)."""
         del target_seconds
-        check = self.runner.trial(micro_batch, accumulation_steps, checkpointing=checkpointing)
+        check = self.trial(
+            micro_batch,
+            accumulation_steps,
+            checkpointing=checkpointing,
+            checkpointed_blocks=checkpointed_blocks,
+        )
         if not check.fits:
             return None
         return self.estimate.roofline_measurement(
@@ -93,6 +113,7 @@ class RooflineTimedRunner:
             accumulation_steps,
             checkpointing=checkpointing,
             peak_bytes=check.peak_bytes,
+            checkpointed_blocks=checkpointed_blocks,
         )
 
 

@@ -41,14 +41,25 @@ class TrialRunner(Protocol):
     @property
     def tokens_per_sample(self) -> int | None: ...
 
+    @property
+    def num_blocks(self) -> int | None:
+        """Blocks that can be checkpointed one by one (partial checkpointing); None: none."""
+        ...
+
     def warm_up(self, *, checkpointing: bool) -> StepOutcome:
         """One step at micro-batch 1 so the optimizer state exists before any trial."""
         ...
 
     def trial(
-        self, micro_batch: int, accumulation_steps: int = 1, *, checkpointing: bool
+        self,
+        micro_batch: int,
+        accumulation_steps: int = 1,
+        *,
+        checkpointing: bool,
+        checkpointed_blocks: int | None = None,
     ) -> StepOutcome:
-        """One complete optimizer step, tracked (peak, per-op series)."""
+        """One complete optimizer step, tracked (peak, per-op series); with checkpointing, of
+        the first `checkpointed_blocks` blocks only when given."""
         ...
 
     def measure(
@@ -58,6 +69,7 @@ class TrialRunner(Protocol):
         *,
         checkpointing: bool,
         target_seconds: float,
+        checkpointed_blocks: int | None = None,
     ) -> Measurement | None:
         """Throughput of one configuration with its tracked peak; None when it does not fit."""
         ...
@@ -102,6 +114,10 @@ class InProcessRunner:
     def tokens_per_sample(self) -> int | None:
         return self.workload.tokens_per_sample
 
+    @property
+    def num_blocks(self) -> int | None:
+        return self.step.num_blocks
+
     def warm_up(self, *, checkpointing: bool = False) -> StepOutcome:
         """Returns the outcome: when even this does not fit, nothing will."""
         outcome = self.trial(1, checkpointing=checkpointing)
@@ -112,9 +128,15 @@ class InProcessRunner:
         return outcome
 
     def trial(
-        self, micro_batch: int, accumulation_steps: int = 1, *, checkpointing: bool = False
+        self,
+        micro_batch: int,
+        accumulation_steps: int = 1,
+        *,
+        checkpointing: bool = False,
+        checkpointed_blocks: int | None = None,
     ) -> StepOutcome:
         self.step.checkpointing = checkpointing
+        self.step.checkpoint_blocks(checkpointed_blocks if checkpointing else None)
         return self._run(
             lambda: self.step.run(micro_batch, accumulation_steps), micro_batch, track=True
         )
@@ -126,11 +148,17 @@ class InProcessRunner:
         *,
         checkpointing: bool,
         target_seconds: float,
+        checkpointed_blocks: int | None = None,
     ) -> Measurement | None:
         # With G > 1 the gradients of earlier micro-batches are alive during later ones, so a
         # step is checked tracked first (it doubles as the warm-up), then timed untracked:
         # the tracker's per-op cost would distort the timing.
-        check = self.trial(micro_batch, accumulation_steps, checkpointing=checkpointing)
+        check = self.trial(
+            micro_batch,
+            accumulation_steps,
+            checkpointing=checkpointing,
+            checkpointed_blocks=checkpointed_blocks,
+        )
         if not check.fits:
             return None
         measured: list[Measurement] = []

@@ -171,6 +171,33 @@ class TrainingStep:
         self._workload.set_checkpointing(enabled)
         self._checkpointing = enabled
 
+    @property
+    def num_blocks(self) -> int | None:
+        """Blocks whose checkpointing can be set one by one (None: all or nothing)."""
+        partial = self._workload.partial_checkpointing
+        return partial.num_blocks if partial is not None else None
+
+    def checkpoint_blocks(self, count: int | None) -> None:
+        """While checkpointing is on, checkpoint only the first `count` blocks (None: all).
+
+        Raises:
+            SpecError: the model checkpoints all of its blocks or none.
+            ValueError: `count` is not in [1, num_blocks].
+        """
+        partial = self._workload.partial_checkpointing
+        if count is None:
+            if partial is not None:
+                partial.limit(None)
+            return
+        if partial is None:
+            raise SpecError(
+                "checkpointing: this model checkpoints all of its blocks or none (its Workload "
+                "has no partial_checkpointing)"
+            )
+        if not 1 <= count <= partial.num_blocks:
+            raise ValueError(f"checkpointed blocks must be in [1, {partial.num_blocks}]: {count}")
+        partial.limit(count)
+
     def run(self, micro_batch: int, accumulation_steps: int = 1) -> float:
         """One complete optimizer step over `accumulation_steps` micro-batches of `micro_batch`
         samples. All micro-batches are made first (inputs only, small), as transformers'

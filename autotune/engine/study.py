@@ -95,6 +95,8 @@ class _Tuning:
         candidate = self.by_key[(checkpointing, micro_batch)]
         trial.set_user_attr("micro_batch", candidate.micro_batch)
         trial.set_user_attr("accumulation_steps", candidate.accumulation_steps)
+        if candidate.checkpointed_blocks is not None:
+            trial.set_user_attr("checkpointed_blocks", candidate.checkpointed_blocks)
 
         cached = self.cache.get(candidate)
         if cached is not None:

@@ -14,6 +14,7 @@ import logging
 import math
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 
 from autotune.core.candidates import Candidate, enumerate_candidates, explain_infeasible
 from autotune.core.exports import build_exports
@@ -28,7 +29,7 @@ from autotune.core.schemas import (
     TrialState,
     TuneResult,
 )
-from autotune.core.search import find_max_micro_batch
+from autotune.core.search import fewest_fitting, find_max_micro_batch
 from autotune.engine.device import Device
 from autotune.engine.probe import (
     AttemptCallback,
@@ -161,6 +162,7 @@ def tune_session(
             )
         )
 
+    candidates = _with_partial_checkpointing(session, probe_result, candidates)
     study_name = study_name or f"autotune-{uuid.uuid4().hex[:12]}"
     budget = n_trials or default_trial_budget(len(candidates))
     trials = run_study(
@@ -170,6 +172,7 @@ def tune_session(
             c.accumulation_steps,
             checkpointing=c.checkpointing,
             target_seconds=target_seconds,
+            checkpointed_blocks=c.checkpointed_blocks,
         ),
         storage_url=storage_url,
         study_name=study_name,
@@ -178,7 +181,9 @@ def tune_session(
         first=priority_candidates(candidates),
         progress=on_trial,
     )
-    recommendation = _recommend(trials, spec, capacity_bytes=device_info.capacity_bytes)
+    recommendation = _recommend(
+        trials, spec, capacity_bytes=device_info.capacity_bytes, num_blocks=session.num_blocks
+    )
     if recommendation is None:
         # Every measured candidate ran out of memory with its accumulation steps.
         return _checked(
@@ -313,7 +318,55 @@ def _accumulating_fits(
     return fits
 
 
-def _recommend(trials: list[Trial], spec: Spec, *, capacity_bytes: int) -> Recommendation | None:
+def _with_partial_checkpointing(
+    session: TrialRunner, probe_result: ProbeResult, candidates: list[Candidate]
+) -> list[Candidate]:
+    """Each checkpointed candidate whose micro-batch does not fit without checkpointing, with
+    the fewest blocks checkpointed at which it fits within the headroom (found by real trials;
+    docs/design.md#partial-checkpointing): the same micro-batch at a fraction of the
+    recompute. Checkpointing more blocks than needed only costs time, so the fewest is the
+    fastest, and k is a dimension the study need not search."""
+    num_blocks = session.num_blocks
+    plain = next((m for m in probe_result.modes if not m.checkpointing), None)
+    if not num_blocks or num_blocks < 2 or plain is None:
+        return candidates
+    budget_bytes = int(session.device_info.capacity_bytes * (1.0 - session.spec.training.headroom))
+    partial = []
+    for candidate in candidates:
+        accumulating = candidate.accumulation_steps > 1
+        plain_limit = (
+            (plain.accumulating_micro_batch or 0)
+            if accumulating
+            else (plain.recommended_micro_batch)
+        )
+        if not candidate.checkpointing or candidate.micro_batch <= plain_limit:
+            partial.append(candidate)
+            continue
+        steps = ACCUMULATION_PROBE_STEPS if accumulating else 1
+
+        def fits(blocks: int, candidate: Candidate = candidate, steps: int = steps) -> bool:
+            outcome = session.trial(
+                candidate.micro_batch, steps, checkpointing=True, checkpointed_blocks=blocks
+            )
+            return outcome.fits and outcome.peak_bytes <= budget_bytes
+
+        blocks = fewest_fitting(fits, failing=0, fitting=num_blocks)
+        logger.info(
+            "micro-batch %d (G=%d): %d of %d blocks checkpointed fit",
+            candidate.micro_batch,
+            candidate.accumulation_steps,
+            blocks,
+            num_blocks,
+        )
+        partial.append(
+            replace(candidate, checkpointed_blocks=blocks) if blocks < num_blocks else candidate
+        )
+    return partial
+
+
+def _recommend(
+    trials: list[Trial], spec: Spec, *, capacity_bytes: int, num_blocks: int | None
+) -> Recommendation | None:
     """The fastest measured configuration whose peak leaves the headroom free (else the
     fastest that fits at all)."""
     budget_bytes = int(capacity_bytes * (1.0 - spec.training.headroom))
@@ -329,6 +382,8 @@ def _recommend(trials: list[Trial], spec: Spec, *, capacity_bytes: int) -> Recom
         micro_batch=best.micro_batch,
         accumulation_steps=best.accumulation_steps,
         checkpointing=best.checkpointing,
+        checkpointed_blocks=best.checkpointed_blocks,
+        num_blocks=num_blocks if best.checkpointed_blocks is not None else None,
         world_size=world_size,
         global_batch=best.micro_batch * best.accumulation_steps * world_size,
         samples_per_s=best.samples_per_s,

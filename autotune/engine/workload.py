@@ -26,6 +26,9 @@ as ``function(training)`` with the spec's `autotune.core.schemas.TrainingSpec` a
   an int or a 0-dim tensor (a tensor keeps the step free of reads of values: see
   `count_label_tokens`);
 * ``set_checkpointing(enabled)``: turns gradient checkpointing on or off; None if unsupported;
+* ``partial_checkpointing``: checkpointing of only the first k blocks
+  (`autotune.engine.checkpointing.PartialCheckpointing`); None if unsupported. A
+  ``set_checkpointing`` made by `checkpoint_blocks` offers it by itself;
 * ``tokens_per_sample``: tokens in one sample, to report tokens/s; None for non-token models.
 
 An import or attribute error, or a return value that is not a `Workload`, raises
@@ -54,7 +57,8 @@ from autotune.core.hubid import hub_id_problem
 from autotune.core.plugins import import_extra
 from autotune.core.presets import PRESETS, DecoderPreset
 from autotune.core.schemas import Spec, TrainingSpec
-from autotune.engine.zoo import CheckpointedStack, build_model
+from autotune.engine.checkpointing import BlockCheckpointing, PartialCheckpointing
+from autotune.engine.zoo import build_model
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +77,13 @@ class Workload:
     num_items: Callable[[Batch], int | torch.Tensor]
     set_checkpointing: Callable[[bool], None] | None = None
     tokens_per_sample: int | None = None
+    partial_checkpointing: PartialCheckpointing | None = None
+
+    def __post_init__(self) -> None:
+        if self.partial_checkpointing is None and isinstance(
+            self.set_checkpointing, BlockCheckpointing
+        ):
+            self.partial_checkpointing = self.set_checkpointing
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,6 +161,7 @@ def _token_workload(
     vocab_size: int,
     seq_len: int,
     set_checkpointing: Callable[[bool], None] | None,
+    partial_checkpointing: PartialCheckpointing | None = None,
 ) -> Workload:
     def loss_sum(module: nn.Module, batch: Batch) -> torch.Tensor:
         return causal_lm_loss_sum(logits(module, batch["input_ids"]), batch["labels"])
@@ -161,6 +173,7 @@ def _token_workload(
         num_items=count_label_tokens,
         set_checkpointing=set_checkpointing,
         tokens_per_sample=seq_len,
+        partial_checkpointing=partial_checkpointing,
     )
 
 
@@ -184,7 +197,7 @@ def build_preset(
             )
         model = build_model(preset)
         return _token_workload(
-            model, _call_on_ids, preset.vocab_size, seq_len, _flag_setter(model)
+            model, _call_on_ids, preset.vocab_size, seq_len, model.checkpointing_switch
         )
     if seq_len is not None:
         raise SpecError("training.seq_len: this model takes fixed-shape inputs")
@@ -206,19 +219,12 @@ def build_preset(
     def num_items(batch: Batch) -> int:
         return int(batch["labels"].shape[0])
 
-    return Workload(model, make_batch, loss_sum, num_items, _flag_setter(model))
+    return Workload(model, make_batch, loss_sum, num_items, model.checkpointing_switch)
 
 
 def _call_on_ids(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     logits: torch.Tensor = model(input_ids)
     return logits
-
-
-def _flag_setter(model: CheckpointedStack) -> Callable[[bool], None]:
-    def set_checkpointing(enabled: bool) -> None:
-        model.gradient_checkpointing = enabled
-
-    return set_checkpointing
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,8 +370,11 @@ def _build_hf_model(
         raise ModelBuildError(f"{label}: could not build a causal LM: {reason}") from None
     # fp32 master weights whatever the config's dtype says: precision is the spec's business.
     model = fp32_on(model, model.device)
-    set_checkpointing = _hf_checkpointing(model) if model.supports_gradient_checkpointing else None
-    return _token_workload(model, _hf_logits, vocab_size, seq_len, set_checkpointing)
+    if not model.supports_gradient_checkpointing:
+        return _token_workload(model, _hf_logits, vocab_size, seq_len, None)
+    switch = _HfCheckpointing(model)
+    partial = switch if switch.num_blocks > 0 else None
+    return _token_workload(model, _hf_logits, vocab_size, seq_len, switch, partial)
 
 
 def _hf_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -375,18 +384,48 @@ def _hf_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def _hf_checkpointing(model: Any) -> Callable[[bool], None]:
-    # transformers 5 renamed gradient_checkpointing_* to activation_checkpointing_*.
-    new_api = hasattr(model, "activation_checkpointing_enable")
-    prefix = "activation" if new_api else "gradient"
+class _HfCheckpointing:
+    """A transformers model's checkpointing switch, and, where its layers are
+    `GradientCheckpointingLayer`s (each with its own `gradient_checkpointing` flag), checkpointing
+    of the first k of them only: enable them all as transformers does, then clear the flag on
+    the others."""
 
-    def set_checkpointing(enabled: bool) -> None:
+    def __init__(self, model: Any) -> None:
+        # transformers 5 renamed gradient_checkpointing_* to activation_checkpointing_*.
+        new_api = hasattr(model, "activation_checkpointing_enable")
+        self._prefix = "activation" if new_api else "gradient"
+        self._model = model
+        self._enabled = False
+        self._count: int | None = None
+        layer_class = getattr(
+            importlib.import_module("transformers.modeling_layers"),
+            "GradientCheckpointingLayer",
+            None,
+        )
+        self._layers = (
+            [m for m in model.modules() if isinstance(m, layer_class)] if layer_class else []
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._layers)
+
+    def __call__(self, enabled: bool) -> None:
+        self._enabled = enabled
         if enabled:
-            getattr(model, f"{prefix}_checkpointing_enable")({"use_reentrant": False})
+            getattr(self._model, f"{self._prefix}_checkpointing_enable")({"use_reentrant": False})
+            self._apply_limit()
         else:
-            getattr(model, f"{prefix}_checkpointing_disable")()
+            getattr(self._model, f"{self._prefix}_checkpointing_disable")()
 
-    return set_checkpointing
+    def limit(self, count: int | None) -> None:
+        self._count = count
+        if self._enabled:
+            self._apply_limit()
+
+    def _apply_limit(self) -> None:
+        for index, layer in enumerate(self._layers):
+            layer.gradient_checkpointing = self._count is None or index < self._count
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autotune.core.presets import CNNPreset, DecoderPreset, MLPPreset, Preset
-from autotune.engine.checkpointing import checkpoint_blocks
+from autotune.engine.checkpointing import BlockCheckpointing, checkpoint_blocks
 
 _INIT_STD = 0.02  # GPT-2's initialiser; also what HF Llama uses (initializer_range)
 
@@ -31,6 +31,11 @@ class CheckpointedStack(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self._checkpointing = checkpoint_blocks(self.layers)
+
+    @property
+    def checkpointing_switch(self) -> BlockCheckpointing:
+        """The switch of its blocks' checkpointing (`checkpoint_blocks`)."""
+        return self._checkpointing
 
     @property
     def gradient_checkpointing(self) -> bool:

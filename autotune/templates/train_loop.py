@@ -29,6 +29,8 @@ ACCUMULATION_STEPS = 2
 WORLD_SIZE = 1
 GLOBAL_BATCH = MICRO_BATCH * ACCUMULATION_STEPS * WORLD_SIZE
 CHECKPOINTING = False
+# With checkpointing, the indices of the blocks to checkpoint (partial checkpointing); None: all.
+CHECKPOINT_BLOCKS: list[int] | None = None
 # peft LoraConfig keyword arguments when LoRA adapters were measured, else None.
 LORA: dict[str, Any] | None = None
 # none (DDP) | zero1 (ZeroRedundancyOptimizer) | zero2, zero3 (FSDP2) | hybrid (FSDP2, 2-D mesh)
@@ -50,15 +52,23 @@ class CheckpointedBlock(nn.Module):
 
 
 def enable_checkpointing(model: nn.Module) -> None:
-    """Hugging Face models have a switch; any other model gets every block of its largest
-    nn.ModuleList (the layers, in most models) wrapped in CheckpointedBlock."""
+    """Hugging Face models have a switch (and a flag per layer, for CHECKPOINT_BLOCKS); any
+    other model gets the blocks of its largest nn.ModuleList (the layers, in most models) in
+    CHECKPOINT_BLOCKS, or all of them, wrapped in CheckpointedBlock."""
     switch = getattr(model, "gradient_checkpointing_enable", None)
     if switch is not None:
         switch(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if CHECKPOINT_BLOCKS is not None:
+            from transformers.modeling_layers import GradientCheckpointingLayer
+
+            layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+            for index, layer in enumerate(layers):
+                layer.gradient_checkpointing = index in CHECKPOINT_BLOCKS
         return
     blocks = largest_block_list(model)
     for index, block in enumerate(blocks):
-        blocks[index] = CheckpointedBlock(block)
+        if CHECKPOINT_BLOCKS is None or index in CHECKPOINT_BLOCKS:
+            blocks[index] = CheckpointedBlock(block)
 
 
 def largest_block_list(model: nn.Module) -> nn.ModuleList:

@@ -438,6 +438,34 @@ def test_lora_loop_accumulates_the_full_batch_gradient() -> None:
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
 
 
+def test_partial_checkpointing_is_exported_as_the_blocks_to_wrap() -> None:
+    rec = _rec(3, 4, checkpointing=True).model_copy(
+        update={"checkpointed_blocks": 1, "num_blocks": 2}
+    )
+    exports = build_exports(rec, token_model=True, transformers_version="5.23.0")
+    assert exports.checkpointed_blocks == 1
+    # The Trainer's flag would checkpoint every layer: off, and the text sets the first one.
+    assert exports.hf["activation_checkpointing"] is False
+    assert exports.axolotl["gradient_checkpointing"] is True
+    texts = render_exports(exports)
+    assert "for layer in layers[1:]:" in texts["hf"]
+    assert "the first 1 of 2 layers" in texts["hf"]
+    assert "self.model.gradient_checkpointing_enable(" in texts["lightning"]
+    assert "Axolotl checkpoints every" in texts["axolotl"]
+
+    loop = _load_loop(exports.pytorch_loop)
+    assert loop["CHECKPOINT_BLOCKS"] == [0]
+    batches = _token_batches(4, 3, seed=1)
+    torch.manual_seed(0)
+    reference = CausalToyLM()
+    model = loop["prepare_model"](copy.deepcopy(reference))
+    wrapped = [type(block).__name__ == "CheckpointedBlock" for block in model.blocks]
+    assert wrapped == [True, False]
+    loop["train_step"](model, torch.optim.SGD(model.parameters(), lr=0.1), batches)
+    _full_batch_token_grads(reference, batches)
+    torch.testing.assert_close(_grads(model), _grads(reference))
+
+
 def test_sample_loop_accumulates_the_full_batch_gradient() -> None:
     b, accumulation = 4, 3
     loop = _load_loop(_exports(_rec(b, accumulation), token_model=False).pytorch_loop)

@@ -369,12 +369,14 @@ class _NegativeClock(InProcessRunner):
         *,
         checkpointing: bool,
         target_seconds: float,
+        checkpointed_blocks: int | None = None,
     ) -> Measurement | None:
         measured = super().measure(
             micro_batch,
             accumulation_steps,
             checkpointing=checkpointing,
             target_seconds=target_seconds,
+            checkpointed_blocks=checkpointed_blocks,
         )
         if measured is None:
             return None

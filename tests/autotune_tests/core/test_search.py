@@ -25,6 +25,7 @@ from autotune.core.search import (
     PeakModel,
     SearchResult,
     StepOutcome,
+    fewest_fitting,
     find_max_micro_batch,
     live_budget_bytes,
 )
@@ -1106,3 +1107,21 @@ def test_traced_points_are_ordered_by_size_whatever_their_series() -> None:
     )
     assert device.calls == [40, 41]
     assert result.traced_prediction == 40
+
+
+@pytest.mark.parametrize("threshold", [1, 2, 5, 9, 16])
+def test_fewest_fitting_bisects_to_the_threshold(threshold: int) -> None:
+    asked: list[int] = []
+
+    def fits(k: int) -> bool:
+        asked.append(k)
+        return k >= threshold
+
+    assert fewest_fitting(fits, failing=0, fitting=16) == threshold
+    assert all(0 < k < 16 for k in asked)  # the known ends are never asked
+    assert len(asked) <= 4  # log2(16)
+
+
+def test_fewest_fitting_needs_an_interval() -> None:
+    with pytest.raises(ValueError, match="failing < fitting"):
+        fewest_fitting(lambda k: True, failing=3, fitting=3)
