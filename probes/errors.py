@@ -33,10 +33,13 @@ class TrialCrashed(AutotuneError):
         micro_batch: int | None = None,
         accumulation_steps: int = 1,
         checkpointing: bool = False,
+        checkpointed_blocks: int | None = None,
     ) -> None:
         where = ""
         if micro_batch is not None:
             mode = "on" if checkpointing else "off"
+            if checkpointing and checkpointed_blocks is not None:
+                mode = f"on for the first {checkpointed_blocks} blocks"
             where = (
                 f" at micro-batch {micro_batch} x {accumulation_steps} accumulation step(s), "
                 f"checkpointing {mode}"

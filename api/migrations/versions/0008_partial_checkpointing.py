@@ -16,11 +16,16 @@ branch_labels: str | None = None
 depends_on: str | None = None
 
 
+def _count() -> sa.types.TypeEngine[int]:
+    # The models' int: 64-bit, INTEGER on SQLite (api/tables.py).
+    return sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+
 def upgrade() -> None:
     # Nullable: every row before this revision checkpointed all blocks or none.
-    op.add_column("autotune_trials", sa.Column("checkpointed_blocks", sa.Integer(), nullable=True))
+    op.add_column("autotune_trials", sa.Column("checkpointed_blocks", _count(), nullable=True))
     for column in ("checkpointed_blocks", "num_blocks"):
-        op.add_column("autotune_recommendations", sa.Column(column, sa.Integer(), nullable=True))
+        op.add_column("autotune_recommendations", sa.Column(column, _count(), nullable=True))
 
 
 def downgrade() -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from autotune.core.schemas import Phase, Spec
 from autotune.engine.device import EmulatedDevice
@@ -58,26 +59,45 @@ def _trials(sharding: str) -> Peaks:
     return peaks
 
 
-def _in_place_reduce_scatter() -> None:
-    """gloo's reduce-scatter copies its whole input (a unit's gradients) into a temporary, which
-    NCCL does not: the real ranks reduce-scatter as an in-place all-reduce and a copy of their
-    chunk, the same result without the temporary."""
+def _collectives_on_untracked_buffers() -> None:
+    """Two differences of gloo on the CPU from NCCL on a GPU, taken out of the real ranks: gloo's
+    reduce-scatter copies its whole input (a unit's gradients) into a temporary, which NCCL does
+    not; and gloo's worker threads hold the tensors of a collective until they are done with
+    it, so a buffer FSDP2 frees is freed late, by a timing the trackers see. The real ranks run
+    each collective of FSDP2 on copies the tracker does not see, and copy the result into
+    FSDP2's buffer: the same values, FSDP2's allocations as FSDP2 makes them."""
+    all_gather_into_tensor, all_reduce = dist.all_gather_into_tensor, dist.all_reduce
+
+    def all_gather_single(
+        output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False
+    ) -> None:
+        with _disable_current_modes():
+            gathered = torch.empty_like(output)
+            all_gather_into_tensor(gathered, input.clone(), group=group)
+            output.copy_(gathered)
 
     def reduce_scatter_single(
-        output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM, **kwargs: Any
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: Any = dist.ReduceOp.SUM,
+        group: Any = None,
+        async_op: bool = False,
     ) -> None:
-        group = kwargs.get("group")
-        dist.all_reduce(input, op=op, group=group)
-        chunk = input.numel() // dist.get_world_size(group)
-        output.view(-1).copy_(input.view(-1)[dist.get_rank(group) * chunk :][:chunk])
+        with _disable_current_modes():
+            total = input.clone()
+            all_reduce(total, op=op, group=group)
+            chunk = total.numel() // dist.get_world_size(group)
+            start = dist.get_rank(group) * chunk
+            output.view(-1).copy_(total.view(-1)[start : start + chunk])
 
+    dist.all_gather_single = all_gather_single  # type: ignore[assignment]
     dist.reduce_scatter_single = reduce_scatter_single  # type: ignore[assignment]
 
 
 def _real_rank(rank: int, workdir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=2)
     try:
-        _in_place_reduce_scatter()
+        _collectives_on_untracked_buffers()
         # The training step finds the launched job's process group and shards over it.
         torch.save({sharding: _trials(sharding) for sharding in CHECKED}, f"{workdir}/{rank}.pt")
     finally:
