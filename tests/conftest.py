@@ -47,8 +47,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The slow tests (real processes and servers) first, each group still in pytest-randomly's
     order: xdist hands tests out in this order, and a long test handed out last keeps one worker
     busy while the others wait (a clean `make test` took from 5m43 to 6m26 by the luck of the
-    shuffle). Longest first packs the three workers' time."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    shuffle). Longest first packs the three workers' time. A module stays in one piece (a
+    module with a slow test goes first whole), or its module-scoped fixtures, such as two real
+    DDP or FSDP ranks, would be set up again each time its tests come back."""
+    first_index: dict[str, int] = {}
+    slow_modules: set[str] = set()
+    for index, item in enumerate(items):
+        first_index.setdefault(item.nodeid.split("::")[0], index)
+        if item.get_closest_marker("slow") is not None:
+            slow_modules.add(item.nodeid.split("::")[0])
+
+    def key(item: pytest.Item) -> tuple[bool, int]:
+        module = item.nodeid.split("::")[0]
+        return module not in slow_modules, first_index[module]
+
+    items.sort(key=key)
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,3 +51,39 @@ def test_tests_mirror_the_layers() -> None:
             stem = test.stem.removeprefix("test_")
             named = any(stem == m or stem.startswith(m + "_") for m in modules)
             assert named or test.name in behaviours, f"{test} tests no module of autotune/{layer}/"
+
+
+def test_xdist_groups_keep_their_tests_on_one_worker(tmp_path: Path) -> None:
+    """`make test` runs with --dist loadgroup: a module's xdist_group keeps its tests, and so
+    its module fixtures (tunings, real DDP and FSDP ranks), on one worker. Some pytest releases
+    silently stop the grouping (pyproject.toml pins them out); this notices."""
+    (tmp_path / "test_grouped.py").write_text(
+        "import os\nimport pytest\n\npytestmark = pytest.mark.xdist_group('one')\n\n\n"
+        "@pytest.mark.parametrize('i', range(6))\ndef test_worker(i):\n"
+        "    print(os.environ['PYTEST_XDIST_WORKER'])\n"
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-n",
+            "2",
+            "--dist",
+            "loadgroup",
+            "-v",
+            "-p",
+            "no:randomly",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tmp_path,
+    )
+    workers = set(re.findall(r"\[(gw\d+)\] .*PASSED", done.stdout))
+    assert done.returncode == 0 and len(workers) == 1, done.stdout[-2000:]
