@@ -34,6 +34,7 @@ def _spec(**training: object) -> Spec:
     )
 
 
+@pytest.mark.slow
 def test_a_micro_batch_between_the_two_modes_fits_with_some_blocks_checkpointed() -> None:
     spec = _spec()
     plain, full = (m.max_micro_batch for m in probe(spec, EmulatedDevice(CAPACITY_BYTES)).modes)
@@ -47,7 +48,7 @@ def test_a_micro_batch_between_the_two_modes_fits_with_some_blocks_checkpointed(
         return runner.trial(micro_batch, checkpointing=True, checkpointed_blocks=count).fits
 
     found = []
-    for micro_batch in (plain + 1, full):
+    for micro_batch in (plain + 1, full):  # the ends of the gap
         assert not runner.trial(micro_batch).fits  # beyond the plain maximum
         count = fewest_fitting(lambda k, b=micro_batch: fits(b, k), failing=0, fitting=blocks)
         assert fits(micro_batch, count)
@@ -125,6 +126,7 @@ def test_a_model_without_blocks_to_choose_refuses_a_count() -> None:
         )
 
 
+@pytest.mark.slow
 def test_the_tuner_checkpoints_the_fewest_blocks_that_fit(tmp_path: Path) -> None:
     # 16 samples per step: 16 x 1 fits only checkpointed (plain stops at 14).
     spec = _spec(target_global_batch=16, headroom=0.0)
