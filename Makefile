@@ -58,6 +58,7 @@ bench: env
 	$(PY) bench/long_poll.py
 	$(PY) bench/fidelity.py grid
 	$(PY) bench/fidelity.py published
+	$(PY) bench/finetune.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from autotune.core.errors import SpecError
-from autotune.core.schemas import OptimizerName, Precision
+from autotune.core.schemas import OptimizerName, Precision, Spec
 from autotune.core.specfile import load_spec
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
@@ -115,3 +117,20 @@ def test_validation_never_imports_the_factory(tmp_path: Path) -> None:
     spec = load_spec(path)
     assert spec.model.factory == "autotune_no_such_module_xyz:make"
     assert "autotune_no_such_module_xyz" not in sys.modules
+
+
+def test_the_readme_s_fine_tuning_specs_are_valid() -> None:
+    """Each `training:` block of the README's fine-tuning section is a valid spec as written."""
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    section = readme.split("### Fine-tuning:", 1)[1].split("\n### ", 1)[0]
+    blocks = re.findall(r"```yaml\n(.*?)```", section, flags=re.DOTALL)
+    assert len(blocks) == 4
+    for block in blocks:
+        training = yaml.safe_load(block)
+        spec = Spec.model_validate(
+            {
+                "model": {"hf_config": {"model_type": "llama"}},
+                "training": {"seq_len": 64, **training},
+            }
+        )
+        assert spec.training.model_dump(exclude_unset=True).keys() >= training.keys()
