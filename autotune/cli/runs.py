@@ -167,7 +167,7 @@ def _print_run(console: Console, run: Run) -> None:
         rows += [
             ("micro-batch", rec.micro_batch),
             ("accumulation steps", rec.accumulation_steps),
-            ("checkpointing", "on" if rec.checkpointing else "off"),
+            ("checkpointing", rec.checkpointing_label),
             ("global batch", rec.global_batch),
             ("samples/s", f"{rec.samples_per_s:.1f}"),
             ("peak", f"{format_bytes(rec.peak_bytes)} of {format_bytes(rec.capacity_bytes)}"),

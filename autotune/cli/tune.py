@@ -49,10 +49,9 @@ def trial_printer(console: Console, speed: str | None = None) -> Callable[[Trial
     source = f" ({speed})" if speed else ""
 
     def show(trial: Trial) -> None:
-        mode = "on " if trial.checkpointing else "off"
         head = (
             f"  trial {trial.number:>3}: micro-batch {trial.micro_batch:>4} x "
-            f"{trial.accumulation_steps:>3} steps, checkpointing {mode}"
+            f"{trial.accumulation_steps:>3} steps, checkpointing {trial.checkpointing_label}"
         )
         if trial.state is TrialState.COMPLETE and trial.samples_per_s is not None:
             spread = f" ±{trial.step_time_spread / 2:.0%}" if trial.step_time_spread else ""
@@ -155,7 +154,7 @@ def print_tune_result(console: Console, result: TuneResult) -> None:
         trials.add_row(
             str(trial.micro_batch),
             str(trial.accumulation_steps),
-            "on" if trial.checkpointing else "off",
+            trial.checkpointing_label,
             f"{trial.samples_per_s:,.1f}" if trial.samples_per_s else trial.state.value,
             format_bytes(trial.peak_bytes) if trial.peak_bytes else "-",
         )
@@ -179,7 +178,7 @@ def print_tune_result(console: Console, result: TuneResult) -> None:
     console.print(
         f"[bold green]Recommendation:[/bold green] micro-batch {rec.micro_batch} x "
         f"{rec.accumulation_steps} accumulation steps x {rec.world_size} rank(s) = global batch "
-        f"{rec.global_batch}, checkpointing {'on' if rec.checkpointing else 'off'}: "
+        f"{rec.global_batch}, checkpointing {rec.checkpointing_label}: "
         f"{rec.samples_per_s:,.1f} samples/s, peak {format_bytes(rec.peak_bytes)} of "
         f"{format_bytes(rec.capacity_bytes)}"
     )

@@ -509,6 +509,15 @@ class TrialState(StrEnum):
     FAILED = "failed"  # any other error (only the worker's child processes produce this)
 
 
+def checkpointing_label(checkpointing: bool, blocks: int | None, total: int | None = None) -> str:
+    """How a configuration checkpoints, for people: off, on, or on the first k (of L) blocks."""
+    if not checkpointing:
+        return "off"
+    if blocks is None:
+        return "on"
+    return f"first {blocks}{f' of {total}' if total else ''} blocks"
+
+
 class Trial(FrozenModel):
     """One throughput measurement of (micro_batch, accumulation_steps, checkpointing)."""
 
@@ -533,6 +542,10 @@ class Trial(FrozenModel):
     peak_bytes: int | None = None
     error: str | None = None
 
+    @property
+    def checkpointing_label(self) -> str:
+        return checkpointing_label(self.checkpointing, self.checkpointed_blocks)
+
 
 class Recommendation(FrozenModel):
     micro_batch: int = Field(ge=1)
@@ -554,6 +567,10 @@ class Recommendation(FrozenModel):
     tokens_per_s: float | None = None
     peak_bytes: int
     capacity_bytes: int
+
+    @property
+    def checkpointing_label(self) -> str:
+        return checkpointing_label(self.checkpointing, self.checkpointed_blocks, self.num_blocks)
 
 
 class Infeasible(FrozenModel):

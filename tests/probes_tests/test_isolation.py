@@ -71,6 +71,22 @@ def _trial_children() -> set[int]:
     return found - helpers
 
 
+def test_a_child_trial_checkpoints_the_blocks_it_is_asked_to() -> None:
+    """Partial checkpointing crosses the process boundary: a child's trial of the first k
+    blocks is the in-process one, and the child reports how many blocks there are."""
+    spec = Spec.model_validate(
+        {"model": {"preset": "gpt2-tiny"}, "training": {"seq_len": 16, "max_micro_batch": 64}}
+    )
+    runner = ChildProcessRunner(spec, "cpu", 2**36, start_method="forkserver")
+    session = InProcessRunner(spec, open_device("cpu", 2**36))
+    assert runner.num_blocks == session.num_blocks == 4
+    session.warm_up(checkpointing=False)
+    runner.warm_up(checkpointing=False)
+    in_child = runner.trial(8, checkpointing=True, checkpointed_blocks=2)
+    assert in_child == session.trial(8, checkpointing=True, checkpointed_blocks=2)
+    assert in_child.series != session.trial(8, checkpointing=True).series  # not all four
+
+
 def test_child_trials_equal_the_same_trials_in_one_process() -> None:
     """A child warms up before its trial, so it sees what a long-lived session sees: the same
     verdict, peak, per-phase peaks and per-op series, byte for byte."""
