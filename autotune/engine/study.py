@@ -69,7 +69,9 @@ class _Tuning:
         budget: int,
         seed: int,
         progress: Callable[[Trial], None] | None,
+        refine: Callable[[Candidate], Candidate] | None = None,
     ) -> None:
+        self.refine = refine
         self.by_key = {(c.checkpointing, c.micro_batch): c for c in candidates}
         if len(self.by_key) != len(candidates):
             raise ValueError("duplicate (checkpointing, micro_batch) among the candidates")
@@ -95,8 +97,6 @@ class _Tuning:
         candidate = self.by_key[(checkpointing, micro_batch)]
         trial.set_user_attr("micro_batch", candidate.micro_batch)
         trial.set_user_attr("accumulation_steps", candidate.accumulation_steps)
-        if candidate.checkpointed_blocks is not None:
-            trial.set_user_attr("checkpointed_blocks", candidate.checkpointed_blocks)
 
         cached = self.cache.get(candidate)
         if cached is not None:
@@ -105,9 +105,12 @@ class _Tuning:
             return _record(trial, cached.measurement)
 
         self.repeats_in_a_row = 0
-        measurement = self.measure(candidate)
+        measured = self.refine(candidate) if self.refine is not None else candidate
+        if measured.checkpointed_blocks is not None:
+            trial.set_user_attr("checkpointed_blocks", measured.checkpointed_blocks)
+        measurement = self.measure(measured)
         self.cache[candidate] = _Measured(trial.number, measurement)
-        record = _trial_record(trial.number, candidate, measurement)
+        record = _trial_record(trial.number, measured, measurement)
         self.trials.append(record)
         logger.info(
             "trial %d: b=%d G=%d ckpt=%s -> %s",
@@ -182,6 +185,7 @@ def run_study(
     seed: int = 0,
     first: list[Candidate] | None = None,
     progress: Callable[[Trial], None] | None = None,
+    refine: Callable[[Candidate], Candidate] | None = None,
 ) -> list[Trial]:
     """Measure up to `n_trials` distinct candidates, chosen by Optuna, maximising samples/s.
 
@@ -197,6 +201,9 @@ def run_study(
         first: Candidates to measure before the sampler proposes any (enqueued in order;
             the tuner's prior of what is likely best). They count against the budget.
         progress: Called with each new measurement as soon as it is recorded.
+        refine: Completes a candidate the study is about to measure, and what is measured and
+            recorded is the completed one (the tuner's partial checkpointing: the fewest blocks
+            at which it fits); it costs nothing for candidates never measured.
 
     Returns:
         One record per measured candidate, in trial order. `number` is the Optuna trial number
@@ -211,7 +218,7 @@ def run_study(
     if n_trials < 1:
         raise ValueError(f"n_trials must be >= 1, got {n_trials}")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    search = _Tuning(candidates, measure, n_trials, seed, progress)
+    search = _Tuning(candidates, measure, n_trials, seed, progress, refine)
     exhaustive = len(candidates) <= n_trials
     with warnings.catch_warnings():
         # BruteForceSampler still carries Optuna's ExperimentalWarning; it is the right tool.

@@ -162,7 +162,6 @@ def tune_session(
             )
         )
 
-    candidates = _with_partial_checkpointing(session, probe_result, candidates)
     study_name = study_name or f"autotune-{uuid.uuid4().hex[:12]}"
     budget = n_trials or default_trial_budget(len(candidates))
     trials = run_study(
@@ -180,6 +179,7 @@ def tune_session(
         seed=seed,
         first=priority_candidates(candidates),
         progress=on_trial,
+        refine=_partial_checkpointing(session, probe_result),
     )
     recommendation = _recommend(
         trials, spec, capacity_bytes=device_info.capacity_bytes, num_blocks=session.num_blocks
@@ -318,33 +318,33 @@ def _accumulating_fits(
     return fits
 
 
-def _with_partial_checkpointing(
-    session: TrialRunner, probe_result: ProbeResult, candidates: list[Candidate]
-) -> list[Candidate]:
-    """Each checkpointed candidate whose micro-batch does not fit without checkpointing, with
-    the fewest blocks checkpointed at which it fits within the headroom (found by real trials;
-    docs/design.md#partial-checkpointing): the same micro-batch at a fraction of the
-    recompute. Checkpointing more blocks than needed only costs time, so the fewest is the
-    fastest, and k is a dimension the study need not search."""
+def _partial_checkpointing(
+    session: TrialRunner, probe_result: ProbeResult
+) -> Callable[[Candidate], Candidate]:
+    """What the study measures of a checkpointed candidate whose micro-batch does not fit
+    without checkpointing: the fewest blocks checkpointed at which it fits within the headroom,
+    found by real trials (docs/design.md#partial-checkpointing), the same micro-batch at a
+    fraction of the recompute. More blocks than that only cost time, so the fewest is the
+    fastest, and k is a dimension the study need not search; it is looked for only for the
+    candidates the study measures."""
     num_blocks = session.num_blocks
     plain = next((m for m in probe_result.modes if not m.checkpointing), None)
-    if not num_blocks or num_blocks < 2 or plain is None:
-        return candidates
     budget_bytes = int(session.device_info.capacity_bytes * (1.0 - session.spec.training.headroom))
-    partial = []
-    for candidate in candidates:
+
+    def refine(candidate: Candidate) -> Candidate:
+        if not num_blocks or num_blocks < 2 or plain is None or not candidate.checkpointing:
+            return candidate
         accumulating = candidate.accumulation_steps > 1
         plain_limit = (
             (plain.accumulating_micro_batch or 0)
             if accumulating
-            else (plain.recommended_micro_batch)
+            else plain.recommended_micro_batch
         )
-        if not candidate.checkpointing or candidate.micro_batch <= plain_limit:
-            partial.append(candidate)
-            continue
+        if candidate.micro_batch <= plain_limit:
+            return candidate  # it fits without checkpointing: the study has that one too
         steps = ACCUMULATION_PROBE_STEPS if accumulating else 1
 
-        def fits(blocks: int, candidate: Candidate = candidate, steps: int = steps) -> bool:
+        def fits(blocks: int) -> bool:
             outcome = session.trial(
                 candidate.micro_batch, steps, checkpointing=True, checkpointed_blocks=blocks
             )
@@ -358,10 +358,9 @@ def _with_partial_checkpointing(
             blocks,
             num_blocks,
         )
-        partial.append(
-            replace(candidate, checkpointed_blocks=blocks) if blocks < num_blocks else candidate
-        )
-    return partial
+        return replace(candidate, checkpointed_blocks=blocks) if blocks < num_blocks else candidate
+
+    return refine
 
 
 def _recommend(
