@@ -22,6 +22,11 @@ def _run(connection: Connection) -> None:
         # SQLite can only change tables by copying them; batch mode does that.
         render_as_batch=connection.dialect.name == "sqlite",
         compare_type=True,
+        # One transaction for the whole upgrade, on SQLite too (which Alembic treats as without
+        # transactional DDL, committing after each revision): servers starting together on a
+        # new file queue on its BEGIN IMMEDIATE, and none runs a revision another has run
+        # (eight servers on one file failed with "duplicate column name").
+        transactional_ddl=True,
     )
     with context.begin_transaction():
         context.run_migrations()

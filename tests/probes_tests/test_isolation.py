@@ -39,9 +39,25 @@ CAPACITY_BYTES = 8 * MIB
 METHODS: list[StartMethod] = ["spawn", "forkserver"]
 
 
+_BEFORE_THE_TEST: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _descendants_before_the_test() -> None:
+    """What already ran beside this test process (an earlier test's server or worker in the
+    same xdist worker) is not one of this test's children."""
+    _BEFORE_THE_TEST.clear()
+    _BEFORE_THE_TEST.update(_descendants())
+
+
 def _trial_children() -> set[int]:
-    """Live descendants of this test process, but for multiprocessing's long-lived helpers
-    (the resource tracker, the forkserver) that a first child starts."""
+    """Live descendants of this test process started during the test, but for
+    multiprocessing's long-lived helpers (the resource tracker, the forkserver) that a first
+    child starts."""
+    return _descendants() - _BEFORE_THE_TEST
+
+
+def _descendants() -> set[int]:
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
