@@ -116,3 +116,29 @@ def test_adapters_the_model_does_not_have_are_refused_by_field(
 ) -> None:
     with pytest.raises(SpecError, match=message):
         InProcessRunner(_spec(lora=lora), EmulatedDevice(HUGE_BYTES))
+
+
+def test_lora_on_a_hugging_face_model_adapts_its_linear_layers_but_the_head() -> None:
+    pytest.importorskip("transformers")
+    spec = Spec.model_validate(
+        {
+            "model": {
+                "hf_config": {
+                    "model_type": "llama",
+                    "hidden_size": 64,
+                    "intermediate_size": 128,
+                    "num_hidden_layers": 2,
+                    "num_attention_heads": 4,
+                    "num_key_value_heads": 2,
+                    "vocab_size": 512,
+                }
+            },
+            "training": {"seq_len": 16, "lora": {"r": 4}},
+        }
+    )
+    runner = InProcessRunner(spec, EmulatedDevice(HUGE_BYTES))
+    assert runner.trial(2).fits
+    trainable = {n for n, p in runner.step.model.named_parameters() if p.requires_grad}
+    # Seven projections per layer (q, k, v, o, gate, up, down), an A and a B each.
+    assert len(trainable) == 2 * 7 * 2
+    assert not any("lm_head" in name or "embed_tokens" in name for name in trainable)
