@@ -48,7 +48,7 @@ SEQ_LEN = 32
 # Capacities where the plain step fits about this many samples (from the b = 2 and 8 peaks).
 EXTRA_SAMPLES = (1, 4, 9)
 
-_LLAMA_3_8B = {
+LLAMA_3_8B = {
     "model_type": "llama",
     "hidden_size": 4096,
     "intermediate_size": 14336,
@@ -62,7 +62,7 @@ _LLAMA_3_8B = {
 }
 # Published configs (the models' config.json on the Hugging Face hub), the fields that size them.
 LARGE_MODELS: dict[str, dict[str, Any]] = {
-    "Llama-3-8B": _LLAMA_3_8B,
+    "Llama-3-8B": LLAMA_3_8B,
     "Mistral-7B-v0.1": {
         "model_type": "mistral",
         "hidden_size": 4096,
@@ -86,7 +86,7 @@ LARGE_MODELS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
     },
     "Llama-3-70B": {
-        **_LLAMA_3_8B,
+        **LLAMA_3_8B,
         "hidden_size": 8192,
         "intermediate_size": 28672,
         "num_hidden_layers": 80,
@@ -220,7 +220,7 @@ PUBLISHED_NOTE = (
 )
 PUBLISHED_GIB = {False: 240.0, True: 23.0}
 LLAMA_31_8B = {
-    **_LLAMA_3_8B,
+    **LLAMA_3_8B,
     "max_position_embeddings": 131072,
     "rope_scaling": {
         "rope_type": "llama3",

@@ -1,9 +1,9 @@
 """Fine-tuning set-ups people run: LoRA and full fine-tuning of a Llama-style model, per sharding
 mode and world size; and partial checkpointing's gain on the zoo.
 
-Part 1: Llama-3.1-8B (`hf_config`, random weights, nothing downloaded) at sequence 4096 on an
-H100 80GB, estimated on fake tensors (`autotune.engine.estimate.EstimateRunner`): for LoRA
-(r 16 on every linear layer, bf16 base) and full fine-tuning (fp32 master weights, bf16
+Part 1: Llama-3.1-8B (`hf_config`: the sizes of `bench/estimator.py`'s Llama-3-8B, random
+weights) at sequence 4096 on an H100 80GB, estimated on fake tensors
+(`autotune.engine.estimate.EstimateRunner`): for LoRA (r 16 on every linear layer, bf16 base) and full fine-tuning (fp32 master weights, bf16
 autocast, AdamW), every sharding mode at world sizes 1, 2 and 8 (hybrid: groups of 4), the
 largest micro-batch without and with checkpointing and the roofline samples/s of each rank at
 that micro-batch (`roofline_measurement`: the traced step's kernels at the card's peaks, not a
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from estimator import LLAMA_3_8B  # bench/ is the script's directory
 
 from autotune.core.cuda_reserve import budget_for
 from autotune.core.gpus import find_gpu
@@ -43,18 +44,6 @@ from autotune.engine.probe import probe_session
 RESULTS = Path(__file__).resolve().parent / "results"
 GPU = "H100 80GB"
 SEQ_LEN = 4096
-LLAMA_3_1_8B = {
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "max_position_embeddings": 131072,
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": False,
-}
 SETUPS = {
     "LoRA r16, bf16 base": {
         "precision": "bf16",
@@ -94,7 +83,7 @@ def finetune_row(
     name: str, setup: dict[str, Any], sharding: str, world_size: int
 ) -> dict[str, Any]:
     spec = Spec.model_validate(
-        {"model": {"hf_config": LLAMA_3_1_8B}, "training": _training(setup, sharding, world_size)}
+        {"model": {"hf_config": LLAMA_3_8B}, "training": _training(setup, sharding, world_size)}
     )
     started = time.monotonic()
     runner = EstimateRunner(spec, gpu=budget_for(find_gpu(GPU), world_size))

@@ -6,6 +6,8 @@ way a user's factory is.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -21,6 +23,18 @@ from autotune.engine.workload import (
 from autotune.engine.zoo import build_model
 
 TINY_VOCAB = 64
+# A transformers Llama small enough for a test (the `hf` extra builds it with random weights).
+TINY_LLAMA_CONFIG: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 64,
+}
+
 TINY_GPT2 = DecoderPreset("gpt2", n_layer=2, n_head=2, d_model=32, vocab_size=64, max_seq_len=64)
 TINY_LLAMA = DecoderPreset(
     "llama", n_layer=2, n_head=4, d_model=32, vocab_size=64, max_seq_len=64, n_kv_head=2,

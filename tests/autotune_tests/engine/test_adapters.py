@@ -13,6 +13,7 @@ from autotune.engine.device import EmulatedDevice
 from autotune.engine.estimate import EstimateRunner
 from autotune.engine.probe import probe
 from autotune.engine.runner import InProcessRunner
+from tests.autotune_tests.factories import TINY_LLAMA_CONFIG
 
 
 @pytest.fixture(autouse=True)
@@ -122,17 +123,7 @@ def test_lora_on_a_hugging_face_model_adapts_its_linear_layers_but_the_head() ->
     pytest.importorskip("transformers")
     spec = Spec.model_validate(
         {
-            "model": {
-                "hf_config": {
-                    "model_type": "llama",
-                    "hidden_size": 64,
-                    "intermediate_size": 128,
-                    "num_hidden_layers": 2,
-                    "num_attention_heads": 4,
-                    "num_key_value_heads": 2,
-                    "vocab_size": 512,
-                }
-            },
+            "model": {"hf_config": TINY_LLAMA_CONFIG},
             "training": {"seq_len": 16, "lora": {"r": 4}},
         }
     )

@@ -19,7 +19,7 @@ from autotune.engine.probe import probe
 from autotune.engine.runner import InProcessRunner
 from autotune.engine.step import TrainingStep
 from autotune.engine.tuner import tune
-from tests.autotune_tests.factories import tiny_lm
+from tests.autotune_tests.factories import TINY_LLAMA_CONFIG, tiny_lm
 
 MiB = 2**20
 CAPACITY_BYTES = 150 * MiB  # gpt2-tiny at 32 tokens: 14 without checkpointing, 21 with
@@ -86,17 +86,7 @@ def test_a_hugging_face_model_checkpoints_its_first_layers() -> None:
     pytest.importorskip("transformers")
     spec = Spec.model_validate(
         {
-            "model": {
-                "hf_config": {
-                    "model_type": "llama",
-                    "hidden_size": 64,
-                    "intermediate_size": 128,
-                    "num_hidden_layers": 3,
-                    "num_attention_heads": 4,
-                    "num_key_value_heads": 2,
-                    "vocab_size": 512,
-                }
-            },
+            "model": {"hf_config": {**TINY_LLAMA_CONFIG, "num_hidden_layers": 3}},
             "training": {"seq_len": 32},
         }
     )

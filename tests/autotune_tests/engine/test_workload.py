@@ -16,18 +16,9 @@ from autotune.core.errors import ModelBuildError, SpecError
 from autotune.core.schemas import ModelSpec, Spec, TrainingSpec
 from autotune.engine.step import TrainingStep
 from autotune.engine.workload import Workload, build_preset, build_workload
+from tests.autotune_tests.factories import TINY_LLAMA_CONFIG
 
 CPU = torch.device("cpu")
-TINY_LLAMA_CONFIG: dict[str, Any] = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 64,
-}
 TINY_GPT2_CONFIG: dict[str, Any] = {
     "model_type": "gpt2",
     "n_embd": 64,
