@@ -4,10 +4,11 @@ mode and world size; and partial checkpointing's gain on the zoo.
 Part 1: Llama-3.1-8B (`hf_config`: the sizes of `bench/estimator.py`'s Llama-3-8B, random
 weights) at sequence 4096 on an H100 80GB, estimated on fake tensors
 (`autotune.engine.estimate.EstimateRunner`): for LoRA (r 16 on every linear layer, bf16
-base) and full fine-tuning (fp32 master weights, bf16 autocast, AdamW), every sharding mode at world sizes 1, 2 and 8 (hybrid: groups of 4), the
-largest micro-batch without and with checkpointing and the roofline samples/s of each rank at
-that micro-batch (`roofline_measurement`: the traced step's kernels at the card's peaks, not a
-timing), and how long the estimate took.
+base) and full fine-tuning (fp32 master weights, bf16 autocast, AdamW), every sharding mode
+at world sizes 1, 2 and 8 (hybrid: groups of 4), the largest micro-batch without and with
+checkpointing and the roofline samples/s of each rank at that micro-batch
+(`roofline_measurement`: the traced step's kernels at the card's peaks, not a timing), and
+how long the estimate took.
 
 Part 2: on every decoder of the zoo (on an RTX 4090, at its longest sequence up to 1024), the
 roofline samples/s of a global batch halfway between the plain and the checkpointed maximum
