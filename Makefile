@@ -18,7 +18,12 @@ unexport PYTHONDONTWRITEBYTECODE
 # child processes, which a third process fills (5m23 against 5m52 with two).
 TEST_WORKERS ?= 3
 
-.PHONY: env run test suite lint typecheck bench clean
+# The browser tests drive Debian's Chromium (Playwright's own download cannot work offline);
+# installed once, as root or through sudo.
+CHROMIUM ?= /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: env run test e2e suite lint typecheck bench screenshots clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +34,10 @@ endif
 	touch $@
 
 env: $(VENV)/.installed
+
+$(CHROMIUM):
+	$(SUDO) apt-get install -y --no-install-recommends chromium \
+		|| ($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends chromium)
 
 # `make run DEMO_STOP=1` stops the server after the result; DEMO_ARGS passes more flags
 # (python -m autotune.cli.demo --help), e.g. DEMO_ARGS="--memory 2GiB --start-method forkserver".
@@ -45,11 +54,17 @@ typecheck: env
 test: env lint
 	$(MAKE) --no-print-directory -j2 typecheck suite
 
+# The slow end-to-end tests (marked e2e: worker fleets, the demo, schema fuzzing of a live
+# server): 3 of the 6 minutes `make test` may take, so CI runs them after it (.ci/run).
+e2e: env
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=10 -m e2e
+
 # The suite alone; `make test` runs mypy beside it (17 s of one core, cold, in a fresh clone).
 # Not -q: the header shows pytest-randomly's seed (rerun an order with -p randomly
 # --randomly-seed=N). Tests sharing a costly module fixture are one xdist_group (--dist loadgroup).
-suite: env
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25
+suite: env $(CHROMIUM)
+	AUTOTUNE_TEST_CHROMIUM=$(CHROMIUM) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25 \
+		-m "not e2e"
 
 bench: env
 	$(PY) bench/probe_trials.py
@@ -62,3 +77,7 @@ bench: env
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache
+
+# The README's screenshots of the web pages (docs/images/), from a real server and worker.
+screenshots: env $(CHROMIUM)
+	AUTOTUNE_TEST_CHROMIUM=$(CHROMIUM) $(PY) -m tests.screenshots

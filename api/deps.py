@@ -77,23 +77,32 @@ def authorize(role: Role) -> Callable[[Request], Awaitable[None]]:
 
     async def check(request: Request) -> None:
         settings = _context_of(request).settings
-        if role == Role.READER and settings.open_reads:
-            return
         token = _bearer_token(request)
-        if token is None:
+        if token is None and not (role == Role.READER and settings.open_reads):
             raise Unauthenticated("missing bearer token (Authorization: Bearer <token>)")
-        allowed = {
-            Role.READER: settings.client_tokens + settings.worker_tokens,
-            Role.CLIENT: settings.client_tokens,
-            Role.WORKER: settings.worker_tokens,
-        }[role]
-        if _is_one_of(token, allowed):
-            return
-        if not _is_one_of(token, settings.client_tokens + settings.worker_tokens):
-            raise InvalidToken("unknown bearer token")
-        raise Forbidden(f"this token may not act as {role.value}")
+        check_token(settings, role, token)
 
     return check
+
+
+def check_token(settings: Settings, role: Role, token: str | None) -> None:
+    """Let `token` act as `role`, or raise: 401 for none or an unknown one, 403 for a known
+    token without the role. The API reads it from the Authorization header, the web pages
+    from their cookie (`api.pages`)."""
+    if role == Role.READER and settings.open_reads:
+        return
+    if token is None:
+        raise Unauthenticated("missing token")
+    allowed = {
+        Role.READER: settings.client_tokens + settings.worker_tokens,
+        Role.CLIENT: settings.client_tokens,
+        Role.WORKER: settings.worker_tokens,
+    }[role]
+    if _is_one_of(token, allowed):
+        return
+    if not _is_one_of(token, settings.client_tokens + settings.worker_tokens):
+        raise InvalidToken("unknown bearer token")
+    raise Forbidden(f"this token may not act as {role.value}")
 
 
 ReaderAuth = Depends(authorize(Role.READER))

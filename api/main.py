@@ -10,10 +10,13 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
+from pathlib import Path
 
 from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
 
 import autotune
+from api import pages
 from api.db import Database, migrate
 from api.deps import AppContext
 from api.errors import register_error_handlers
@@ -75,6 +78,8 @@ def create_app(settings: Settings, *, clock: Callable[[], datetime] = _utc_now) 
     app.include_router(health.router)
     app.include_router(runs.router, prefix=API_PREFIX)
     app.include_router(worker.router, prefix=API_PREFIX)
+    app.include_router(pages.router)
+    app.mount("/static", StaticFiles(directory=Path(pages.__file__).parent / "static"), "static")
     return app
 
 

@@ -138,6 +138,19 @@ def get_run(session: Session, *, run_id: int) -> Run:
     )
 
 
+def run_progress(session: Session, *, run_id: int) -> tuple[RunStatus, int, int]:
+    """(status, attempts, trials) of a run, in one cheap query: what a page showing the run
+    polls to know when to reload it."""
+    attempts = select(func.count()).where(AttemptRow.run_id == run_id).scalar_subquery()
+    trials = select(func.count()).where(TrialRow.run_id == run_id).scalar_subquery()
+    found = session.execute(
+        select(RunRow.status, attempts, trials).where(RunRow.id == run_id)
+    ).first()
+    if found is None:
+        raise RunNotFound(run_id)
+    return RunStatus(found[0]), found[1], found[2]
+
+
 @dataclass(frozen=True)
 class RunFilter:
     """Filters of the run listing; None means any."""

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Path, Query, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.concurrency import run_in_threadpool
 
-from api import comparison, leases, runstore
+from api import comparison, runreads, runstore, submissions
 from api.deps import AppContext, ClientAuth, ContextDep, ReaderAuth
 from api.rowmodels import run_url
 from api.runcache import CachedRun
@@ -55,67 +55,19 @@ _FACTORY_REFUSED = {
 }
 
 
-def _fresh_run(context: AppContext, run_id: int) -> Run:
-    """Read a run, first requeueing it if its lease has expired (expiry is checked on read)."""
-    with context.db.read() as session:
-        run = runstore.get_run(session, run_id=run_id)
-    now = context.clock()
-    if run.status == RunStatus.RUNNING and run.lease_expires_at and run.lease_expires_at < now:
-        with context.db.write() as session:
-            leases.expire_leases(
-                session, now=now, max_claims=context.settings.max_claims, run_id=run_id
-            )
-        with context.db.read() as session:
-            run = runstore.get_run(session, run_id=run_id)
-    return run
-
-
-def _load_run(context: AppContext, run_id: int) -> CachedRun:
-    """(status, JSON body) of a run; finished runs come from the in-process cache."""
-    hit = context.finished_runs.body(run_id)
-    if hit is not None:
-        return hit
-    run = _fresh_run(context, run_id)
-    body = run.model_dump_json().encode()
-    if run.status.is_finished():
-        context.finished_runs.put_body(run_id, run.status, body)
-    return run.status, body
-
-
-def _submit(
-    context: AppContext, request: RunCreate, run_fingerprint: str
-) -> tuple[int, RunStatus, bool]:
-    """(run id, status, cached) for a submission: an existing run or a new queued one."""
-    with context.db.read() as session:
-        found = runstore.find_reusable_run(session, run_fingerprint=run_fingerprint)
-    if found is None:
-        with context.db.write() as session:
-            # Looked up again inside the write transaction: a twin may have just been queued.
-            run_id, status, created = runstore.submit_run(
-                session, request=request, version=context.version, now=context.clock()
-            )
-        if created:
-            return run_id, status, False
-        found = run_id, status
-    run_id, status = found
-    if status == RunStatus.SUCCEEDED:
-        context.finished_runs.put_succeeded(run_fingerprint, run_id)
-    return run_id, status, status == RunStatus.SUCCEEDED
-
-
 async def _wait_for(context: AppContext, run_id: int, wait_s: float) -> CachedRun | None:
     """The finished run (its status and body), or None when the wait is over first.
 
     The run is loaded in full at most twice (now, and once it finished); in between, the
     process's one watcher polls only its status (`api.runwatch`).
     """
-    status, body = await run_in_threadpool(_load_run, context, run_id)
+    status, body = await run_in_threadpool(runreads.load_run, context, run_id)
     if status.is_finished():
         return status, body
     timeout_s = min(wait_s, context.settings.max_wait_s)
     if not await context.run_watch.wait_finished(run_id, timeout_s):
         return None
-    status, body = await run_in_threadpool(_load_run, context, run_id)
+    status, body = await run_in_threadpool(runreads.load_run, context, run_id)
     return (status, body) if status.is_finished() else None
 
 
@@ -153,10 +105,12 @@ async def submit_run(request: RunCreate, context: ContextDep, wait: WaitSeconds 
     if known_id is not None and hit is not None:
         # The hot path: a repeated submission answered without touching the database.
         return _json(_submitted(known_id, hit[0], True, hit[1]))
-    run_id, status, cached = await run_in_threadpool(_submit, context, request, run_fingerprint)
+    run_id, status, cached = await run_in_threadpool(
+        submissions.submit, context, request, run_fingerprint
+    )
     finished: CachedRun | None = None
     if cached:
-        finished = await run_in_threadpool(_load_run, context, run_id)
+        finished = await run_in_threadpool(runreads.load_run, context, run_id)
     elif wait > 0:
         finished = await _wait_for(context, run_id, wait)
     if finished is None:
@@ -176,12 +130,6 @@ def list_runs(
     offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
 ) -> RunPage:
     """Runs, newest first, filtered by status, model label, device label and creation time."""
-    now = context.clock()
-    with context.db.read() as session:
-        expired = leases.has_expired_leases(session, now=now)
-    if expired:
-        with context.db.write() as session:
-            leases.expire_leases(session, now=now, max_claims=context.settings.max_claims)
     where = runstore.RunFilter(
         status=status,
         model=model,
@@ -189,8 +137,7 @@ def list_runs(
         created_after=created_after,
         created_before=created_before,
     )
-    with context.db.read() as session:
-        return runstore.list_runs(session, where=where, limit=limit, offset=offset)
+    return runreads.list_runs(context, where=where, limit=limit, offset=offset)
 
 
 @router.get("/{run_id}", response_model=Run, dependencies=[ReaderAuth], responses=_NOT_FOUND)
@@ -203,7 +150,7 @@ async def read_run(run_id: RunId, context: ContextDep, wait: WaitSeconds = 0) ->
         waited = await _wait_for(context, run_id, wait)
         if waited is not None:
             return _json(waited[1])
-    _, body = await run_in_threadpool(_load_run, context, run_id)
+    _, body = await run_in_threadpool(runreads.load_run, context, run_id)
     return _json(body)
 
 

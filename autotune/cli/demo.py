@@ -197,6 +197,10 @@ def _print_run(console: Console, run: Run, url: str) -> None:
     else:
         console.print(f"[red]run {run.id} {run.status.value}[/red]: {run.error or ''}")
     console.print(f"[bold]Run URL:[/bold] {url}{run.url}")
+    console.print(
+        f"[bold]Web page:[/bold] {url}/runs/{run.id} (plots and exports; the browser asks for "
+        "the client token once)"
+    )
 
 
 def _wait_until_interrupted(server: _Child, console: Console) -> None:

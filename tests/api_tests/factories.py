@@ -21,6 +21,7 @@ from autotune.core.schemas import (
     TrialState,
     TuneResult,
 )
+from autotune.remote.client import ServerClient
 from autotune.remote.protocol import CudaTarget, EmulatedTarget
 
 GIB = 2**30
@@ -168,3 +169,13 @@ def tune_result(spec: Spec, device: DeviceInfo, *, study_name: str | None = None
         exports=build_exports(recommendation, token_model=True, transformers_version=None),
         study_name=study_name,
     )
+
+
+def finished_run(user: ServerClient, worker: ServerClient, seq_len: int = 64) -> int:
+    """Submit a `tiny_spec(seq_len)`, claim it and finish it with `tune_result`; its run id."""
+    spec = tiny_spec(seq_len)
+    run_id = user.submit_run(spec, emulated()).id
+    claim = worker.claim("w1", [emulated_device()])
+    assert claim is not None and claim.run_id == run_id
+    worker.submit_result(run_id, claim.lease_id, tune_result(spec, emulated_device()))
+    return run_id

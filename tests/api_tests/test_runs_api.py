@@ -13,21 +13,18 @@ from api.main import create_app
 from api.settings import Settings
 from autotune.remote.client import Conflict, InvalidRequest, NotFound, ServerClient
 from autotune.remote.protocol import RunStatus
-from tests.api_tests.factories import GIB, a100, emulated, emulated_device, tiny_spec, tune_result
+from tests.api_tests.factories import (
+    GIB,
+    a100,
+    emulated,
+    emulated_device,
+    finished_run,
+    tiny_spec,
+)
 from tests.conftest import CLIENT_TOKEN, FakeClock
 
 pytestmark = pytest.mark.usefixtures("db_url")
 AUTH = {"Authorization": f"Bearer {CLIENT_TOKEN}"}
-
-
-def _finish(user: ServerClient, worker: ServerClient, seq_len: int = 64) -> int:
-    """Submit, claim and finish a run; returns its id."""
-    spec = tiny_spec(seq_len)
-    run_id = user.submit_run(spec, emulated()).id
-    claim = worker.claim("w1", [emulated_device()])
-    assert claim is not None and claim.run_id == run_id
-    worker.submit_result(run_id, claim.lease_id, tune_result(spec, emulated_device()))
-    return run_id
 
 
 def test_health_needs_no_token(http: TestClient) -> None:
@@ -106,7 +103,7 @@ def test_a_bad_gpu_is_422_naming_the_field(
 def test_finished_run_answers_the_same_fingerprint_from_cache(
     user: ServerClient, worker: ServerClient, http: TestClient
 ) -> None:
-    run_id = _finish(user, worker)
+    run_id = finished_run(user, worker)
     # The same spec written differently (defaults spelled out) is the same fingerprint.
     body = {
         "spec": {
@@ -161,12 +158,12 @@ def test_wait_on_a_queued_run_times_out_with_202(http: TestClient) -> None:
 
 
 def test_wait_on_a_finished_run_answers_200(user: ServerClient, worker: ServerClient) -> None:
-    run_id = _finish(user, worker)
+    run_id = finished_run(user, worker)
     assert user.get_run(run_id, wait_s=5).status == RunStatus.SUCCEEDED
 
 
 def test_read_shows_everything(user: ServerClient, worker: ServerClient) -> None:
-    run = user.get_run(_finish(user, worker))
+    run = user.get_run(finished_run(user, worker))
     assert run.status == RunStatus.SUCCEEDED
     assert run.model == "gpt2-tiny"
     assert run.recommendation is not None and run.recommendation.global_batch == 32
@@ -193,7 +190,7 @@ def test_list_filters_and_pages(
     user: ServerClient, worker: ServerClient, clock: FakeClock
 ) -> None:
     start = clock.now
-    done = _finish(user, worker, seq_len=10)
+    done = finished_run(user, worker, seq_len=10)
     clock.advance(60)
     queued_gpu = user.submit_run(tiny_spec(20), a100()).id
     clock.advance(60)
@@ -235,7 +232,7 @@ def test_cancel_queued_run_and_refuse_finished(user: ServerClient, worker: Serve
         user.cancel_run(queued)
     assert refused.value.code == "run_finished"
     with pytest.raises(Conflict):
-        user.cancel_run(_finish(user, worker))
+        user.cancel_run(finished_run(user, worker))
 
 
 @pytest.mark.parametrize(
@@ -371,7 +368,7 @@ def test_repeated_reads_of_a_finished_run_are_identical(
 ) -> None:
     # The second answers come from the in-process cache of finished runs: same bytes as the
     # first, which came from the database.
-    run_id = _finish(user, worker)
+    run_id = finished_run(user, worker)
     reads = [http.get(f"/api/v1/runs/{run_id}", headers=AUTH).content for _ in range(3)]
     assert reads[0] == reads[1] == reads[2]
     body = {

@@ -20,7 +20,7 @@ from schemathesis.checks import (
 
 from tests.conftest import CLIENT_TOKEN, WORKER_TOKEN, LiveServer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 CASES = 1000
 
 

@@ -18,7 +18,7 @@ import yaml
 from tests.probes_tests.factories import wide_spec
 from tests.probes_tests.live import MARK_VARIABLE, REPO, kill_marked, new_mark, wait_for_no_marked
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
 def _demo(
@@ -103,6 +103,10 @@ def test_demo_keeps_the_server_until_ctrl_c(tmp_path: Path) -> None:
         assert url is not None, text
         assert "max micro-batch" in text  # a spec without a target is probed, not tuned
         assert httpx2.get(url[1], timeout=5).status_code in (200, 401)  # still serving
+        page = re.search(r"Web page: (http://127\.0\.0\.1:\d+/runs/1) ", text)
+        assert page is not None, text
+        asked = httpx2.get(page[1], timeout=5)  # the browser is asked for the token
+        assert asked.status_code == 401 and 'name="token"' in asked.text
         demo.send_signal(signal.SIGINT)
         assert demo.wait(timeout=180) == 0
         assert wait_for_no_marked(mark, timeout_s=60) == []

@@ -42,7 +42,7 @@ from tests.probes_tests.live import (
     wait_for_no_marked,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 MIB = 2**20
 

@@ -1,0 +1,350 @@
+"""The web pages: the list of runs, one run (plots, exports, every attempt and trial), a submit
+form and the token form. Server-rendered (Jinja2 templates in `api/templates/`, plots as SVG
+from `api.run_plots`); the one script (`api/static/autotune.js`) copies exports and refreshes an
+unfinished run's page, and every page works without it.
+
+Pages follow the API's token rules. The browser keeps the token in a cookie set by the token
+form: HttpOnly, so no script (and no page) ever shows it, and SameSite=Strict, so another site
+cannot submit a run with it.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, date, datetime, time
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import parse_qs, urlencode
+
+import yaml
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.templating import Jinja2Templates
+from pydantic import ValidationError
+
+from api import comparison, runreads, runstore, submissions
+from api.charts import render_svg
+from api.deps import AppContext, Role, check_token
+from api.errors import ApiError, Forbidden, InvalidToken, NoComparison, RunNotFound
+from api.run_plots import capacity_bytes, latest_attempts, memory_chart, throughput_chart
+from autotune.core.bytesize import format_bytes
+from autotune.core.exports import render_exports
+from autotune.core.gpus import GPUS
+from autotune.core.schemas import checkpointing_label
+from autotune.remote.protocol import MAX_INT, Run, RunCreate, RunStatus, fingerprint
+
+TOKEN_COOKIE = "autotune_token"
+PAGE_SIZE = 25
+# How often an unfinished run's page asks whether anything new arrived (a count query).
+POLL_MS = 1000
+_TOKEN_COOKIE_S = 365 * 24 * 3600
+_MAX_FORM_BYTES = 1 << 20
+
+templates = Jinja2Templates(directory=Path(__file__).parent / "templates")
+templates.env.filters["bytes"] = format_bytes
+templates.env.globals["checkpointing_label"] = checkpointing_label
+
+router = APIRouter(include_in_schema=False)
+
+EXPORT_NAMES = {
+    "hf": "Hugging Face TrainingArguments",
+    "axolotl": "Axolotl",
+    "deepspeed": "DeepSpeed",
+    "lightning": "Lightning",
+    "pytorch_loop": "Plain PyTorch loop",
+    "data_parallel": "Data parallel",
+}
+
+
+def _context(request: Request) -> AppContext:
+    context: AppContext = request.app.state.context
+    return context
+
+
+def _authorize(request: Request, role: Role) -> None:
+    check_token(_context(request).settings, role, request.cookies.get(TOKEN_COOKIE) or None)
+
+
+def _token_page(request: Request, error: ApiError, *, next_url: str) -> HTMLResponse:
+    """The token form in place of a page the visitor may not see, saying why."""
+    saved = bool(request.cookies.get(TOKEN_COOKIE))
+    if isinstance(error, InvalidToken):
+        message = (
+            "The token saved in this browser is not known to this server "
+            "(it may have been rotated). Enter a valid token."
+        )
+    elif isinstance(error, Forbidden):
+        message = (
+            "The token saved in this browser may read runs but not submit them: "
+            "submitting needs a client token."
+        )
+    else:
+        message = "This server shows runs only to holders of a token. Enter a client token."
+    return templates.TemplateResponse(
+        request,
+        "token.html",
+        {"message": message, "next_url": next_url, "saved": saved},
+        status_code=error.status_code,
+    )
+
+
+def _safe_next(url: str) -> str:
+    """Only a path of this site: the form must not redirect anywhere else."""
+    return url if url.startswith("/") and not url.startswith("//") else "/"
+
+
+async def _form(request: Request) -> dict[str, str]:
+    body = await request.body()
+    if len(body) > _MAX_FORM_BYTES:
+        return {}
+    fields = parse_qs(body.decode("utf-8", errors="replace"), keep_blank_values=True)
+    return {name: values[0] for name, values in fields.items()}
+
+
+def _day(text: str | None, *, end: bool) -> datetime | None:
+    if not text:
+        return None
+    try:
+        day = date.fromisoformat(text)
+    except ValueError:
+        return None
+    return datetime.combine(day, time.max if end else time.min, tzinfo=UTC)
+
+
+@router.get("/", response_class=HTMLResponse)
+def runs_page(
+    request: Request,
+    status: Annotated[str, Query(max_length=20)] = "",
+    model: Annotated[str, Query(max_length=300)] = "",
+    device: Annotated[str, Query(max_length=300)] = "",
+    since: Annotated[str, Query(max_length=10)] = "",
+    until: Annotated[str, Query(max_length=10)] = "",
+    page: Annotated[int, Query(ge=1, le=10**6)] = 1,
+) -> Response:
+    """Every run, newest first, filtered and paged."""
+    try:
+        _authorize(request, Role.READER)
+    except ApiError as error:
+        return _token_page(request, error, next_url=str(request.url.path))
+    wanted = RunStatus(status) if status in {s.value for s in RunStatus} else None
+    where = runstore.RunFilter(
+        status=wanted,
+        model=model.strip() or None,
+        device=device.strip() or None,
+        created_after=_day(since, end=False),
+        created_before=_day(until, end=True),
+    )
+    context = _context(request)
+    listing = runreads.list_runs(
+        context, where=where, limit=PAGE_SIZE, offset=(page - 1) * PAGE_SIZE
+    )
+    filters = {"status": status, "model": model, "device": device, "since": since, "until": until}
+    kept = {k: v for k, v in filters.items() if v}
+    pages = max(1, math.ceil(listing.total / PAGE_SIZE))
+    return templates.TemplateResponse(
+        request,
+        "runs.html",
+        {
+            "runs": listing.items,
+            "total": listing.total,
+            "page": page,
+            "pages": pages,
+            "first": listing.offset + 1,
+            "last": listing.offset + len(listing.items),
+            "filters": filters,
+            "statuses": [s.value for s in RunStatus],
+            "newer_url": f"/?{urlencode({**kept, 'page': page - 1})}" if page > 1 else None,
+            "older_url": f"/?{urlencode({**kept, 'page': page + 1})}" if page < pages else None,
+        },
+    )
+
+
+def _comparison(context: AppContext, run_id: int) -> Any:
+    try:
+        with context.db.read() as session:
+            return comparison.compare_run(session, run_id=run_id)
+    except NoComparison:
+        return None
+
+
+def _spec_yaml(run: Run) -> str:
+    return yaml.safe_dump(
+        run.spec.model_dump(mode="json", exclude_none=True), sort_keys=False
+    ).rstrip()
+
+
+def _run_context(context: AppContext, run: Run) -> dict[str, Any]:
+    exports = render_exports(run.exports) if run.exports is not None else {}
+    trials = sorted(run.trials, key=lambda t: (t.claim_number, t.trial.number))
+    return {
+        "run": run,
+        "spec_yaml": _spec_yaml(run),
+        "capacity_bytes": capacity_bytes(run),
+        "memory_svg": render_svg(memory_chart(run)),
+        "throughput_svg": render_svg(throughput_chart(run)),
+        "attempt_count": len(latest_attempts(run)),
+        "attempts": run.attempts,
+        "trials": trials,
+        "exports": [(key, EXPORT_NAMES.get(key, key), text) for key, text in exports.items()],
+        "comparison": _comparison(context, run.id) if run.status.is_finished() else None,
+        "finished": run.status.is_finished(),
+        "poll_ms": POLL_MS,
+    }
+
+
+@router.get("/runs/{run_id}", response_class=HTMLResponse)
+def run_page(request: Request, run_id: int) -> Response:
+    """One run: what was asked, what was found, and how to use it."""
+    try:
+        _authorize(request, Role.READER)
+    except ApiError as error:
+        return _token_page(request, error, next_url=str(request.url.path))
+    context = _context(request)
+    try:
+        if not 1 <= run_id <= MAX_INT:
+            raise RunNotFound(run_id)
+        run = runreads.fresh_run(context, run_id)
+    except RunNotFound:
+        return templates.TemplateResponse(
+            request, "missing.html", {"run_id": run_id}, status_code=404
+        )
+    return templates.TemplateResponse(request, "run.html", _run_context(context, run))
+
+
+@router.get("/runs/{run_id}/progress")
+def run_progress(request: Request, run_id: int) -> Response:
+    """What the run page polls while the run is unfinished: its status and how many attempts
+    and trials are stored. A change means the page has something new to show."""
+    try:
+        _authorize(request, Role.READER)
+        context = _context(request)
+        if not 1 <= run_id <= MAX_INT:
+            raise RunNotFound(run_id)
+        with context.db.read() as session:
+            status, attempts, trials = runstore.run_progress(session, run_id=run_id)
+        if status is RunStatus.RUNNING:
+            # A lapsed lease is expired on read, as the page itself would.
+            status = runreads.fresh_run(context, run_id).status
+    except ApiError as error:
+        return JSONResponse(
+            {"code": error.code, "detail": error.detail}, status_code=error.status_code
+        )
+    return JSONResponse({"status": status.value, "attempts": attempts, "trials": trials})
+
+
+def _submit_form(
+    request: Request, form: dict[str, str], errors: list[str], status_code: int = 200
+) -> HTMLResponse:
+    return templates.TemplateResponse(
+        request,
+        "submit.html",
+        {"form": form, "errors": errors, "gpus": sorted(gpu.name for gpu in GPUS)},
+        status_code=status_code,
+    )
+
+
+_DEFAULT_FORM = {"spec": "", "kind": "emulated", "memory": "24GiB", "gpu": "", "name": ""}
+
+
+@router.get("/submit", response_class=HTMLResponse)
+def submit_page(request: Request) -> Response:
+    try:
+        _authorize(request, Role.CLIENT)
+    except ApiError as error:
+        return _token_page(request, error, next_url="/submit")
+    return _submit_form(request, dict(_DEFAULT_FORM), [])
+
+
+def _target(form: dict[str, str]) -> dict[str, Any]:
+    kind = form.get("kind", "emulated")
+    if kind == "estimate":
+        return {"kind": "estimate", "gpu": form.get("gpu", "")}
+    if kind == "cuda":
+        return {"kind": "cuda", "name": form.get("name", ""), "memory_bytes": form.get("memory")}
+    if form.get("gpu"):
+        return {"kind": "emulated", "gpu": form["gpu"]}
+    return {"kind": "emulated", "memory_bytes": form.get("memory")}
+
+
+def _field_errors(error: ValidationError) -> list[str]:
+    return [
+        f"{'.'.join(str(part) for part in problem['loc']) or 'spec'}: {problem['msg']}"
+        for problem in error.errors()
+    ]
+
+
+@router.post("/submit", response_class=HTMLResponse)
+async def submit_form(request: Request) -> Response:
+    """Queue the pasted spec on the chosen target (or join its twin) and show its run page."""
+    try:
+        _authorize(request, Role.CLIENT)
+    except ApiError as error:
+        return _token_page(request, error, next_url="/submit")
+    form = {**_DEFAULT_FORM, **(await _form(request))}
+    try:
+        spec = yaml.safe_load(form["spec"])
+    except yaml.YAMLError as error:
+        return _submit_form(request, form, [f"spec: not valid YAML ({error})"], 422)
+    try:
+        run_create = RunCreate.model_validate({"spec": spec, "device": _target(form)})
+    except ValidationError as error:
+        return _submit_form(request, form, _field_errors(error), 422)
+    context = _context(request)
+    if run_create.spec.model.factory is not None and not context.settings.allow_factory_specs:
+        message = "spec.model.factory: this server does not accept factory specs"
+        return _submit_form(request, form, [message], 422)
+    run_fingerprint = fingerprint(run_create.spec, run_create.device, context.version)
+    run_id, _, _ = submissions.submit(context, run_create, run_fingerprint)
+    return RedirectResponse(f"/runs/{run_id}", status_code=303)
+
+
+@router.get("/token", response_class=HTMLResponse)
+def token_page(request: Request, next: str = "/") -> Response:  # noqa: A002 (the form's name)
+    return templates.TemplateResponse(
+        request,
+        "token.html",
+        {
+            "message": None,
+            "next_url": _safe_next(next),
+            "saved": bool(request.cookies.get(TOKEN_COOKIE)),
+        },
+    )
+
+
+@router.post("/token", response_class=HTMLResponse)
+async def save_token(request: Request) -> Response:
+    """Keep a token this server knows in the browser's cookie; refuse any other."""
+    form = await _form(request)
+    token = form.get("token", "").strip()
+    next_url = _safe_next(form.get("next", "/"))
+    settings = _context(request).settings
+    try:
+        check_token(settings.model_copy(update={"open_reads": False}), Role.READER, token or None)
+    except ApiError:
+        return templates.TemplateResponse(
+            request,
+            "token.html",
+            {
+                "message": "That token is not known to this server. Check it and try again.",
+                "next_url": next_url,
+                "saved": bool(request.cookies.get(TOKEN_COOKIE)),
+            },
+            status_code=401,
+        )
+    response = RedirectResponse(next_url, status_code=303)
+    response.set_cookie(
+        TOKEN_COOKIE,
+        token,
+        max_age=_TOKEN_COOKIE_S,
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
+    return response
+
+
+@router.post("/token/forget")
+def forget_token(request: Request) -> Response:
+    response = RedirectResponse("/token", status_code=303)
+    response.delete_cookie(TOKEN_COOKIE, httponly=True, samesite="strict")
+    return response

@@ -1,0 +1,230 @@
+"""The web pages as HTML (the in-process app, both databases): the list and its filters and pages,
+a run's recommendation, exports and plots, the token rules, the submit form's errors and the
+progress the run page polls. What a browser does with them is tests/api_tests/test_browser.py."""
+
+from __future__ import annotations
+
+import re
+from html import unescape
+
+import pytest
+from fastapi import FastAPI
+from starlette.testclient import TestClient
+
+from api.charts import nice_ticks
+from api.pages import TOKEN_COOKIE
+from autotune.core.exports import render_exports
+from autotune.remote.client import ServerClient
+from autotune.remote.protocol import RunStatus
+from tests.api_tests.factories import (
+    emulated,
+    emulated_device,
+    finished_run,
+    tiny_spec,
+    trial,
+    tune_result,
+)
+from tests.conftest import CLIENT_TOKEN, WORKER_TOKEN
+
+SPEC_YAML = """\
+model:
+  preset: gpt2-tiny
+training:
+  seq_len: 64
+  target_global_batch: 32
+"""
+
+
+def _signed_in(http: TestClient, token: str = CLIENT_TOKEN) -> TestClient:
+    http.cookies.clear()
+    http.cookies.set(TOKEN_COOKIE, token)
+    return http
+
+
+def _run_ids(html: str) -> list[int]:
+    return [int(found) for found in re.findall(r'<tr data-run-id="(\d+)">', html)]
+
+
+def test_the_list_shows_runs_newest_first_and_filters_them(
+    http: TestClient, user: ServerClient, worker: ServerClient
+) -> None:
+    finished = finished_run(user, worker)
+    queued = [user.submit_run(tiny_spec(seq_len), emulated()).id for seq_len in (65, 66)]
+    user.cancel_run(queued[0])
+    page = _signed_in(http).get("/")
+    assert page.status_code == 200
+    assert _run_ids(page.text) == [queued[1], queued[0], finished]
+    assert "micro-batch 8 × 4 steps" in page.text  # the recommendation at a glance
+    assert _run_ids(http.get("/?status=cancelled").text) == [queued[0]]
+    assert _run_ids(http.get("/?status=succeeded").text) == [finished]
+    assert _run_ids(http.get("/?model=nothing-like-it").text) == []
+    assert "No runs match these filters" in http.get("/?model=nothing-like-it").text
+    assert _run_ids(http.get("/?since=2000-01-01&until=2000-01-02").text) == []
+
+
+def test_the_list_pages_by_25(http: TestClient, user: ServerClient) -> None:
+    ids = [user.submit_run(tiny_spec(seq_len), emulated()).id for seq_len in range(60, 87)]
+    first = _signed_in(http).get("/?status=queued")
+    assert _run_ids(first.text) == ids[::-1][:25]
+    assert "Runs 1–25 of 27" in first.text
+    older = re.search(r'href="([^"]+)" rel="next"', first.text)
+    assert older is not None and "status=queued" in unescape(older[1])
+    second = http.get(unescape(older[1]))
+    assert _run_ids(second.text) == ids[::-1][25:]
+    assert 'rel="prev"' in second.text and 'rel="next"' not in second.text
+
+
+def test_a_run_page_shows_the_recommendation_exports_plots_and_tables(
+    http: TestClient, user: ServerClient, worker: ServerClient
+) -> None:
+    run_id = finished_run(user, worker)
+    page = _signed_in(http).get(f"/runs/{run_id}")
+    assert page.status_code == 200
+    html = page.text
+    assert re.search(r'<dd id="rec-micro-batch">8</dd>', html)
+    assert re.search(r'<dd id="rec-accumulation">4</dd>', html)
+    run = user.get_run(run_id)
+    assert run.exports is not None
+    for key, text in render_exports(run.exports).items():
+        block = re.search(
+            rf'<pre id="export-{key}" tabindex="0"><code>(.*?)</code></pre>', html, re.S
+        )
+        assert block is not None and unescape(block[1]) == text
+        assert f'data-copy="export-{key}"' in html
+    memory = html[html.index('id="memory-plot"') : html.index('id="throughput-plot"')]
+    # The factory's result: 4 + 2 attempts, 3 of them out of memory, and the two points the
+    # checkpointed mode's trace predicted; two rules; a line through each mode's fits.
+    assert len(re.findall(r'class="point dot ', memory)) == 3
+    assert len(re.findall(r'class="point cross ', memory)) == 3
+    assert len(re.findall(r'class="point square ckpt"[^>]*data-traced="true"', memory)) == 2
+    assert 'class="rule capacity"' in memory and 'class="rule headroom"' in memory
+    assert ">headroom 5%<" in memory and "peak memory (GiB)" in memory
+    assert len(re.findall(r'<polyline class="fit-line', memory)) == 2
+    speed = html[html.index('id="throughput-plot"') :]
+    assert len(re.findall(r'class="point (?:dot|ring) ', speed)) == 2
+    assert re.findall(r'class="point ring[^>]*data-chosen="true"', speed)
+    assert "throughput (samples/s)" in speed
+    assert html.count('<tr class="fits">') + html.count('<tr class="oom">') == 6
+    assert html.count('<tr class="complete">') == 2
+    assert "preset: gpt2-tiny" in html
+
+
+def test_pages_follow_the_token_rules_and_never_show_the_token(
+    http: TestClient, user: ServerClient, worker: ServerClient
+) -> None:
+    run_id = finished_run(user, worker)
+    anonymous = http.get(f"/runs/{run_id}")
+    assert anonymous.status_code == 401
+    assert "Enter a client token" in anonymous.text and 'name="token"' in anonymous.text
+    http.cookies.set(TOKEN_COOKIE, "not-a-token")
+    unknown = http.get("/")
+    assert unknown.status_code == 401 and "is not known to this server" in unknown.text
+    refused = http.post("/token", data={"token": "still-not-a-token", "next": "/"})
+    assert refused.status_code == 401 and "not known to this server" in refused.text
+    http.cookies.clear()
+    saved = http.post(
+        "/token",
+        data={"token": WORKER_TOKEN, "next": "https://evil.example/"},
+        follow_redirects=False,
+    )
+    assert saved.status_code == 303 and saved.headers["location"] == "/"
+    cookie = saved.headers["set-cookie"]
+    assert "HttpOnly" in cookie and "SameSite=strict" in cookie
+    for path in ("/", f"/runs/{run_id}", "/token"):
+        shown = http.get(path)
+        assert shown.status_code == 200 and WORKER_TOKEN not in shown.text
+    # A worker token reads but does not submit.
+    forbidden = http.get("/submit")
+    assert forbidden.status_code == 403 and "needs a client token" in forbidden.text
+    _signed_in(http, CLIENT_TOKEN)
+    assert http.get("/submit").status_code == 200
+    assert http.post("/token/forget", follow_redirects=False).status_code == 303
+
+
+def test_open_reads_show_runs_without_a_token(
+    settings_factory: object, user: ServerClient, worker: ServerClient
+) -> None:
+    from api.main import create_app
+
+    run_id = finished_run(user, worker)
+    app: FastAPI = create_app(settings_factory(open_reads=True))  # type: ignore[operator]
+    with TestClient(app) as anonymous:
+        assert anonymous.get(f"/runs/{run_id}").status_code == 200
+        assert anonymous.get("/submit").status_code == 401  # submitting still needs a token
+    app.state.context.db.dispose()
+
+
+def test_the_submit_form_names_the_bad_field_and_queues_a_good_spec(
+    http: TestClient, user: ServerClient
+) -> None:
+    _signed_in(http)
+    form = {"spec": SPEC_YAML, "kind": "emulated", "memory": "4GiB", "gpu": "", "name": ""}
+    not_yaml = http.post("/submit", data={**form, "spec": "model: [unclosed"})
+    assert not_yaml.status_code == 422 and "spec: not valid YAML" in not_yaml.text
+    bad_field = http.post(
+        "/submit", data={**form, "spec": SPEC_YAML.replace("seq_len: 64", "seq_len: -1")}
+    )
+    assert bad_field.status_code == 422
+    assert "spec.training.seq_len: Input should be greater than or equal to 1" in bad_field.text
+    assert "seq_len: -1" in bad_field.text  # the pasted spec is kept for correcting
+    bad_memory = http.post("/submit", data={**form, "memory": "lots"})
+    assert bad_memory.status_code == 422 and "device.emulated.memory_bytes" in bad_memory.text
+    factory = http.post("/submit", data={**form, "spec": "model:\n  factory: os:system\n"})
+    assert factory.status_code == 422 and "spec.model.factory" in factory.text
+    queued = http.post("/submit", data=form, follow_redirects=False)
+    assert queued.status_code == 303
+    run_id = int(queued.headers["location"].rsplit("/", 1)[1])
+    run = user.get_run(run_id)
+    assert run.status is RunStatus.QUEUED and run.spec == tiny_spec()
+    assert run.device == emulated()
+    estimate = http.post(
+        "/submit", data={**form, "kind": "estimate", "gpu": "H100 80GB"}, follow_redirects=False
+    )
+    assert user.get_run(int(estimate.headers["location"].rsplit("/", 1)[1])).device.kind == (
+        "estimate"
+    )
+
+
+def test_the_progress_a_run_page_polls_counts_what_the_worker_stored(
+    http: TestClient, user: ServerClient, worker: ServerClient
+) -> None:
+    from tests.api_tests.factories import attempt
+
+    spec = tiny_spec()
+    run_id = user.submit_run(spec, emulated()).id
+    _signed_in(http)
+    assert http.get(f"/runs/{run_id}/progress").json() == {
+        "status": "queued",
+        "attempts": 0,
+        "trials": 0,
+    }
+    page = http.get(f"/runs/{run_id}").text
+    assert f'data-progress-url="/runs/{run_id}/progress"' in page
+    claim = worker.claim("w1", [emulated_device()])
+    assert claim is not None
+    worker.post_attempt(
+        run_id, claim.lease_id, sequence=0, checkpointing=False, attempt=attempt(1, True)
+    )
+    worker.post_trial(run_id, claim.lease_id, trial(0))
+    assert http.get(f"/runs/{run_id}/progress").json() == {
+        "status": "running",
+        "attempts": 1,
+        "trials": 1,
+    }
+    worker.submit_result(run_id, claim.lease_id, tune_result(spec, emulated_device()))
+    assert http.get(f"/runs/{run_id}/progress").json()["status"] == "succeeded"
+    assert "data-progress-url" not in http.get(f"/runs/{run_id}").text  # finished: no polling
+    assert http.get("/runs/999999").status_code == 404
+    assert http.get("/runs/999999/progress").status_code == 404
+
+
+def test_axis_ticks_are_round_and_cover_the_range() -> None:
+    assert nice_ticks(0, 4.3) == [0, 1, 2, 3, 4, 5]
+    assert nice_ticks(0, 101) == [0, 50, 100, 150]
+    ticks = nice_ticks(0, 0.37)
+    assert ticks[0] == 0 and ticks[-1] >= 0.37 and len(ticks) <= 6
+
+
+@pytest.mark.parametrize("path", ["/static/autotune.css", "/static/autotune.js"])
+def test_the_pages_assets_are_served_by_the_app(http: TestClient, path: str) -> None:
+    assert http.get(path).status_code == 200
