@@ -28,6 +28,7 @@ class Point:
     title: str  # the tooltip and the accessible name: what the point is, in words
     marker: str = "dot"  # dot | cross (out of memory) | ring (chosen) | square (traced)
     data: dict[str, str] = field(default_factory=dict)  # data-* attributes (tests read them)
+    label: str = ""  # a few characters printed beside the point
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,12 @@ def render_svg(chart: Chart) -> str:
     for series in chart.series:
         out.append(f'<g class="series {series.css_class}" data-series="{escape(series.name)}">')
         out += [_marker(p, sx(p.x), sy(p.y), series.css_class) for p in series.points]
+        out += [
+            f'<text class="point-label" x="{sx(p.x) + 9:.1f}" y="{sy(p.y) - 7:.1f}">'
+            f"{escape(p.label)}</text>"
+            for p in series.points
+            if p.label
+        ]
         out.append("</g>")
     out.append(_legend(chart, plot_right + 12))
     out.append("</svg>")

@@ -40,8 +40,17 @@ POLL_MS = 1000
 _TOKEN_COOKIE_S = 365 * 24 * 3600
 _MAX_FORM_BYTES = 1 << 20
 
+
+
+def device_label(label: str) -> str:
+    """A stored device label for people: `emulated:4294967296` reads `emulated 4.00 GiB`."""
+    kind, _, what = label.partition(":")
+    return f"{kind} {format_bytes(int(what)) if what.isdigit() else what}".strip()
+
+
 templates = Jinja2Templates(directory=Path(__file__).parent / "templates")
 templates.env.filters["bytes"] = format_bytes
+templates.env.filters["device_label"] = device_label
 templates.env.globals["checkpointing_label"] = checkpointing_label
 
 router = APIRouter(include_in_schema=False)
@@ -90,7 +99,9 @@ def _token_page(request: Request, error: ApiError, *, next_url: str) -> HTMLResp
 
 def _safe_next(url: str) -> str:
     """Only a path of this site: the form must not redirect anywhere else."""
-    return url if url.startswith("/") and not url.startswith("//") else "/"
+    # Browsers read "/\\host" as "//host": another site, as much as "//host" is.
+    local = url.startswith("/") and not url.startswith(("//", "/\\"))
+    return url if local and url.isprintable() else "/"
 
 
 async def _form(request: Request) -> dict[str, str]:

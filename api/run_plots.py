@@ -159,6 +159,7 @@ def throughput_chart(run: Run) -> Chart:
                     f"{trial.checkpointing_label}: {trial.samples_per_s:.1f} samples/s"
                     + (" (chosen)" if is_chosen else ""),
                     marker="ring" if is_chosen else "dot",
+                    label=f"×{trial.accumulation_steps}",
                     data={
                         "mode": css,
                         "accumulation": str(trial.accumulation_steps),

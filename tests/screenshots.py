@@ -25,7 +25,7 @@ from api.pages import TOKEN_COOKIE
 from autotune.core.bytesize import parse_bytes
 from autotune.core.specfile import load_spec
 from autotune.remote.client import ServerClient, ServerError
-from autotune.remote.protocol import EmulatedTarget
+from autotune.remote.protocol import CudaTarget, EmulatedTarget
 from tests.browser import CHROMIUM_ARGS, chromium_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,6 +85,11 @@ def main() -> int:
             update={"training": spec.training.model_copy(update={"seq_len": 256})}
         )
         run_ids = [user.submit_run(s, target).id for s in (spec, longer)]
+        # Runs no worker here takes, to show the list's other states: one waits for an H100,
+        # one was cancelled.
+        h100 = CudaTarget(name="NVIDIA H100 80GB HBM3", memory_bytes=80 * 2**30)
+        user.submit_run(spec, h100)
+        user.cancel_run(user.submit_run(longer, h100).id)
         for run_id in run_ids:
             run = user.wait_for_run(run_id, timeout_s=900)
             print(f"run {run_id}: {run.status.value}", file=sys.stderr)

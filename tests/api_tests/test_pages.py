@@ -15,11 +15,15 @@ from api.charts import nice_ticks
 from api.pages import TOKEN_COOKIE
 from autotune.core.exports import render_exports
 from autotune.remote.client import ServerClient
-from autotune.remote.protocol import RunStatus
+from autotune.remote.protocol import EstimateTarget, RunStatus
 from tests.api_tests.factories import (
+    attempt,
     emulated,
     emulated_device,
+    estimate_device,
     finished_run,
+    named,
+    named_device,
     tiny_spec,
     trial,
     tune_result,
@@ -55,6 +59,7 @@ def test_the_list_shows_runs_newest_first_and_filters_them(
     assert page.status_code == 200
     assert _run_ids(page.text) == [queued[1], queued[0], finished]
     assert "micro-batch 8 × 4 steps" in page.text  # the recommendation at a glance
+    assert "<td>emulated 4.00 GiB</td>" in page.text
     assert _run_ids(http.get("/?status=cancelled").text) == [queued[0]]
     assert _run_ids(http.get("/?status=succeeded").text) == [finished]
     assert _run_ids(http.get("/?model=nothing-like-it").text) == []
@@ -104,9 +109,40 @@ def test_a_run_page_shows_the_recommendation_exports_plots_and_tables(
     assert len(re.findall(r'class="point (?:dot|ring) ', speed)) == 2
     assert re.findall(r'class="point ring[^>]*data-chosen="true"', speed)
     assert "throughput (samples/s)" in speed
+    assert re.findall(r'<text class="point-label"[^>]*>(×\d+)</text>', speed) == ["×8", "×4"]
     assert html.count('<tr class="fits">') + html.count('<tr class="oom">') == 6
     assert html.count('<tr class="complete">') == 2
     assert "preset: gpt2-tiny" in html
+
+
+def test_a_run_page_sets_the_estimate_beside_the_measurement(
+    http: TestClient, user: ServerClient, worker: ServerClient
+) -> None:
+    spec = tiny_spec()
+    ids = []
+    for target, device in (
+        (EstimateTarget(gpu="H100 80GB"), estimate_device("H100 80GB")),
+        (named("H100 80GB"), named_device("H100 80GB")),
+    ):
+        ids.append(user.submit_run(spec, target).id)
+        claim = worker.claim("w", [device])
+        assert claim is not None and claim.run_id == ids[-1]
+        worker.submit_result(ids[-1], claim.lease_id, tune_result(spec, device))
+    _signed_in(http)
+    for run_id in ids:  # from either side
+        html = http.get(f"/runs/{run_id}").text
+        table = html[
+            html.index('<table id="comparison">') : html.index(
+                "</table>", html.index('<table id="comparison">')
+            )
+        ]
+        assert f'<a href="/runs/{ids[0]}">#{ids[0]}</a> estimated' in table
+        assert f'<a href="/runs/{ids[1]}">#{ids[1]}</a> measured on H100 80GB' in table
+        # The factories' results are equal: each mode's maxima side by side, error 0.
+        assert "<td>8</td><td>8</td><td>+0</td>" in table
+        assert "<td>16</td><td>16</td><td>+0</td>" in table
+    alone = finished_run(user, worker, seq_len=70)
+    assert 'id="comparison"' not in http.get(f"/runs/{alone}").text
 
 
 def test_pages_follow_the_token_rules_and_never_show_the_token(
@@ -128,6 +164,11 @@ def test_pages_follow_the_token_rules_and_never_show_the_token(
         follow_redirects=False,
     )
     assert saved.status_code == 303 and saved.headers["location"] == "/"
+    for elsewhere in ("//evil.example/", "/\\evil.example/"):
+        again = http.post(
+            "/token", data={"token": WORKER_TOKEN, "next": elsewhere}, follow_redirects=False
+        )
+        assert again.headers["location"] == "/"
     cookie = saved.headers["set-cookie"]
     assert "HttpOnly" in cookie and "SameSite=strict" in cookie
     for path in ("/", f"/runs/{run_id}", "/token"):
@@ -188,8 +229,6 @@ def test_the_submit_form_names_the_bad_field_and_queues_a_good_spec(
 def test_the_progress_a_run_page_polls_counts_what_the_worker_stored(
     http: TestClient, user: ServerClient, worker: ServerClient
 ) -> None:
-    from tests.api_tests.factories import attempt
-
     spec = tiny_spec()
     run_id = user.submit_run(spec, emulated()).id
     _signed_in(http)

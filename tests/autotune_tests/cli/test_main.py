@@ -18,7 +18,8 @@ from autotune.core.cuda_reserve import budget_for
 from autotune.core.gpus import find_gpu
 
 # The probe run is shared (`probed`): the module's tests run in one xdist worker.
-pytestmark = pytest.mark.xdist_group("cli-main")
+# Whole probes through the CLI on one xdist worker (one group): started first, not the tail.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cli-main")]
 
 SPEC = "model: {preset: gpt2-tiny}\ntraining: {seq_len: 32, max_micro_batch: 64}\n"
 

@@ -19,7 +19,8 @@ from autotune.engine.tuner import default_trial_budget, priority_candidates, tun
 from tests.probes_tests.factories import wide_spec
 
 # The module's tunings are shared (`tuned`): its tests run in one xdist worker.
-pytestmark = pytest.mark.xdist_group("tuner")
+# Whole tunings on one xdist worker (one group): started first, so they are not the tail.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tuner")]
 
 MiB = 2**20
 SEQ_LEN = 32
