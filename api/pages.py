@@ -41,7 +41,6 @@ _TOKEN_COOKIE_S = 365 * 24 * 3600
 _MAX_FORM_BYTES = 1 << 20
 
 
-
 def device_label(label: str) -> str:
     """A stored device label for people: `emulated:4294967296` reads `emulated 4.00 GiB`."""
     kind, _, what = label.partition(":")
