@@ -202,8 +202,17 @@ def _run_context(context: AppContext, run: Run) -> dict[str, Any]:
     }
 
 
-@router.get("/runs/{run_id}", response_class=HTMLResponse)
-def run_page(request: Request, run_id: int) -> Response:
+def _run_id(text: str) -> int:
+    """The id in a page's path; anything that is not a stored run's id is a missing run (a page
+    answers 404 with a page, not the API's 422 about the path's type)."""
+    run_id = int(text) if text.isascii() and text.isdigit() and len(text) <= 19 else 0
+    if not 1 <= run_id <= MAX_INT:
+        raise RunNotFound(run_id)
+    return run_id
+
+
+@router.get("/runs/{run_ref}", response_class=HTMLResponse)
+def run_page(request: Request, run_ref: str) -> Response:
     """One run: what was asked, what was found, and how to use it."""
     try:
         _authorize(request, Role.READER)
@@ -211,25 +220,22 @@ def run_page(request: Request, run_id: int) -> Response:
         return _token_page(request, error, next_url=str(request.url.path))
     context = _context(request)
     try:
-        if not 1 <= run_id <= MAX_INT:
-            raise RunNotFound(run_id)
-        run = runreads.fresh_run(context, run_id)
+        run = runreads.fresh_run(context, _run_id(run_ref))
     except RunNotFound:
         return templates.TemplateResponse(
-            request, "missing.html", {"run_id": run_id}, status_code=404
+            request, "missing.html", {"run_ref": run_ref}, status_code=404
         )
     return templates.TemplateResponse(request, "run.html", _run_context(context, run))
 
 
-@router.get("/runs/{run_id}/progress")
-def run_progress(request: Request, run_id: int) -> Response:
+@router.get("/runs/{run_ref}/progress")
+def run_progress(request: Request, run_ref: str) -> Response:
     """What the run page polls while the run is unfinished: its status and how many attempts
     and trials are stored. A change means the page has something new to show."""
     try:
         _authorize(request, Role.READER)
         context = _context(request)
-        if not 1 <= run_id <= MAX_INT:
-            raise RunNotFound(run_id)
+        run_id = _run_id(run_ref)
         with context.db.read() as session:
             status, attempts, trials = runstore.run_progress(session, run_id=run_id)
         if status is RunStatus.RUNNING:

@@ -253,7 +253,11 @@ def test_the_progress_a_run_page_polls_counts_what_the_worker_stored(
     worker.submit_result(run_id, claim.lease_id, tune_result(spec, emulated_device()))
     assert http.get(f"/runs/{run_id}/progress").json()["status"] == "succeeded"
     assert "data-progress-url" not in http.get(f"/runs/{run_id}").text  # finished: no polling
-    assert http.get("/runs/999999").status_code == 404
+    for missing in ("999999", "0", "abc", "99999999999999999999999"):
+        page = http.get(f"/runs/{missing}")
+        assert page.status_code == 404 and "This server has no run" in page.text
+    escaped = http.get("/runs/%3Cimg%20src=x%20onerror=alert(1)%3E").text  # pages escape input
+    assert "<img src=x" not in escaped and "&lt;img src=x onerror=alert(1)&gt;" in escaped
     assert http.get("/runs/999999/progress").status_code == 404
 
 
