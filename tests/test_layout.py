@@ -87,3 +87,25 @@ def test_xdist_groups_keep_their_tests_on_one_worker(tmp_path: Path) -> None:
     )
     workers = set(re.findall(r"\[(gw\d+)\] .*PASSED", done.stdout))
     assert done.returncode == 0 and len(workers) == 1, done.stdout[-2000:]
+
+
+def test_every_file_the_server_reads_is_in_its_package_data() -> None:
+    """An installed server (the image installs the project as a package) has only what
+    package-data lists besides modules: a template or asset missing from it is a 500 there,
+    while the tests, running from the repository, pass."""
+    import fnmatch
+    import tomllib
+
+    patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]["api"]
+    needed = [
+        path.relative_to(REPO / "api").as_posix()
+        for folder in ("templates", "static", "migrations")
+        for path in (REPO / "api" / folder).rglob("*")
+        # script.py.mako is what `alembic revision` writes revisions from: not read at run time.
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".mako"
+    ]
+    assert needed and all(
+        any(fnmatch.fnmatch(name, pattern) for pattern in patterns) for name in needed
+    ), [name for name in needed if not any(fnmatch.fnmatch(name, p) for p in patterns)]

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import pytest
 import yaml
 
@@ -636,6 +637,10 @@ def test_server_command_serves_without_torch_and_passes_its_healthcheck(tmp_path
         # SQLite database sits in the data directory (the volume).
         assert "generated" not in log_path.read_text()
         assert (tmp_path / "data" / "autotune.db").is_file()
+        # The web pages too, from the image's installed package and without torch.
+        page = httpx2.get(f"http://127.0.0.1:{port}/", timeout=10)
+        assert page.status_code == 401 and 'name="token"' in page.text  # asks for the token
+        assert httpx2.get(f"http://127.0.0.1:{port}/static/autotune.js", timeout=10).is_success
     finally:
         process.terminate()
         process.wait(timeout=30)
