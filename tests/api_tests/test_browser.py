@@ -1,8 +1,8 @@
 """The web pages in a real browser: Playwright drives Debian's headless Chromium against a real
 uvicorn server on loopback (SQLite file) holding stored runs. The list filters, a run page shows
 its recommendation and both plots, a copy button fills the clipboard, an unfinished run's page
-follows a worker's reports without reloading, a bad token is told so, and a phone-sized screen
-scrolls only the tables, not the page.
+follows a worker's reports without reloading, a bad token is told so, a phone-sized screen
+scrolls only the tables, not the page, and axe-core finds no accessibility violation.
 
 Chromium comes from Debian (`make test` installs the `chromium` package when it is missing);
 AUTOTUNE_TEST_CHROMIUM names another binary. Without one these tests fail: they do not skip.
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from axe_playwright_python.sync_playwright import Axe
 from playwright.sync_api import Browser, BrowserContext, Page, expect, sync_playwright
 
 from api.pages import TOKEN_COOKIE
@@ -237,6 +238,19 @@ def test_submitting_a_spec_opens_its_run_page(page: Page, site: Site) -> None:
     run_id = int(re.findall(r"/runs/(\d+)$", page.url)[0])
     assert site.user.get_run(run_id).spec.training.seq_len == 67
     site.user.cancel_run(run_id)  # the other tests' worker claims only their own runs
+
+
+def test_every_page_passes_axe(context: BrowserContext, page: Page, site: Site) -> None:
+    """axe-core's accessibility rules (WCAG 2.x A and AA: names, labels, contrast, landmarks,
+    table headers...) on every kind of page, in light and dark colours."""
+    axe = Axe()
+    paths = ["/", f"/runs/{site.finished_id}", "/submit", "/token", "/runs/999999"]
+    for scheme in ("light", "dark"):
+        page.emulate_media(color_scheme=scheme)
+        for path in paths:
+            page.goto(f"{site.url}{path}")
+            results = axe.run(page)
+            assert results.violations_count == 0, f"{scheme} {path}:\n{results.generate_report()}"
 
 
 def test_screenshot_paths_exist_in_the_docs() -> None:
