@@ -71,6 +71,7 @@ bench: env
 	$(PY) bench/tuner_regret.py
 	$(PY) bench/api_load.py
 	$(PY) bench/long_poll.py
+	$(PY) bench/pages.py
 	$(PY) bench/fidelity.py grid
 	$(PY) bench/fidelity.py published
 	$(PY) bench/finetune.py

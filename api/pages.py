@@ -237,15 +237,19 @@ def run_progress(request: Request, run_ref: str) -> Response:
         context = _context(request)
         run_id = _run_id(run_ref)
         with context.db.read() as session:
-            status, attempts, trials = runstore.run_progress(session, run_id=run_id)
-        if status is RunStatus.RUNNING:
+            progress = runstore.run_progress(session, run_id=run_id)
+        status = progress.status
+        lease_expires_at = progress.lease_expires_at
+        if status is RunStatus.RUNNING and lease_expires_at and lease_expires_at < context.clock():
             # A lapsed lease is expired on read, as the page itself would.
             status = runreads.fresh_run(context, run_id).status
     except ApiError as error:
         return JSONResponse(
             {"code": error.code, "detail": error.detail}, status_code=error.status_code
         )
-    return JSONResponse({"status": status.value, "attempts": attempts, "trials": trials})
+    return JSONResponse(
+        {"status": status.value, "attempts": progress.attempts, "trials": progress.trials}
+    )
 
 
 def _submit_form(

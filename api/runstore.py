@@ -138,17 +138,25 @@ def get_run(session: Session, *, run_id: int) -> Run:
     )
 
 
-def run_progress(session: Session, *, run_id: int) -> tuple[RunStatus, int, int]:
-    """(status, attempts, trials) of a run, in one cheap query: what a page showing the run
-    polls to know when to reload it."""
+@dataclass(frozen=True)
+class Progress:
+    status: RunStatus
+    lease_expires_at: datetime | None
+    attempts: int
+    trials: int
+
+
+def run_progress(session: Session, *, run_id: int) -> Progress:
+    """A run's status, lease and counts of stored attempts and trials, in one cheap query: what
+    a page showing the run polls to know when to reload it."""
     attempts = select(func.count()).where(AttemptRow.run_id == run_id).scalar_subquery()
     trials = select(func.count()).where(TrialRow.run_id == run_id).scalar_subquery()
     found = session.execute(
-        select(RunRow.status, attempts, trials).where(RunRow.id == run_id)
+        select(RunRow.status, RunRow.lease_expires_at, attempts, trials).where(RunRow.id == run_id)
     ).first()
     if found is None:
         raise RunNotFound(run_id)
-    return RunStatus(found[0]), found[1], found[2]
+    return Progress(RunStatus(found[0]), found[1], found[2], found[3])
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from tests.api_tests.factories import (
     trial,
     tune_result,
 )
-from tests.conftest import CLIENT_TOKEN, WORKER_TOKEN
+from tests.conftest import CLIENT_TOKEN, WORKER_TOKEN, FakeClock
 
 SPEC_YAML = """\
 model:
@@ -227,7 +227,7 @@ def test_the_submit_form_names_the_bad_field_and_queues_a_good_spec(
 
 
 def test_the_progress_a_run_page_polls_counts_what_the_worker_stored(
-    http: TestClient, user: ServerClient, worker: ServerClient
+    http: TestClient, user: ServerClient, worker: ServerClient, clock: FakeClock
 ) -> None:
     spec = tiny_spec()
     run_id = user.submit_run(spec, emulated()).id
@@ -250,6 +250,11 @@ def test_the_progress_a_run_page_polls_counts_what_the_worker_stored(
         "attempts": 1,
         "trials": 1,
     }
+    # A worker that went silent: once its lease lapsed, the poll says the run is queued again.
+    clock.advance(31)
+    assert http.get(f"/runs/{run_id}/progress").json()["status"] == "queued"
+    claim = worker.claim("w2", [emulated_device()])
+    assert claim is not None and claim.run_id == run_id
     worker.submit_result(run_id, claim.lease_id, tune_result(spec, emulated_device()))
     assert http.get(f"/runs/{run_id}/progress").json()["status"] == "succeeded"
     assert "data-progress-url" not in http.get(f"/runs/{run_id}").text  # finished: no polling
