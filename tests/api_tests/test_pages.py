@@ -212,6 +212,8 @@ def test_the_submit_form_names_the_bad_field_and_queues_a_good_spec(
     assert bad_memory.status_code == 422 and "device.emulated.memory_bytes" in bad_memory.text
     factory = http.post("/submit", data={**form, "spec": "model:\n  factory: os:system\n"})
     assert factory.status_code == 422 and "spec.model.factory" in factory.text
+    huge = http.post("/submit", data={**form, "spec": SPEC_YAML + "#" * (2 << 20)})
+    assert huge.status_code == 413
     queued = http.post("/submit", data=form, follow_redirects=False)
     assert queued.status_code == 303
     run_id = int(queued.headers["location"].rsplit("/", 1)[1])
