@@ -21,6 +21,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from api import comparison, runreads, runstore, submissions
 from api.charts import render_svg
@@ -312,7 +313,10 @@ async def submit_form(request: Request) -> Response:
         message = "spec.model.factory: this server does not accept factory specs"
         return _submit_form(request, form, [message], 422)
     run_fingerprint = fingerprint(run_create.spec, run_create.device, context.version)
-    run_id, _, _ = submissions.submit(context, run_create, run_fingerprint)
+    # The form is async (it reads the body); the database is not: off the event loop.
+    run_id, _, _ = await run_in_threadpool(
+        submissions.submit, context, run_create, run_fingerprint
+    )
     return RedirectResponse(f"/runs/{run_id}", status_code=303)
 
 
