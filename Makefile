@@ -55,7 +55,8 @@ test: env lint
 	$(MAKE) --no-print-directory -j2 typecheck suite
 
 # The slow end-to-end tests (marked e2e: worker fleets, the demo, schema fuzzing of a live
-# server): 3 of the 6 minutes `make test` may take, so CI runs them after it (.ci/run).
+# server, spawned trial children): 2 minutes more than the 6 `make test` may take, so CI runs
+# them after it (.ci/run).
 e2e: env
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=10 -m e2e
 

@@ -36,7 +36,10 @@ MIB = 2**20
 # Above the wide model's resident segments and a few 2 MiB ones for activations; at b = 65 an
 # activation passes 1 MiB and needs a 20 MiB segment, so 64 is the max.
 CAPACITY_BYTES = 8 * MIB
-METHODS: list[StartMethod] = ["spawn", "forkserver"]
+# A spawned child is a new interpreter importing torch (seconds each): the spawn variants are
+# end-to-end tests (`make e2e`, which CI runs); forkserver, the worker's default, runs in
+# `make test`.
+METHODS = [pytest.param("spawn", marks=pytest.mark.e2e), "forkserver"]
 
 
 _BEFORE_THE_TEST: set[int] = set()
@@ -162,6 +165,7 @@ def test_children_open_a_named_gpu_for_the_world_size_of_the_run() -> None:
     assert measured.step_time_s == estimate.step_time_s(8, 2, checkpointing=False)
 
 
+@pytest.mark.e2e
 def test_spawned_children_answer_crash_and_leave_the_next_trial_unharmed() -> None:
     """The default start method, end to end: a new interpreter per call."""
     spec = wide_spec("abort_above_4", features=16)
@@ -440,6 +444,7 @@ _PEAK_RSS = textwrap.dedent(
 )
 
 
+@pytest.mark.e2e  # two interpreters, one of which spawns three more
 def test_an_isolated_trial_keeps_no_host_copy_of_the_training_state() -> None:
     """Review item 9 of issue 9: every trial child snapshotted parameters and optimizer state to
     host memory (18 GB for a 1.5B model), though it exits after its one trial. The same trial in
