@@ -14,8 +14,9 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 PIP_INSTALL := $(PY) -m pip install -q --no-compile
 unexport PYTHONDONTWRITEBYTECODE
 # Parallel test processes (pytest-xdist); tests/conftest.py gives each one intra-op thread.
-# Three on two cores: a fifth of the suite's time is spent waiting on servers, workers and
-# child processes, which a third process fills (5m23 against 5m52 with two).
+# Three on two cores: part of the suite's time is spent waiting on servers, workers and child
+# processes, which a third process fills (4m02 against 4m10 with two, without the e2e tests;
+# 5m23 against 5m52 when they were part of `make test`).
 TEST_WORKERS ?= 3
 
 # The browser tests drive Debian's Chromium (Playwright's own download cannot work offline);
