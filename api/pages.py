@@ -164,6 +164,7 @@ def runs_page(
             "statuses": [s.value for s in RunStatus],
             "newer_url": f"/?{urlencode({**kept, 'page': page - 1})}" if page > 1 else None,
             "older_url": f"/?{urlencode({**kept, 'page': page + 1})}" if page < pages else None,
+            "last_url": f"/?{urlencode({**kept, 'page': pages})}",
         },
     )
 

@@ -77,6 +77,9 @@ def test_the_list_pages_by_25(http: TestClient, user: ServerClient) -> None:
     second = http.get(unescape(older[1]))
     assert _run_ids(second.text) == ids[::-1][25:]
     assert 'rel="prev"' in second.text and 'rel="next"' not in second.text
+    past = http.get("/?status=queued&page=9")
+    assert _run_ids(past.text) == [] and "Page 9 is past the last page" in past.text
+    assert 'href="/?status=queued&amp;page=2">Go to page 2</a>' in past.text
 
 
 def test_a_run_page_shows_the_recommendation_exports_plots_and_tables(
