@@ -39,10 +39,11 @@ class AppContext:
 async def get_context(request: Request) -> AppContext:
     # async (though it awaits nothing) so that FastAPI runs it on the event loop, not in the
     # thread pool: a thread hop per dependency is measurable at a thousand requests a second.
-    return _context_of(request)
+    return context_of(request)
 
 
-def _context_of(request: Request) -> AppContext:
+def context_of(request: Request) -> AppContext:
+    """The app's context, for handlers that read the request themselves (the web pages)."""
     context: AppContext = request.app.state.context
     return context
 
@@ -76,7 +77,7 @@ def authorize(role: Role) -> Callable[[Request], Awaitable[None]]:
     """A dependency that lets the request through only with a token for `role`."""
 
     async def check(request: Request) -> None:
-        settings = _context_of(request).settings
+        settings = context_of(request).settings
         token = _bearer_token(request)
         if token is None and not (role == Role.READER and settings.open_reads):
             raise Unauthenticated("missing bearer token (Authorization: Bearer <token>)")
@@ -100,7 +101,7 @@ def check_token(settings: Settings, role: Role, token: str | None) -> None:
     }[role]
     if _is_one_of(token, allowed):
         return
-    if not _is_one_of(token, settings.client_tokens + settings.worker_tokens):
+    if not is_known_token(settings, token):
         raise InvalidToken("unknown bearer token")
     raise Forbidden(f"this token may not act as {role.value}")
 
@@ -108,3 +109,8 @@ def check_token(settings: Settings, role: Role, token: str | None) -> None:
 ReaderAuth = Depends(authorize(Role.READER))
 ClientAuth = Depends(authorize(Role.CLIENT))
 WorkerAuth = Depends(authorize(Role.WORKER))
+
+
+def is_known_token(settings: Settings, token: str) -> bool:
+    """Whether `token` is one of the server's client or worker tokens."""
+    return _is_one_of(token, settings.client_tokens + settings.worker_tokens)

@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api import comparison, runreads, runstore, submissions
 from api.charts import render_svg
-from api.deps import AppContext, Role, check_token
+from api.deps import AppContext, Role, check_token, context_of, is_known_token
 from api.errors import ApiError, Forbidden, InvalidToken, NoComparison, RunNotFound
 from api.run_plots import capacity_bytes, latest_attempts, memory_chart, throughput_chart
 from autotune.core.bytesize import format_bytes
@@ -64,13 +64,8 @@ EXPORT_NAMES = {
 }
 
 
-def _context(request: Request) -> AppContext:
-    context: AppContext = request.app.state.context
-    return context
-
-
 def _authorize(request: Request, role: Role) -> None:
-    check_token(_context(request).settings, role, request.cookies.get(TOKEN_COOKIE) or None)
+    check_token(context_of(request).settings, role, request.cookies.get(TOKEN_COOKIE) or None)
 
 
 def _token_page(request: Request, error: ApiError, *, next_url: str) -> HTMLResponse:
@@ -143,7 +138,7 @@ def runs_page(
         created_after=_day(since, end=False),
         created_before=_day(until, end=True),
     )
-    context = _context(request)
+    context = context_of(request)
     listing = runreads.list_runs(
         context, where=where, limit=PAGE_SIZE, offset=(page - 1) * PAGE_SIZE
     )
@@ -218,7 +213,7 @@ def run_page(request: Request, run_ref: str) -> Response:
         _authorize(request, Role.READER)
     except ApiError as error:
         return _token_page(request, error, next_url=str(request.url.path))
-    context = _context(request)
+    context = context_of(request)
     try:
         run = runreads.fresh_run(context, _run_id(run_ref))
     except RunNotFound:
@@ -231,24 +226,12 @@ def run_page(request: Request, run_ref: str) -> Response:
 @router.get("/runs/{run_ref}/progress")
 def run_progress(request: Request, run_ref: str) -> Response:
     """What the run page polls while the run is unfinished: its status and how many attempts
-    and trials are stored. A change means the page has something new to show."""
-    try:
-        _authorize(request, Role.READER)
-        context = _context(request)
-        run_id = _run_id(run_ref)
-        with context.db.read() as session:
-            progress = runstore.run_progress(session, run_id=run_id)
-        status = progress.status
-        lease_expires_at = progress.lease_expires_at
-        if status is RunStatus.RUNNING and lease_expires_at and lease_expires_at < context.clock():
-            # A lapsed lease is expired on read, as the page itself would.
-            status = runreads.fresh_run(context, run_id).status
-    except ApiError as error:
-        return JSONResponse(
-            {"code": error.code, "detail": error.detail}, status_code=error.status_code
-        )
+    and trials are stored. A change means the page has something new to show. (An error is
+    the API's JSON error: the script reads it, not a person.)"""
+    _authorize(request, Role.READER)
+    progress = runreads.progress(context_of(request), _run_id(run_ref))
     return JSONResponse(
-        {"status": status.value, "attempts": progress.attempts, "trials": progress.trials}
+        {"status": progress.status.value, "attempts": progress.attempts, "trials": progress.trials}
     )
 
 
@@ -309,9 +292,9 @@ async def submit_form(request: Request) -> Response:
         run_create = RunCreate.model_validate({"spec": spec, "device": _target(form)})
     except ValidationError as error:
         return _submit_form(request, form, _field_errors(error), 422)
-    context = _context(request)
-    if run_create.spec.model.factory is not None and not context.settings.allow_factory_specs:
-        message = "spec.model.factory: this server does not accept factory specs"
+    context = context_of(request)
+    if submissions.refuses_factory(context, run_create):
+        message = f"spec.model.factory: {submissions.FACTORY_REFUSED}"
         return _submit_form(request, form, [message], 422)
     run_fingerprint = fingerprint(run_create.spec, run_create.device, context.version)
     # The form is async (it reads the body); the database is not: off the event loop.
@@ -340,10 +323,7 @@ async def save_token(request: Request) -> Response:
     form = await _form(request)
     token = form.get("token", "").strip()
     next_url = _safe_next(form.get("next", "/"))
-    settings = _context(request).settings
-    try:
-        check_token(settings.model_copy(update={"open_reads": False}), Role.READER, token or None)
-    except ApiError:
+    if not is_known_token(context_of(request).settings, token):
         return templates.TemplateResponse(
             request,
             "token.html",

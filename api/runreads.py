@@ -4,25 +4,47 @@ process's cache."""
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from api import leases, runstore
 from api.deps import AppContext
 from api.runcache import CachedRun
 from autotune.remote.protocol import Run, RunPage, RunStatus
 
 
+def _expire_if_lapsed(
+    context: AppContext, run_id: int, status: RunStatus, lease_expires_at: datetime | None
+) -> bool:
+    """Expire the run's lease if it has lapsed; True when it had (the caller reads again)."""
+    now = context.clock()
+    if status != RunStatus.RUNNING or lease_expires_at is None or lease_expires_at >= now:
+        return False
+    with context.db.write() as session:
+        leases.expire_leases(
+            session, now=now, max_claims=context.settings.max_claims, run_id=run_id
+        )
+    return True
+
+
 def fresh_run(context: AppContext, run_id: int) -> Run:
     """Read a run, first requeueing it if its lease has expired (expiry is checked on read)."""
     with context.db.read() as session:
         run = runstore.get_run(session, run_id=run_id)
-    now = context.clock()
-    if run.status == RunStatus.RUNNING and run.lease_expires_at and run.lease_expires_at < now:
-        with context.db.write() as session:
-            leases.expire_leases(
-                session, now=now, max_claims=context.settings.max_claims, run_id=run_id
-            )
+    if _expire_if_lapsed(context, run_id, run.status, run.lease_expires_at):
         with context.db.read() as session:
             run = runstore.get_run(session, run_id=run_id)
     return run
+
+
+def progress(context: AppContext, run_id: int) -> runstore.Progress:
+    """A run's status and counts of stored attempts and trials (one count query), with the
+    same expiry on read as `fresh_run`."""
+    with context.db.read() as session:
+        found = runstore.run_progress(session, run_id=run_id)
+    if _expire_if_lapsed(context, run_id, found.status, found.lease_expires_at):
+        with context.db.read() as session:
+            found = runstore.run_progress(session, run_id=run_id)
+    return found
 
 
 def load_run(context: AppContext, run_id: int) -> CachedRun:

@@ -10,6 +10,17 @@ from api import runstore
 from api.deps import AppContext
 from autotune.remote.protocol import RunCreate, RunStatus
 
+FACTORY_REFUSED = (
+    "this server does not accept factory specs (a factory is code that workers run); use a "
+    "preset, hf_config or hf_id, or ask the operator to start the server with "
+    "--allow-factory-specs"
+)
+
+
+def refuses_factory(context: AppContext, request: RunCreate) -> bool:
+    """Whether this server refuses the spec for its factory (`allow_factory_specs`)."""
+    return request.spec.model.factory is not None and not context.settings.allow_factory_specs
+
 
 def submit(
     context: AppContext, request: RunCreate, run_fingerprint: str

@@ -114,14 +114,12 @@ def main() -> int:
         user = ServerClient(server.url, token=CLIENT_TOKEN, retries=0)
         worker = ServerClient(server.url, token=WORKER_TOKEN, retries=0)
         finished = finished_run(user, worker)
-        for seq_len in range(70, 94):  # a full first page of the list
-            user.submit_run(tiny_spec(seq_len), emulated())
         running = user.submit_run(tiny_spec(200), emulated()).id
         claim = worker.claim("bench", [emulated_device()])
-        assert claim is not None
-        # The oldest queued run is claimed first; stream into whichever it is.
-        running = claim.run_id
+        assert claim is not None and claim.run_id == running
         _stream(worker, running, claim.lease_id, args.attempts, args.trials)
+        for seq_len in range(70, 93):  # a full first page of the list: 25 runs
+            user.submit_run(tiny_spec(seq_len), emulated())
         cookies = {TOKEN_COOKIE: CLIENT_TOKEN}
         headers = {"Authorization": f"Bearer {CLIENT_TOKEN}"}
         rows = []

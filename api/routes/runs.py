@@ -49,9 +49,7 @@ _Label = Annotated[str | None, Query(max_length=300, pattern=r"^[^\x00]*$")]
 _FACTORY_REFUSED = {
     "type": "factory_not_allowed",
     "loc": ("body", "spec", "model", "factory"),
-    "msg": "this server does not accept factory specs (a factory is code that workers run); "
-    "use a preset, hf_config or hf_id, or ask the operator to start the server with "
-    "--allow-factory-specs",
+    "msg": submissions.FACTORY_REFUSED,
 }
 
 
@@ -97,7 +95,7 @@ async def submit_run(request: RunCreate, context: ContextDep, wait: WaitSeconds 
     """Submit a spec and a device target. A succeeded run with the same fingerprint answers
     at once (200, `cached: true`); otherwise the run is queued (202). A `factory` spec is a
     422 unless the server allows them (`allow_factory_specs`)."""
-    if request.spec.model.factory is not None and not context.settings.allow_factory_specs:
+    if submissions.refuses_factory(context, request):
         raise RequestValidationError([_FACTORY_REFUSED])
     run_fingerprint = fingerprint(request.spec, request.device, context.version)
     known_id = context.finished_runs.succeeded_run(run_fingerprint)
