@@ -6,6 +6,7 @@ source of `sample_task.py` or `token_task.py`.
 """
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -205,9 +206,8 @@ def train(
     return losses
 
 
-def main() -> None:
-    if WORLD_SIZE > 1:
-        dist.init_process_group()  # torchrun provides the rendezvous environment
+def demo() -> list[float]:
+    """Two optimizer steps of DemoModel on random data; returns their losses."""
     device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -216,10 +216,29 @@ def main() -> None:
     model = prepare_model(DemoModel().to(device))
     optimizer = make_optimizer(model, lr=1e-3)
     batches = demo_batches(2 * ACCUMULATION_STEPS, MICRO_BATCH)
-    losses = train(model, optimizer, batches, num_steps=2)
+    return train(model, optimizer, batches, num_steps=2)
+
+
+def leave_process_group() -> None:
+    """Destroy the process group once every rank is done with it.
+
+    The model and optimizer must be gone first (DDP, FSDP and their device meshes hold the
+    group): only then does destroying it join its worker threads. A gloo thread still holding
+    work when the interpreter shuts down aborts the rank ("terminate called without an active
+    exception"), and torchrun reports the job failed.
+    """
+    gc.collect()  # DDP and FSDP modules sit in reference cycles
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    if WORLD_SIZE > 1:
+        dist.init_process_group()  # torchrun provides the rendezvous environment
+    losses = demo()
     print(f"loss per optimizer step: {losses}")
     if dist.is_initialized():
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
 from torch import nn
@@ -25,6 +24,7 @@ from torch.multiprocessing.spawn import spawn
 
 from autotune.core.exports import build_exports, hf_checkpointing_key, render_exports
 from autotune.core.schemas import Exports, Recommendation, TrainingSpec
+from tests.autotune_tests.gloo import run_gloo_rank
 
 IGNORE_INDEX = -100
 VOCAB = 37
@@ -520,37 +520,29 @@ def _train_my_half(rank: int, source: str, batches: list[dict[str, torch.Tensor]
 
 
 def _ddp_rank(
-    rank: int, source: str, batches: list[dict[str, torch.Tensor]], workdir: str
+    rank: int, workdir: str, source: str, batches: list[dict[str, torch.Tensor]]
 ) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=2)
-    try:
-        model = _train_my_half(rank, source, batches)
-        # As measured: the gradients are views of DDP's buckets (fewer storages than params).
-        assert model.gradient_as_bucket_view
-        storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
-        assert len(storages) < len(list(model.parameters()))
-        if rank == 0:
-            torch.save(_grads(model), f"{workdir}/grads.pt")
-    finally:
-        dist.destroy_process_group()
+    model = _train_my_half(rank, source, batches)
+    # As measured: the gradients are views of DDP's buckets (fewer storages than params).
+    assert model.gradient_as_bucket_view
+    storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(storages) < len(list(model.parameters()))
+    if rank == 0:
+        torch.save(_grads(model), f"{workdir}/grads.pt")
 
 
 def _fsdp_rank(
-    rank: int, source: str, batches: list[dict[str, torch.Tensor]], workdir: str
+    rank: int, workdir: str, source: str, batches: list[dict[str, torch.Tensor]]
 ) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=2)
-    try:
-        model = _train_my_half(rank, source, batches)
-        # As measured: every parameter and gradient is this rank's shard (FSDP2's DTensors).
-        assert all(type(p.grad).__name__ == "DTensor" for p in model.parameters())
-        grads = {
-            name.replace(".block.", "."): p.grad.full_tensor()  # a collective: on both ranks
-            for name, p in model.named_parameters()
-        }
-        if rank == 0:
-            torch.save(grads, f"{workdir}/grads.pt")
-    finally:
-        dist.destroy_process_group()
+    model = _train_my_half(rank, source, batches)
+    # As measured: every parameter and gradient is this rank's shard (FSDP2's DTensors).
+    assert all(type(p.grad).__name__ == "DTensor" for p in model.parameters())
+    grads = {
+        name.replace(".block.", "."): p.grad.full_tensor()  # a collective: on both ranks
+        for name, p in model.named_parameters()
+    }
+    if rank == 0:
+        torch.save(grads, f"{workdir}/grads.pt")
 
 
 @pytest.mark.slow
@@ -566,7 +558,7 @@ def test_sharded_loop_on_two_gloo_ranks_matches_the_full_batch(tmp_path: Path) -
     ).pytorch_loop
     batches = _token_batches(2 * accumulation, b, seed=5)
     batches.sort(key=lambda mb: int((mb["labels"] != IGNORE_INDEX).sum()))
-    spawn(_fsdp_rank, args=(source, batches, str(tmp_path)), nprocs=2, join=True)  # type: ignore[no-untyped-call]
+    spawn(run_gloo_rank, args=(_fsdp_rank, str(tmp_path), source, batches), nprocs=2, join=True)  # type: ignore[no-untyped-call]
 
     torch.manual_seed(0)
     reference = CausalToyLM()
@@ -622,7 +614,7 @@ def test_token_loop_on_two_ddp_ranks_matches_the_full_batch(tmp_path: Path) -> N
     source = _exports(_rec(b, accumulation, world=2, checkpointing=True)).pytorch_loop
     batches = _token_batches(2 * accumulation, b, seed=4)
     batches.sort(key=lambda mb: int((mb["labels"] != IGNORE_INDEX).sum()))
-    spawn(_ddp_rank, args=(source, batches, str(tmp_path)), nprocs=2, join=True)  # type: ignore[no-untyped-call]
+    spawn(run_gloo_rank, args=(_ddp_rank, str(tmp_path), source, batches), nprocs=2, join=True)  # type: ignore[no-untyped-call]
 
     torch.manual_seed(0)
     reference = CausalToyLM()

@@ -25,6 +25,7 @@ from autotune.engine.runner import InProcessRunner
 from autotune.engine.step import TrainingStep
 from autotune.engine.tracker import CUDA_BLOCK_BYTES, LiveBytesTracker
 from autotune.engine.workload import Workload
+from tests.autotune_tests.gloo import run_gloo_rank
 
 # The real ranks are spawned once for the module, on one xdist worker.
 pytestmark = pytest.mark.xdist_group("real-ddp")
@@ -88,32 +89,28 @@ def _tracker(model: nn.Module) -> LiveBytesTracker:
     return tracker
 
 
-def _real_rank(rank: int, workdir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=2)
-    try:
-        results = {}
-        for view, accumulation in CONFIGS:
-            torch.manual_seed(0)
-            model = Net()
-            tracker = _tracker(model)
-            with tracker:
-                ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=view)
-                # The constructor's broadcast of the module's state runs asynchronously, and its
-                # coalesced buffer lives until the work is done and collected: on a loaded
-                # machine one rank still held it when the first step began (flaky by 1.5 MiB).
-                dist.barrier()
-                gc.collect()
+def _real_rank(rank: int, workdir: str) -> None:  # run by run_gloo_rank
+    results = {}
+    for view, accumulation in CONFIGS:
+        torch.manual_seed(0)
+        model = Net()
+        tracker = _tracker(model)
+        with tracker:
+            ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=view)
+            # The constructor's broadcast of the module's state runs asynchronously, and its
+            # coalesced buffer lives until the work is done and collected: on a loaded
+            # machine one rank still held it when the first step began (flaky by 1.5 MiB).
+            dist.barrier()
+            gc.collect()
 
-                def micro_batch(
-                    first: bool, sync: bool, ddp: nn.Module = ddp
-                ) -> contextlib.AbstractContextManager[object]:
-                    assert isinstance(ddp, nn.parallel.DistributedDataParallel)
-                    return contextlib.nullcontext() if sync else ddp.no_sync()
+            def micro_batch(
+                first: bool, sync: bool, ddp: nn.Module = ddp
+            ) -> contextlib.AbstractContextManager[object]:
+                assert isinstance(ddp, nn.parallel.DistributedDataParallel)
+                return contextlib.nullcontext() if sync else ddp.no_sync()
 
-                results[view, accumulation] = _train(ddp, micro_batch, accumulation, tracker)
-        torch.save(results, f"{workdir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+            results[view, accumulation] = _train(ddp, micro_batch, accumulation, tracker)
+    torch.save(results, f"{workdir}/rank{rank}.pt")
 
 
 def _emulated(view: bool | None, accumulation: int) -> tuple[StepBytes, EmulatedReducer | None]:
@@ -142,7 +139,7 @@ def real_ddp(tmp_path_factory: pytest.TempPathFactory) -> RealRanks:
     So the ranks are not compared with each other; a step a real rank holds is what either
     rank held, and the tests ask that the emulated step be one of them."""
     workdir = tmp_path_factory.mktemp("ddp")
-    spawn(_real_rank, args=(str(workdir),), nprocs=2, join=True)  # type: ignore[no-untyped-call]
+    spawn(run_gloo_rank, args=(_real_rank, str(workdir)), nprocs=2, join=True)  # type: ignore[no-untyped-call]
     return [torch.load(Path(workdir) / f"rank{r}.pt") for r in (0, 1)]
 
 

@@ -19,6 +19,7 @@ from autotune.engine.estimate import EstimateRunner
 from autotune.engine.runner import InProcessRunner
 from autotune.engine.sharding import blocks
 from autotune.engine.tracker import local_tensor
+from tests.autotune_tests.gloo import run_gloo_rank
 
 pytestmark = pytest.mark.xdist_group("real-fsdp")
 
@@ -93,20 +94,16 @@ def _collectives_on_untracked_buffers() -> None:
     dist.reduce_scatter_single = reduce_scatter_single  # type: ignore[assignment]
 
 
-def _real_rank(rank: int, workdir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=2)
-    try:
-        _collectives_on_untracked_buffers()
-        # The training step finds the launched job's process group and shards over it.
-        torch.save({sharding: _trials(sharding) for sharding in CHECKED}, f"{workdir}/{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _real_rank(rank: int, workdir: str) -> None:  # run by run_gloo_rank
+    _collectives_on_untracked_buffers()
+    # The training step finds the launched job's process group and shards over it.
+    torch.save({sharding: _trials(sharding) for sharding in CHECKED}, f"{workdir}/{rank}.pt")
 
 
 @pytest.fixture(scope="module")
 def real_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Peaks]]:
     workdir = tmp_path_factory.mktemp("fsdp")
-    spawn(_real_rank, args=(str(workdir),), nprocs=2, join=True)  # type: ignore[no-untyped-call]
+    spawn(run_gloo_rank, args=(_real_rank, str(workdir)), nprocs=2, join=True)  # type: ignore[no-untyped-call]
     return [torch.load(Path(workdir) / f"{rank}.pt") for rank in (0, 1)]
 
 
