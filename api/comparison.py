@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 from api.errors import NoComparison
 from api.runstore import get_run
 from api.tables import RunRow
-from autotune.core.gpus import Gpu, UnknownGpu, find_gpu
+from autotune.core.gpus.catalogue import Gpu, UnknownGpu, find_gpu
 from autotune.remote.protocol import (
     Comparison,
     CudaTarget,

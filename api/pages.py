@@ -30,7 +30,7 @@ from api.errors import ApiError, Forbidden, InvalidToken, NoComparison, RunNotFo
 from api.run_plots import capacity_bytes, latest_attempts, memory_chart, throughput_chart
 from autotune.core.bytesize import format_bytes
 from autotune.core.exports import render_exports
-from autotune.core.gpus import GPUS
+from autotune.core.gpus.catalogue import GPUS
 from autotune.core.schemas import checkpointing_label
 from autotune.remote.protocol import MAX_INT, Run, RunCreate, RunStatus, fingerprint
 

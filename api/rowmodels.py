@@ -14,7 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from api.tables import AttemptRow, ModeRow, RunRow, TrialRow
-from autotune.core.gpus import find_gpu
+from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.schemas import ModeProbe, StepOutcome, Trial
 from autotune.remote.protocol import (
     API_PREFIX,

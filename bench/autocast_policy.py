@@ -2,9 +2,9 @@
 
 For the zoo's small presets and two Hugging Face configs of the same size, in bf16 and fp16,
 without and with checkpointing, this runs real steps on the emulated GPU twice: with torch's CPU
-autocast lists (what the emulated GPU used before `autotune.engine.autocast`) and with CUDA's
-policy. It reports the peak at a fixed micro-batch and the probe's maximum at one capacity, and
-writes bench/results/autocast_policy.{json,md}.
+autocast lists (what the emulated GPU used before `autotune.engine.emulation.autocast`) and with
+CUDA's policy. It reports the peak at a fixed micro-batch and the probe's maximum at one capacity,
+and writes bench/results/autocast_policy.{json,md}.
 
     .venv/bin/python bench/autocast_policy.py [--quick]
 """
@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-import autotune.engine.step as step_module
+import autotune.engine.training.step as step_module
 from autotune.core.schemas import Spec
-from autotune.engine.device import EmulatedDevice
+from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.probe import probe_mode
 from autotune.engine.runner import InProcessRunner
 

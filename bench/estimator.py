@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
-from autotune.core.cuda_reserve import budget_for
-from autotune.core.gpus import find_gpu
+from autotune.core.gpus.catalogue import find_gpu
+from autotune.core.gpus.cuda_reserve import budget_for
 from autotune.core.presets import PRESETS
 from autotune.core.schemas import Phase, ProbeResult, Spec
-from autotune.engine.device import EmulatedDevice
+from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.estimate import EstimateRunner
 from autotune.engine.fit_points import TracedFitPoints
 from autotune.engine.probe import probe_session

@@ -33,14 +33,14 @@ from typing import Any
 
 import torch
 
-from autotune.core.cuda_reserve import budget_for
-from autotune.core.gpus import find_gpu
+from autotune.core.gpus.catalogue import find_gpu
+from autotune.core.gpus.cuda_reserve import budget_for
 from autotune.core.presets import PRESETS
 from autotune.core.schemas import ModeProbe, Spec
-from autotune.engine.autocast import cuda_autocast_policy
-from autotune.engine.device import EmulatedDevice
+from autotune.engine.devices.device import EmulatedDevice
+from autotune.engine.emulation.autocast import cuda_autocast_policy
+from autotune.engine.emulation.tracker import resident_tensors
 from autotune.engine.probe import probe
-from autotune.engine.tracker import resident_tensors
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RESULTS_JSON = RESULTS / "fidelity.json"
@@ -220,8 +220,8 @@ def _autocast(precision: str) -> Iterator[None]:
     if precision == "fp32":
         yield
         return
-    # CUDA's op lists on CPU tensors (autotune.engine.autocast). The 16-bit tensors are bf16:
-    # they are as large as fp16 ones, CUDA's lists are the same for both, and this CPU has no
+    # CUDA's op lists on CPU tensors (autotune.engine.emulation.autocast). The 16-bit tensors are
+    # bf16: they are as large as fp16 ones, CUDA's lists are the same for both, and this CPU has no
     # fp16 matrix units (an fp16 step of bert-large did not finish in 11 minutes, fp32 takes 1.5).
     with cuda_autocast_policy(), torch.autocast("cpu", dtype=torch.bfloat16):
         yield

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from estimator import LLAMA_3_8B  # bench/ is the script's directory
 
-from autotune.core.cuda_reserve import budget_for
-from autotune.core.gpus import find_gpu
+from autotune.core.gpus.catalogue import find_gpu
+from autotune.core.gpus.cuda_reserve import budget_for
 from autotune.core.presets import PRESETS, DecoderPreset
 from autotune.core.schemas import Spec
 from autotune.core.search import fewest_fitting

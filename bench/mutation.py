@@ -56,21 +56,21 @@ TARGETS = {
     "leases": Target("api/leases.py", ("tests/api_tests/test_worker_protocol.py",)),
     "search": Target("autotune/core/search.py", ("tests/autotune_tests/core/test_search.py",)),
     "tracker": Target(
-        "autotune/engine/tracker.py",
+        "autotune/engine/emulation/tracker.py",
         (
-            "tests/autotune_tests/engine/test_tracker.py",
-            "tests/autotune_tests/engine/test_device.py",
-            "tests/autotune_tests/engine/test_out_of_memory.py",
+            "tests/autotune_tests/engine/emulation/test_tracker.py",
+            "tests/autotune_tests/engine/devices/test_device.py",
+            "tests/autotune_tests/engine/devices/test_out_of_memory.py",
         ),
     ),
     # The step's callers test it too: the workloads, CUDA's autocast policy, data parallelism.
     "step": Target(
-        "autotune/engine/step.py",
+        "autotune/engine/training/step.py",
         (
-            "tests/autotune_tests/engine/test_step.py",
-            "tests/autotune_tests/engine/test_workload.py",
-            "tests/autotune_tests/engine/test_autocast.py",
-            "tests/autotune_tests/engine/test_data_parallel.py",
+            "tests/autotune_tests/engine/training/test_step.py",
+            "tests/autotune_tests/engine/training/test_workload.py",
+            "tests/autotune_tests/engine/emulation/test_autocast.py",
+            "tests/autotune_tests/engine/training/test_data_parallel.py",
         ),
     ),
 }

@@ -27,7 +27,7 @@ import torch
 from autotune.core.presets import PRESETS
 from autotune.core.schemas import Spec
 from autotune.core.search import StepOutcome, find_max_micro_batch
-from autotune.engine.device import EmulatedDevice
+from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.runner import InProcessRunner
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -29,7 +29,7 @@ import torch
 from autotune.core.candidates import Candidate, enumerate_candidates
 from autotune.core.schemas import DeviceInfo, Spec, TrialState
 from autotune.core.throughput import Measurement
-from autotune.engine.device import EmulatedDevice, StepOutcome
+from autotune.engine.devices.device import EmulatedDevice, StepOutcome
 from autotune.engine.runner import InProcessRunner
 from autotune.engine.tuner import tune_session
 

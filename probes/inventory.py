@@ -2,10 +2,11 @@
 
 * "cpu": one emulated GPU of `--memory` bytes, or the named `--gpu` (its capacity for one rank:
   each run's trials open it for the run's world size);
-* "estimate": every GPU of the catalogue (`autotune.core.gpus`), estimated on fake tensors
-  (`autotune.engine.estimate`): no device is used, so one worker answers estimates for all;
+* "estimate": every GPU of the catalogue (`autotune.core.gpus.catalogue`), estimated on fake
+  tensors (`autotune.engine.estimate`): no device is used, so one worker answers estimates for
+  all;
 * "cuda": every GPU torch sees; "cuda:N": that one. Each is read in a child process through
-  `autotune.engine.cuda_device.CudaDevice` (NVML: name, UUID, total memory, driver and CUDA
+  `autotune.engine.devices.cuda_device.CudaDevice` (NVML: name, UUID, total memory, driver and CUDA
   versions; plus the torch version), so that no CUDA context lives on in the worker itself.
 """
 
@@ -15,9 +16,9 @@ import logging
 import os
 from dataclasses import dataclass
 
-from autotune.core.allocator_config import config_from_environ
 from autotune.core.bytesize import format_bytes
 from autotune.core.errors import SpecError
+from autotune.core.memory.allocator_config import config_from_environ
 from autotune.core.schemas import DeviceInfo, DeviceKind
 from probes.isolation import read_devices
 
@@ -28,8 +29,8 @@ INVENTORY_TIMEOUT_S = 120.0
 
 @dataclass(frozen=True)
 class WorkerDevice:
-    """A device this worker can run trials on: what it tells the server, and the
-    `autotune.engine.device.open_device` arguments a trial's child process opens it with."""
+    """A device this worker can run trials on: what it tells the server, and the arguments of
+    `autotune.engine.devices.device.open_device` a trial's child process opens it with."""
 
     info: DeviceInfo
     device_name: str
@@ -46,7 +47,7 @@ def estimate_inventory() -> list[WorkerDevice]:
     One small estimate is traced here: the first estimate in a process pays about 2 s of
     one-time work (lazy imports, fake-tensor caches), which would otherwise delay the first
     answer, the one a user long-polls for right after the server started."""
-    from autotune.core.gpus import GPUS
+    from autotune.core.gpus.catalogue import GPUS
     from autotune.core.schemas import ModelSpec, Spec
     from autotune.engine.estimate import EstimateRunner, estimate_device
 
@@ -68,7 +69,7 @@ def estimate_inventory() -> list[WorkerDevice]:
 def default_device_name(gpu: str | None = None) -> str:
     """ "cpu" for a named GPU; else "cuda" when NVML lists a GPU, else "cpu" (without touching
     CUDA here)."""
-    from autotune.engine.nvml import read_gpus
+    from autotune.engine.devices.nvml import read_gpus
 
     return "cpu" if gpu is not None or not read_gpus() else "cuda"
 
@@ -90,7 +91,7 @@ def read_inventory(
         logger.info("estimates for %d catalogue GPUs", len(devices))
         return devices
     if device_name == "cpu" or gpu is not None:
-        from autotune.engine.device import open_device  # refuses what cannot be opened
+        from autotune.engine.devices.device import open_device  # refuses what cannot be opened
 
         # What the trial children read from the environment they inherit from this worker.
         allocator_config = config_from_environ(os.environ)

@@ -12,7 +12,7 @@ one trial can never reach the worker or the next trial.
 
 What comes back:
 * a result: out-of-memory is still `fits=False` (or a None measurement), decided in the child
-  by `autotune.engine.device` as in one process;
+  by `autotune.engine.devices.device` as in one process;
 * an exception raised in the child: autotune's own errors as themselves, anything else as
   `TrialError` with the child's type name, message and traceback;
 * no answer (death by a signal, an exit without answering, the time limit): `TrialCrashed`.
@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
-from autotune.core.allocator_config import config_from_environ
 from autotune.core.errors import AutotuneError
+from autotune.core.memory.allocator_config import config_from_environ
 from autotune.core.schemas import DeviceInfo, DeviceKind, Spec, StepOutcome
 from autotune.core.throughput import Measurement
 from probes.errors import TrialCrashed, TrialError
@@ -186,7 +186,7 @@ def _become_expendable(worker_pid: int, spawned: bool) -> None:
 
 def _open_devices(device_name: str, memory_bytes: int | None) -> list[DeviceInfo]:
     """ "cuda" is every visible GPU; anything else the one device it names."""
-    from autotune.engine.device import open_device
+    from autotune.engine.devices.device import open_device
 
     allocator_config = config_from_environ(os.environ)  # the worker's, inherited
     if device_name == "cuda":
@@ -204,8 +204,8 @@ def _open_devices(device_name: str, memory_bytes: int | None) -> list[DeviceInfo
 def _perform(request: ChildRequest) -> object:
     if request.operation == "devices":
         return _open_devices(request.device_name, request.memory_bytes)
-    from autotune.engine.device import open_device
-    from autotune.engine.gpu_speed import timed_on_its_gpu
+    from autotune.engine.devices.device import open_device
+    from autotune.engine.emulation.gpu_speed import timed_on_its_gpu
     from autotune.engine.runner import InProcessRunner
 
     spec = Spec.model_validate_json(request.spec_json)
@@ -455,7 +455,7 @@ def read_devices(
     free memory must not live on in the worker, where it would take memory from every trial.
 
     Raises:
-        SpecError, DeviceError: as `autotune.engine.device.open_device`.
+        SpecError, DeviceError: as `autotune.engine.devices.device.open_device`.
     """
     request = ChildRequest(
         operation="devices",
@@ -474,7 +474,7 @@ class ChildProcessRunner:
 
     Args:
         spec: What to train.
-        device_name: "cpu" (emulated) or "cuda:N"; as `autotune.engine.device.open_device`.
+        device_name: "cpu" (emulated) or "cuda:N"; as `autotune.engine.devices.device.open_device`.
         memory_bytes: The emulated capacity, or a cap on a GPU's.
         gpu: The named GPU the cpu device emulates (instead of `memory_bytes`).
         timeout_s: Time limit of one child once started (model build, warm-up and the trial;

@@ -435,9 +435,9 @@ class Worker:
         runs and nothing is allocated, so there is no device state for a child to protect, and a
         child per trial would rebuild the model each time (seconds for an 8B model)."""
         if device.device_name == ESTIMATE_DEVICE:
-            from autotune.core.allocator_config import config_from_environ
-            from autotune.core.cuda_reserve import budget_for
-            from autotune.core.gpus import find_gpu
+            from autotune.core.gpus.catalogue import find_gpu
+            from autotune.core.gpus.cuda_reserve import budget_for
+            from autotune.core.memory.allocator_config import config_from_environ
             from autotune.engine.estimate import EstimateRunner
 
             assert device.gpu is not None

@@ -67,8 +67,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(autouse=True)
 def _no_fake_process_group_left() -> Iterator[None]:
     """A sharded trial makes a fake default process group in its process
-    (`autotune.engine.sharding`), which a process runs one spec with; tests share processes, and
-    the next one (a generated loop checking its world size) must not find it."""
+    (`autotune.engine.training.sharding`), which a process runs one spec with; tests share
+    processes, and the next one (a generated loop checking its world size) must not find it."""
     yield
     dist = sys.modules.get("torch.distributed")  # never imports torch for tests that do not
     if dist is not None and dist.is_initialized() and dist.get_backend() == "fake":

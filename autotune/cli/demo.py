@@ -112,7 +112,7 @@ def _device(memory: str) -> tuple[list[str], EmulatedTarget | CudaTarget, str]:
     import torch
 
     if torch.cuda.is_available():
-        from autotune.engine.nvml import read_gpus
+        from autotune.engine.devices.nvml import read_gpus
 
         gpus = read_gpus()
         if gpus:

@@ -12,20 +12,20 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn, TypeAlias
 
-from autotune.core.allocator_config import (
+from autotune.core.bytesize import parse_bytes
+from autotune.core.defaults import DEFAULT_SERVER_URL, ENV_SERVER_URL, ENV_TOKEN, EXIT_USAGE
+from autotune.core.errors import SpecError
+from autotune.core.gpus.catalogue import UnknownGpu, find_gpu
+from autotune.core.gpus.cuda_reserve import budget_for
+from autotune.core.memory.allocator_config import (
     AllocatorConfig,
     AllocatorConfigError,
     config_from_environ,
 )
-from autotune.core.bytesize import parse_bytes
-from autotune.core.cuda_reserve import budget_for
-from autotune.core.defaults import DEFAULT_SERVER_URL, ENV_SERVER_URL, ENV_TOKEN, EXIT_USAGE
-from autotune.core.errors import SpecError
-from autotune.core.gpus import UnknownGpu, find_gpu
 
 if TYPE_CHECKING:
     from autotune.core.schemas import Spec
-    from autotune.engine.device import Device
+    from autotune.engine.devices.device import Device
     from autotune.engine.probe import FitTracer
     from autotune.engine.runner import TrialRunner
 
@@ -153,7 +153,7 @@ def open_device(args: argparse.Namespace, *, world_size: int = 1) -> Device:
     """
     import torch
 
-    from autotune.engine.device import open_device as open_named_device
+    from autotune.engine.devices.device import open_device as open_named_device
 
     name: str | None = args.device
     if name is None:

@@ -64,7 +64,7 @@ def parse_device(text: str) -> EmulatedTarget | CudaTarget:
 
 
 def _local_gpu_target() -> CudaTarget:
-    from autotune.engine.nvml import read_gpus
+    from autotune.engine.devices.nvml import read_gpus
 
     gpus = read_gpus()
     if not gpus:

@@ -71,7 +71,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.spec)
     target_global_batch = spec.training.required_target_global_batch()
-    from autotune.engine.gpu_speed import timed_on_its_gpu
+    from autotune.engine.emulation.gpu_speed import timed_on_its_gpu
 
     # On an emulated named GPU, samples/s are that GPU's (roofline), not this CPU's.
     runner = timed_on_its_gpu(open_runner(args, spec))

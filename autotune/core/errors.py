@@ -6,7 +6,7 @@
   |  + FactoryRefused     a worker was not started to allow this factory's module
   + DeviceError          the requested device does not exist or cannot be read
 
-Out-of-memory is *not* an error here: `autotune.engine.device` turns it into `fits=False`.
+Out-of-memory is *not* an error here: `autotune.engine.devices.device` turns it into `fits=False`.
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ it uses `gradient_checkpointing`, the one name every release before v6 accepts. 
 text states which rule applied.
 
 Data parallel (world size > 1): the recommendation was measured for torch DDP with
-`gradient_as_bucket_view=True` (`autotune.engine.data_parallel`). The PyTorch loop and Lightning
-set it, the Hugging Face text shows where to set it (no `TrainingArguments` key does), and the
-Axolotl and DeepSpeed texts say what their runs hold instead
+`gradient_as_bucket_view=True` (`autotune.engine.training.data_parallel`). The PyTorch loop and
+Lightning set it, the Hugging Face text shows where to set it (no `TrainingArguments` key does),
+and the Axolotl and DeepSpeed texts say what their runs hold instead
 (docs/design.md#data-parallel).
 """
 

@@ -1,7 +1,7 @@
 """The built-in model zoo as data: names and architecture sizes, torch-free.
 
-`autotune.engine.zoo` turns these into `nn.Module`s; the API validates preset names against this
-catalogue without importing torch.
+`autotune.engine.training.zoo` turns these into `nn.Module`s; the API validates preset names
+against this catalogue without importing torch.
 """
 
 from __future__ import annotations

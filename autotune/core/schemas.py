@@ -62,7 +62,7 @@ class OptimizerName(StrEnum):
     ADAMW = "adamw"
     SGD = "sgd"  # with momentum, so it keeps one state tensor per parameter like real runs
     ADAFACTOR = "adafactor"
-    # bitsandbytes' AdamW8bit, whose state sizes autotune.engine.adamw_8bit allocates
+    # bitsandbytes' AdamW8bit, whose state sizes autotune.engine.training.adamw_8bit allocates
     ADAMW_8BIT = "adamw8bit"
 
 
@@ -87,7 +87,9 @@ class ModelSpec(FrozenModel):
     factory: str | None = Field(
         default=None,
         max_length=MODEL_LABEL_MAX,
-        description='"package.module:function" returning an autotune.engine.workload.Workload.',
+        description=(
+            '"package.module:function" returning an autotune.engine.training.workload.Workload.'
+        ),
     )
 
     @model_validator(mode="after")
@@ -354,7 +356,7 @@ class SpeedSource(StrEnum):
 
 class CudaReserve(FrozenModel):
     """What CUDA takes on a named GPU besides the training step's own tensors, and where it
-    sits (`autotune.core.cuda_reserve`, docs/design.md#named-gpus-and-what-cuda-takes)."""
+    sits (`autotune.core.gpus.cuda_reserve`, docs/design.md#named-gpus-and-what-cuda-takes)."""
 
     context_bytes: int = Field(
         ge=0,
@@ -389,8 +391,8 @@ ALLOCATOR_CONF_MAX = 1000  # characters of a canonical PYTORCH_ALLOC_CONF
 
 class DeviceInfo(FrozenModel):
     """Identity and memory of the device a result was measured on. An emulated named GPU also
-    says which GPU (`gpu`, a catalogue name of `autotune.core.gpus`), what CUDA takes on it
-    (`reserve`) and every assumption behind its capacity (`assumptions`)."""
+    says which GPU (`gpu`, a catalogue name of `autotune.core.gpus.catalogue`), what CUDA takes on
+    it (`reserve`) and every assumption behind its capacity (`assumptions`)."""
 
     kind: DeviceKind
     name: str = Field(max_length=DEVICE_NAME_MAX)
@@ -459,7 +461,7 @@ class StepOutcome(FrozenModel):
     # Live bytes after every op of a complete tracked step, for the search's per-op fit. It stays
     # in the process that measured it (and its parent, which unpickles it): never serialised.
     series: tuple[int, ...] | None = Field(default=None, exclude=True, repr=False)
-    # The step's allocations and frees in order, encoded as autotune.core.allocation_trace
+    # The step's allocations and frees in order, encoded as autotune.core.memory.allocation_trace
     # reads them, for the search's replay through the allocator model; kept like `series`.
     allocations: tuple[int, ...] | None = Field(default=None, exclude=True, repr=False)
 

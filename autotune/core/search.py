@@ -58,8 +58,8 @@ from dataclasses import dataclass
 from enum import Enum
 from itertools import pairwise
 
-from autotune.core.allocation_trace import AllocationModel
-from autotune.core.allocator_config import AllocatorConfig
+from autotune.core.memory.allocation_trace import AllocationModel
+from autotune.core.memory.allocator_config import AllocatorConfig
 from autotune.core.schemas import StepOutcome
 
 logger = logging.getLogger(__name__)

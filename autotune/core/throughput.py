@@ -1,7 +1,7 @@
 """Throughput of one (micro-batch, accumulation) configuration: warm-up, then complete optimizer
 steps timed with `time.perf_counter` between two device synchronisations.
 
-Meant for `autotune.engine.step.TrainingStep` (any object with its `run(micro_batch,
+Meant for `autotune.engine.training.step.TrainingStep` (any object with its `run(micro_batch,
 accumulation_steps)` works). This module imports no torch itself, so the study and its tests
 stay torch-free. Out-of-memory is not caught here: the device layer owns it.
 """

@@ -1,2 +1,2 @@
-"""The torch side: models, the training step, the emulated and CUDA devices, the probe and the
-tuner."""
+"""The torch side. Orchestration lives here (the probe, the tuner, its study, trial runners and
+estimates); `devices/`, `emulation/` and `training/` hold what it orchestrates."""

@@ -8,7 +8,7 @@ kernels and the named GPU's reserve, on those fake tensors: an estimate and an e
 agree by construction, and the same search, recommendation and tuner run on top
 (docs/design.md#estimates-without-a-gpu).
 
-Speed is the roofline of every kernel of one step on the named GPU (`autotune.core.roofline`):
+Speed is the roofline of every kernel of one step on the named GPU (`autotune.core.gpus.roofline`):
 FLOPs from torch's formulas (`torch.utils.flop_counter`), bytes read and written from the
 shapes, and the stated efficiencies. Attention is counted as the fused kernel: SDPA runs as the
 CPU's flash kernel, whose FLOP formulas are torch's SDPA formulas, in a pass of its own.
@@ -34,11 +34,11 @@ from torch.utils.flop_counter import (
     sdpa_flop,
 )
 
-from autotune.core.allocator_config import AllocatorConfig
-from autotune.core.cuda_reserve import GpuBudget, budget_for
 from autotune.core.errors import SpecError
-from autotune.core.gpus import find_gpu
-from autotune.core.roofline import MathDtype, RooflineAssumptions, op_time_s
+from autotune.core.gpus.catalogue import find_gpu
+from autotune.core.gpus.cuda_reserve import GpuBudget, budget_for
+from autotune.core.gpus.roofline import MathDtype, RooflineAssumptions, op_time_s
+from autotune.core.memory.allocator_config import AllocatorConfig
 from autotune.core.schemas import (
     DeviceInfo,
     DeviceKind,
@@ -49,7 +49,7 @@ from autotune.core.schemas import (
     StepOutcome,
 )
 from autotune.core.throughput import Measurement
-from autotune.engine.device import EmulatedDevice
+from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.runner import InProcessRunner
 
 _aten = torch.ops.aten

@@ -21,10 +21,10 @@ import logging
 from collections.abc import Sequence
 from dataclasses import replace
 
-from autotune.core.allocator_config import parse_alloc_conf
-from autotune.core.cuda_reserve import GpuBudget, budget_for
 from autotune.core.errors import SpecError
-from autotune.core.gpus import UnknownGpu, find_gpu
+from autotune.core.gpus.catalogue import UnknownGpu, find_gpu
+from autotune.core.gpus.cuda_reserve import GpuBudget, budget_for
+from autotune.core.memory.allocator_config import parse_alloc_conf
 from autotune.core.schemas import DeviceInfo, DeviceKind, Precision, Spec, StepOutcome
 from autotune.engine.estimate import EstimateRunner
 from autotune.engine.runner import TrialRunner
@@ -117,8 +117,8 @@ def trace_fit_points(
 class TracedFitPoints:
     """A probe's `FitTracer` in this process: traces both modes once, on the session's device
     as it is after the warm-up (a CUDA device's capacity is final then). The factories it may
-    import are as `autotune.engine.workload.build_factory`'s (None: any, as the CLI runs the
-    user's own)."""
+    import are as `autotune.engine.training.workload.build_factory`'s (None: any, as the CLI runs
+    the user's own)."""
 
     def __init__(
         self, session: TrialRunner, *, allowed_factory_prefixes: Sequence[str] | None = None

@@ -13,9 +13,9 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from autotune.core.allocation_trace import AllocationModel
-from autotune.core.allocator_config import AllocatorConfig, parse_alloc_conf
 from autotune.core.errors import SpecError
+from autotune.core.memory.allocation_trace import AllocationModel
+from autotune.core.memory.allocator_config import AllocatorConfig, parse_alloc_conf
 from autotune.core.schemas import (
     DeviceInfo,
     ModeProbe,
@@ -25,7 +25,7 @@ from autotune.core.schemas import (
     TracedFit,
 )
 from autotune.core.search import PeakModel, SearchResult, find_max_micro_batch, live_budget_bytes
-from autotune.engine.device import Device
+from autotune.engine.devices.device import Device
 from autotune.engine.runner import InProcessRunner, TrialRunner
 
 logger = logging.getLogger(__name__)

@@ -15,9 +15,9 @@ from typing import Protocol
 
 from autotune.core.schemas import DeviceInfo, Phase, Spec, StepOutcome
 from autotune.core.throughput import Measurement, measure_throughput
-from autotune.engine.device import Device
-from autotune.engine.step import TrainingStep
-from autotune.engine.workload import build_workload
+from autotune.engine.devices.device import Device
+from autotune.engine.training.step import TrainingStep
+from autotune.engine.training.workload import build_workload
 
 
 class TrialRunner(Protocol):
@@ -86,7 +86,7 @@ class InProcessRunner:
         allowed_factory_prefixes: Sequence[str] | None = None,
         keeps_state: bool = True,
     ) -> None:
-        """`allowed_factory_prefixes`: see `autotune.engine.workload.build_factory`.
+        """`allowed_factory_prefixes`: see `autotune.engine.training.workload.build_factory`.
         `keeps_state`: the session outlives an out-of-memory inside `optimizer.step()`, so the
         warm-up snapshots the model and optimizer state to host memory to undo it. A process
         that exits after one trial passes False: the copy would cost host memory the size of

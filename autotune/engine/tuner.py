@@ -30,7 +30,7 @@ from autotune.core.schemas import (
     TuneResult,
 )
 from autotune.core.search import fewest_fitting, find_max_micro_batch
-from autotune.engine.device import Device
+from autotune.engine.devices.device import Device
 from autotune.engine.probe import (
     AttemptCallback,
     FitTracer,

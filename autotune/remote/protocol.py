@@ -28,9 +28,13 @@ from pydantic import (
     model_validator,
 )
 
-from autotune.core.allocator_config import AllocatorConfigError, canonical_conf, parse_alloc_conf
 from autotune.core.bytesize import parse_bytes
-from autotune.core.gpus import UnknownGpu, find_gpu
+from autotune.core.gpus.catalogue import UnknownGpu, find_gpu
+from autotune.core.memory.allocator_config import (
+    AllocatorConfigError,
+    canonical_conf,
+    parse_alloc_conf,
+)
 from autotune.core.schemas import (
     ALLOCATOR_CONF_MAX,
     DEVICE_NAME_MAX,
@@ -137,8 +141,8 @@ AllocatorConf = Annotated[
 
 class EmulatedTarget(FrozenModel):
     """A CPU worker that emulates a GPU: of `memory_bytes` (what the step's tensors may use), or
-    the named `gpu` of `autotune.core.gpus` (its memory less what CUDA takes on it). Exactly one
-    of the two."""
+    the named `gpu` of `autotune.core.gpus.catalogue` (its memory less what CUDA takes on it).
+    Exactly one of the two."""
 
     kind: Literal["emulated"] = "emulated"
     memory_bytes: MemoryBytes | None = None
@@ -212,9 +216,9 @@ class CudaTarget(_UnsetLeftOut):
 
 
 class EstimateTarget(_UnsetLeftOut):
-    """An estimate for the named `gpu` of `autotune.core.gpus`: the emulated GPU's step traced on
-    fake tensors (`autotune.engine.estimate`), no device needed; speed by roofline. Its answers
-    are never a measurement's: a run of this target answers only estimate requests."""
+    """An estimate for the named `gpu` of `autotune.core.gpus.catalogue`: the emulated GPU's step
+    traced on fake tensors (`autotune.engine.estimate`), no device needed; speed by roofline. Its
+    answers are never a measurement's: a run of this target answers only estimate requests."""
 
     kind: Literal["estimate"] = "estimate"
     gpu: GpuName

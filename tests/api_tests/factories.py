@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from autotune.core.cuda_reserve import budget_for
 from autotune.core.exports import build_exports
-from autotune.core.gpus import find_gpu
+from autotune.core.gpus.catalogue import find_gpu
+from autotune.core.gpus.cuda_reserve import budget_for
 from autotune.core.schemas import (
     DeviceInfo,
     DeviceKind,

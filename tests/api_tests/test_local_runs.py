@@ -6,10 +6,10 @@ from __future__ import annotations
 import optuna
 
 from api.local import record_local_run, target_for
-from autotune.core.cuda_reserve import budget_for
-from autotune.core.gpus import find_gpu
+from autotune.core.gpus.catalogue import find_gpu
+from autotune.core.gpus.cuda_reserve import budget_for
 from autotune.core.schemas import Spec
-from autotune.engine.device import EmulatedDevice, open_device
+from autotune.engine.devices.device import EmulatedDevice, open_device
 from autotune.engine.tuner import tune
 from autotune.remote.client import ServerClient
 from autotune.remote.protocol import EmulatedTarget, RunStatus

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from autotune.core.gpus import find_gpu
+from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.schemas import ModelSpec, Spec, TrainingSpec
 from autotune.remote.protocol import (
     AttemptEvent,

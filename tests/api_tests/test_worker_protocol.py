@@ -7,8 +7,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from api.settings import Settings
-from autotune.core.cuda_reserve import budget_for
-from autotune.core.gpus import find_gpu
+from autotune.core.gpus.catalogue import find_gpu
+from autotune.core.gpus.cuda_reserve import budget_for
 from autotune.core.schemas import DeviceInfo, Spec
 from autotune.remote.client import LeaseLost, RequestRejected, ServerClient
 from autotune.remote.protocol import CudaTarget, EmulatedTarget, EstimateTarget, RunStatus

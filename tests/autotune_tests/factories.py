@@ -13,14 +13,14 @@ from torch import nn
 
 from autotune.core.presets import DecoderPreset
 from autotune.core.schemas import TrainingSpec
-from autotune.engine.workload import (
+from autotune.engine.training.workload import (
     IGNORE_INDEX,
     Batch,
     Workload,
     causal_lm_loss_sum,
     count_label_tokens,
 )
-from autotune.engine.zoo import build_model
+from autotune.engine.training.zoo import build_model
 
 TINY_VOCAB = 64
 # A transformers Llama small enough for a test (the `hf` extra builds it with random weights).

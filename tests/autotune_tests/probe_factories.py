@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from autotune.core.schemas import TrainingSpec
-from autotune.engine.workload import Workload
+from autotune.engine.training.workload import Workload
 
 
 class _Raising(nn.Module):

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from autotune.core.schemas import ModelSpec, Spec, TrainingSpec
-from autotune.engine.workload import Workload
+from autotune.engine.training.workload import Workload
 
 HIDDEN = 4096
 CLASSES = 10

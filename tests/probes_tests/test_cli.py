@@ -45,8 +45,8 @@ def test_a_named_gpu_is_one_of_memory_or_gpu_and_must_be_known(
 
 
 def test_the_inventory_of_a_named_gpu_offers_it_for_one_rank() -> None:
-    from autotune.core.cuda_reserve import budget_for
-    from autotune.core.gpus import find_gpu
+    from autotune.core.gpus.catalogue import find_gpu
+    from autotune.core.gpus.cuda_reserve import budget_for
     from probes.inventory import default_device_name, read_inventory
 
     assert default_device_name("T4") == "cpu"
@@ -59,7 +59,7 @@ def test_the_inventory_of_a_named_gpu_offers_it_for_one_rank() -> None:
 def test_the_estimate_inventory_offers_every_catalogue_gpu(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from autotune.core.gpus import GPUS
+    from autotune.core.gpus.catalogue import GPUS
     from autotune.core.schemas import DeviceKind
     from probes.inventory import read_inventory
 

@@ -18,7 +18,7 @@ import pytest
 
 from autotune.core.errors import FactoryRefused, ModelBuildError
 from autotune.core.schemas import ModelSpec, Spec, SpeedSource, TrainingSpec
-from autotune.engine.device import open_device
+from autotune.engine.devices.device import open_device
 from autotune.engine.fit_points import tracer_for
 from autotune.engine.probe import probe_session
 from autotune.engine.runner import InProcessRunner
@@ -422,7 +422,7 @@ _PEAK_RSS = textwrap.dedent(
     """
     import json, resource, sys
     from autotune.core.schemas import ModelSpec, Spec, TrainingSpec
-    from autotune.engine.device import open_device
+    from autotune.engine.devices.device import open_device
     from autotune.engine.runner import InProcessRunner
     from probes.isolation import ChildProcessRunner
 

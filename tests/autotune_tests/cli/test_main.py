@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from autotune.cli.main import main
-from autotune.core.cuda_reserve import budget_for
-from autotune.core.gpus import find_gpu
+from autotune.core.gpus.catalogue import find_gpu
+from autotune.core.gpus.cuda_reserve import budget_for
 
 # The probe run is shared (`probed`): the module's tests run in one xdist worker.
 # Whole probes through the CLI on one xdist worker (one group): started first, not the tail.

@@ -157,11 +157,11 @@ def test_a_broken_command_module_surfaces_its_own_error(tmp_path: Path) -> None:
 
 def test_a_broken_library_module_is_not_called_a_missing_extra(tmp_path: Path) -> None:
     """A ModuleNotFoundError naming our own package is our bug, never "install an extra"."""
-    blocked = {"autotune.engine.device": missing("autotune.engine.device")}
+    blocked = {"autotune.engine.devices.device": missing("autotune.engine.devices.device")}
     (tmp_path / "spec.yaml").write_text("model: {preset: mlp}\n")
     done = autotune(blocked, "probe", "spec.yaml", *MEMORY, cwd=tmp_path)
     assert done.returncode == 1
-    assert "ModuleNotFoundError: No module named 'autotune.engine.device'" in done.stderr
+    assert "ModuleNotFoundError: No module named 'autotune.engine.devices.device'" in done.stderr
     assert "pip install" not in done.stderr
 
 

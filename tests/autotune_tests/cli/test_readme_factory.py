@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from autotune.core.specfile import load_spec
-from autotune.engine.device import EmulatedDevice
+from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.runner import InProcessRunner
 
 README = Path(__file__).resolve().parents[3] / "README.md"

@@ -704,7 +704,7 @@ def test_a_spec_s_tf32_setting_is_exported_as_measured(tf32: bool) -> None:
 
 def test_the_training_step_sets_tf32_as_the_spec_says() -> None:
     from autotune.core.schemas import TrainingSpec
-    from autotune.engine.step import TrainingStep
+    from autotune.engine.training.step import TrainingStep
     from tests.autotune_tests.factories import tiny_lm
 
     before = (

@@ -11,7 +11,7 @@ import pytest
 from autotune.core.errors import FactoryRefused
 from autotune.core.factoryaccess import check_factory_allowed, is_factory_allowed, parse_prefix
 from autotune.core.schemas import ModelSpec, Spec, TrainingSpec
-from autotune.engine.workload import build_workload
+from autotune.engine.training.workload import build_workload
 
 
 @pytest.mark.parametrize(

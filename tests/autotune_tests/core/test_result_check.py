@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from autotune.core.result_check import check_result
 from autotune.core.schemas import Spec, TuneResult
 from autotune.core.throughput import Measurement
-from autotune.engine.device import EmulatedDevice
+from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.runner import InProcessRunner
 from autotune.engine.tuner import tune, tune_session
 from tests.api_tests.factories import attempt, cuda_device, emulated_device, tiny_spec, tune_result

@@ -19,8 +19,8 @@ from fractions import Fraction
 
 import pytest
 
-from autotune.core.allocation_trace import replay_encoded
-from autotune.core.allocator_config import AllocatorConfig, parse_alloc_conf
+from autotune.core.memory.allocation_trace import replay_encoded
+from autotune.core.memory.allocator_config import AllocatorConfig, parse_alloc_conf
 from autotune.core.search import (
     PeakModel,
     SearchResult,

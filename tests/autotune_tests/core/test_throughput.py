@@ -11,8 +11,8 @@ import torch
 
 from autotune.core.schemas import TrainingSpec
 from autotune.core.throughput import MIN_TIMED_STEPS, Measurement, measure_throughput
-from autotune.engine.step import TrainingStep
-from autotune.engine.tracker import LiveBytesTracker
+from autotune.engine.emulation.tracker import LiveBytesTracker
+from autotune.engine.training.step import TrainingStep
 from tests.autotune_tests.factories import tiny_classifier_without_checkpointing, tiny_lm
 
 CPU = torch.device("cpu")

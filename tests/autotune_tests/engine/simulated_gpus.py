@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from autotune.core.gpus import Gpu, find_gpu
+from autotune.core.gpus.catalogue import Gpu, find_gpu
 
 MiB = 2**20
 # Two SMs: a context of 212 MiB (208 MiB + 2 x 2048 threads x 1 KiB of stacks).

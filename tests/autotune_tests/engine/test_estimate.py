@@ -9,12 +9,12 @@ import time
 import pytest
 import torch
 
-from autotune.core.cuda_reserve import budget_for
 from autotune.core.errors import SpecError
-from autotune.core.gpus import find_gpu
+from autotune.core.gpus.catalogue import find_gpu
+from autotune.core.gpus.cuda_reserve import budget_for
 from autotune.core.presets import PRESETS
 from autotune.core.schemas import DeviceKind, Spec
-from autotune.engine.device import EmulatedDevice
+from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.estimate import EstimateRunner
 from autotune.engine.probe import probe_session
 from autotune.engine.runner import InProcessRunner

@@ -7,11 +7,12 @@ import logging
 
 import pytest
 
-from autotune.core.cuda_reserve import budget_for
-from autotune.core.gpus import find_gpu
+from autotune.core.gpus.catalogue import find_gpu
+from autotune.core.gpus.cuda_reserve import budget_for
 from autotune.core.schemas import DeviceInfo, ProbeResult
-from autotune.engine.cuda_device import CudaDevice
-from autotune.engine.device import EmulatedDevice, open_device
+from autotune.engine.devices.cuda_device import CudaDevice
+from autotune.engine.devices.device import EmulatedDevice, open_device
+from autotune.engine.devices.simulated_cuda import SimulatedCuda
 from autotune.engine.fit_points import (
     FIT_POINT_MICRO_BATCHES,
     TracedFitPoints,
@@ -20,9 +21,8 @@ from autotune.engine.fit_points import (
 )
 from autotune.engine.probe import probe_session
 from autotune.engine.runner import InProcessRunner
-from autotune.engine.simulated_cuda import SimulatedCuda
+from tests.autotune_tests.engine.devices.test_cuda_device import _tiny_lm_spec
 from tests.autotune_tests.engine.simulated_gpus import MiB, small_gpu
-from tests.autotune_tests.engine.test_cuda_device import _tiny_lm_spec
 from tests.autotune_tests.engine.test_probe import capacity_for_about_four, preset_spec
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from autotune.core.presets import PRESETS
 from autotune.core.schemas import Phase, Spec
-from autotune.engine.device import EmulatedDevice
+from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.probe import probe, run_step
 from autotune.engine.runner import InProcessRunner
 

@@ -13,7 +13,7 @@ import pytest
 
 from autotune.core.candidates import Candidate
 from autotune.core.schemas import Spec, TrialState, TuneResult
-from autotune.engine.device import EmulatedDevice
+from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.runner import InProcessRunner
 from autotune.engine.tuner import default_trial_budget, priority_candidates, tune
 from tests.probes_tests.factories import wide_spec

@@ -1,0 +1,173 @@
+"""A recorded sequence of allocations and frees, replayed through the caching-allocator model:
+what a device of a given size would reserve for it, and whether it runs out
+(docs/design.md#the-caching-allocator-model); and `AllocationModel`, the traces of one step fitted
+affinely in the micro-batch, which predicts by replay where a step runs out on reserved memory
+(docs/design.md#predicting-reserved-memory).
+
+A trace travels encoded as integers, as the tracker records it: a size >= 0 is a storage of that
+many bytes allocated, -(n + 1) the free of the storage allocated by event n.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from autotune.core.memory.allocator import (
+    AllocatorOutOfMemory,
+    AllocatorStats,
+    BlockId,
+    CachingAllocator,
+)
+from autotune.core.memory.allocator_config import AllocatorConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Alloc:
+    """A storage of `size_bytes` is allocated."""
+
+    size_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    """The storage allocated by the event at position `alloc_event` of the trace is freed."""
+
+    alloc_event: int
+
+
+Event = Alloc | Free
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayResult:
+    """The allocator's figures after the trace, or at the event that ran out.
+
+    Attributes:
+        stats: allocated, reserved, their peaks, retries, ... when the replay stopped.
+        out_of_memory: the out-of-memory that stopped it (None: the whole trace fits).
+        failed_event: the position of the allocation that ran out (None: none did).
+    """
+
+    stats: AllocatorStats
+    out_of_memory: AllocatorOutOfMemory | None = None
+    failed_event: int | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.out_of_memory is None
+
+
+def encode(events: Iterable[Event]) -> list[int]:
+    """The integer encoding of `events`."""
+    return [e.size_bytes if isinstance(e, Alloc) else -(e.alloc_event + 1) for e in events]
+
+
+def replay(
+    events: Iterable[Event], capacity_bytes: int, config: AllocatorConfig | None = None
+) -> ReplayResult:
+    """Replay `events` on a fresh allocator of `capacity_bytes`; stop at the first allocation
+    that runs out, as a training step would.
+
+    Raises:
+        ValueError: a `Free` names no earlier `Alloc`, or one already freed.
+    """
+    return replay_encoded(encode(events), capacity_bytes, config)
+
+
+def replay_encoded(
+    trace: Sequence[int], capacity_bytes: int, config: AllocatorConfig | None = None
+) -> ReplayResult:
+    """`replay` of an encoded trace."""
+    allocator = CachingAllocator(capacity_bytes, config)
+    live: dict[int, BlockId] = {}
+    for position, event in enumerate(trace):
+        if event >= 0:
+            try:
+                live[position] = allocator.malloc(event)
+            except AllocatorOutOfMemory as error:
+                return ReplayResult(allocator.stats, error, position)
+        else:
+            block = live.pop(-event - 1, None)
+            if block is None:
+                raise ValueError(
+                    f"event {position} frees event {-event - 1}, which holds no storage"
+                )
+            allocator.free(block)
+    return ReplayResult(allocator.stats)
+
+
+@dataclass(frozen=True)
+class AllocationModel:
+    """A step's allocations fitted on two encoded traces at micro-batches b1 < b2 (both >= 2)
+    with the same events in the same order: every allocation's size is affine in b (a tensor's
+    bytes are its batch-dependent elements times b plus the rest), so the trace at any b is
+    known, and replaying it says what the allocator reserves there and whether it runs out.
+
+    Sizes are stored as base + (b - b1) * delta / span, rounded up, so non-integer slopes stay
+    within a byte; frees carry a delta of 0.
+    """
+
+    base_micro_batch: int
+    span_micro_batches: int
+    base: tuple[int, ...]
+    delta_bytes: tuple[int, ...]
+
+    @classmethod
+    def fit(
+        cls, b1: int, trace1: Sequence[int], b2: int, trace2: Sequence[int]
+    ) -> AllocationModel | None:
+        """Fit on traces at `b1` < `b2`; None when their events differ (length, or which
+        allocation each free frees), they are empty, or `b1` < 2."""
+        if b2 <= b1:
+            raise ValueError(f"need b1 < b2, got b1={b1}, b2={b2}")
+        if b1 < 2 or len(trace1) != len(trace2) or not trace1:
+            return None
+        for event1, event2 in zip(trace1, trace2, strict=True):
+            if (event1 < 0 or event2 < 0) and event1 != event2:
+                return None
+        return cls(
+            base_micro_batch=b1,
+            span_micro_batches=b2 - b1,
+            base=tuple(trace1),
+            delta_bytes=tuple(
+                0 if e1 < 0 else e2 - e1 for e1, e2 in zip(trace1, trace2, strict=True)
+            ),
+        )
+
+    def trace(self, micro_batch: int) -> list[int]:
+        """The predicted encoded trace at `micro_batch`."""
+        steps, span = micro_batch - self.base_micro_batch, self.span_micro_batches
+        return [
+            event if event < 0 else max(0, -(-(event * span + steps * delta) // span))
+            for event, delta in zip(self.base, self.delta_bytes, strict=True)
+        ]
+
+    def replay(
+        self, micro_batch: int, capacity_bytes: int, config: AllocatorConfig | None = None
+    ) -> ReplayResult:
+        """The predicted step at `micro_batch` on a device of `capacity_bytes`."""
+        return replay_encoded(self.trace(micro_batch), capacity_bytes, config)
+
+    def max_micro_batch(
+        self,
+        capacity_bytes: int,
+        config: AllocatorConfig | None = None,
+        *,
+        low: int,
+        high: int,
+        budget_bytes: int | None = None,
+    ) -> int:
+        """The largest b in [low, high) whose predicted step fits on `capacity_bytes` (and
+        reserves at most `budget_bytes` there, if given), by bisection, taking `low` as fitting
+        (a step's memory is monotone in b, the search's assumption too); `low` itself when none
+        above it does."""
+        while high - low > 1:
+            middle = (low + high) // 2
+            predicted = self.replay(middle, capacity_bytes, config)
+            within = budget_bytes is None or predicted.stats.peak_reserved_bytes <= budget_bytes
+            if predicted.fits and within:
+                low = middle
+            else:
+                high = middle
+        return low

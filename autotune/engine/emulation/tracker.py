@@ -1,0 +1,373 @@
+"""The live-byte tracker: counts the tensor-storage bytes a training step keeps alive, op by op.
+
+`LiveBytesTracker` is a `TorchDispatchMode`. After every aten op it adds each output storage it has
+not seen before (rounded up like the CUDA caching allocator) and a weakref callback subtracts it
+when the storage dies. With a capacity it raises `torch.OutOfMemoryError` at the op that would
+exceed it, which is what turns a CPU step into an emulated GPU (`autotune.engine.devices.device`).
+Given the caching-allocator model (`autotune.core.memory.allocator`) it also mallocs every storage
+there and frees it when the storage dies, and the capacity is then the allocator's: out-of-memory
+comes when *reserved* memory would exceed it, as on a card. It labels every op with the training
+phase (forward, backward, optimizer) and can record the live bytes after every op for the per-op
+affine peak model.
+
+What a live-byte count leaves out of a GPU's memory: docs/design.md#what-it-does-not-model.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import weakref
+from collections.abc import Callable, Iterable
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.hooks import RemovableHandle
+
+from autotune.core.memory.allocator import (
+    NO_BLOCK,
+    AllocatorOutOfMemory,
+    BlockId,
+    CachingAllocator,
+)
+from autotune.core.schemas import Phase
+
+logger = logging.getLogger(__name__)
+
+_MiB = 2**20
+# The CUDA caching allocator hands out multiples of 512 bytes (c10/cuda/CUDACachingAllocator.cpp,
+# kMinBlockSize), so a tracker that stands in for a GPU rounds the same way.
+CUDA_BLOCK_BYTES = 512
+
+# Read once: `_current_graph_task_id` is -1 outside the autograd engine, so it tells backward
+# ops (including checkpoint recomputation) from forward ones at the cost of one C call per op.
+_current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+
+# Ops left uncounted, as if they were not there. record_function's enter/exit markers (the
+# optimizer's step and zero_grad open one) allocate nothing and would mislabel the phase at the
+# end of `step()`. A tensor's device query and the read of a scalar's value allocate nothing
+# either, and fake tensors (the estimate) make the one and cannot make the other, so counting
+# them would give an estimate other op series than the emulated GPU. Keyed by id because
+# OpOverload.__hash__ is a Python function and this test runs on every op.
+_UNCOUNTED_OP_IDS: frozenset[int] = frozenset(
+    id(op)
+    for op in (
+        torch.ops.profiler._record_function_enter.default,
+        torch.ops.profiler._record_function_enter_new.default,
+        torch.ops.profiler._record_function_exit.default,
+        torch.ops.profiler._record_function_exit._RecordFunction,
+        torch.ops.prim.device.default,
+        torch.ops.aten._local_scalar_dense.default,
+    )
+)
+
+
+class _StorageRef(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to one counted storage that remembers its key, its counted bytes and
+    its block in the allocator model (`NO_BLOCK` without one)."""
+
+    __slots__ = ("key", "counted_bytes", "block", "event")
+
+    key: int
+    counted_bytes: int
+    block: BlockId
+    event: int  # its allocation's position in `allocations` (-1: not recorded)
+
+
+# TorchDispatchMode's own methods carry no annotations, hence the no-untyped-call ignores.
+class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts live tensor-storage bytes and their peak while a step runs under `with tracker:`.
+
+    Args:
+        capacity_bytes: raise `torch.OutOfMemoryError` when live bytes would exceed this;
+            None only measures (or leaves the limit to `allocator`).
+        allocator: the caching allocator the storages live in: each new storage is malloc'd
+            from it and freed when it dies, and its out-of-memory (reserved memory past its
+            capacity, after freeing its cache and retrying) is raised as `torch.OutOfMemoryError`.
+        block_bytes: every storage is counted rounded up to a multiple of this (512 like the
+            CUDA caching allocator; 1 counts exact bytes).
+        record_series: keep the live bytes after every op in `series`, and every allocation
+            and free in `allocations` (encoded as `autotune.core.memory.allocation_trace` reads it:
+            a size for a storage allocated, -(n + 1) for the free of allocation event n).
+
+    Storages that exist before the step (parameters, gradients, optimizer state, buffers,
+    inputs) are invisible to a dispatch mode until an op returns them, so count them first
+    with `add_resident`. A storage is counted once however many tensors view it, and stops
+    counting when Python frees it. Use a new tracker per step: the peaks are never reset.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int | None,
+        *,
+        allocator: CachingAllocator | None = None,
+        block_bytes: int = CUDA_BLOCK_BYTES,
+        record_series: bool = False,
+    ) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        if block_bytes < 1:
+            raise ValueError(f"block_bytes must be >= 1, got {block_bytes}")
+        if capacity_bytes is not None and capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.allocator = allocator
+        self.block_bytes = block_bytes
+        self.record_series = record_series
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.phase = Phase.FORWARD
+        self.phase_peak_bytes: dict[Phase, int] = {}
+        self.series: list[int] = []
+        self.allocations: list[int] = []
+        self._active = False
+        self.op_count = 0
+        # id(storage) -> its weakref. The id is stable while the storage lives because torch
+        # preserves a storage's Python object as long as the C++ storage exists, and the
+        # weakref callback removes the entry before the id can be reused.
+        self._storages: dict[int, _StorageRef] = {}
+        # sys.maxsize rather than None keeps the per-op capacity check a single comparison.
+        self._limit_bytes = sys.maxsize if capacity_bytes is None else capacity_bytes
+        self._in_optimizer = False
+        self._hooks: list[RemovableHandle] = []
+        self._original_storage_resize: Any = None
+
+    # -------------------------------------------------------------------------------------
+    # Counting storages.
+
+    def add_resident(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count storages that already exist, and a tensor's `.grad` with it; dedupes by storage.
+
+        No capacity check here: what is resident before the step is the caller's business, and
+        the first op of the step raises if it already does not fit.
+        """
+        for tensor in tensors:
+            self._count(tensor)
+            grad = tensor.grad
+            if grad is not None:
+                self._count(grad)
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+
+    def _rounded(self, nbytes: int) -> int:
+        block = self.block_bytes
+        return -(-nbytes // block) * block
+
+    def _count(self, tensor: torch.Tensor) -> int:
+        """Count `tensor`'s storage if new (or its growth if resized); return the bytes added."""
+        try:
+            storage = local_tensor(tensor).untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            # Sparse and other storage-less layouts: nothing a dense allocator would hold.
+            return 0
+        key = id(storage)
+        ref = self._storages.get(key)
+        if ref is None:
+            # Malloc first: a storage the allocator refuses is never counted, and the op's
+            # outputs are released (and their blocks freed) as the exception unwinds.
+            block = self._malloc(storage.nbytes())
+            ref = _StorageRef(storage, self._release)
+            ref.key = key
+            ref.counted_bytes = self._rounded(storage.nbytes())
+            ref.block = block
+            ref.event = self._record_allocation(storage.nbytes())
+            self._storages[key] = ref
+            self.live_bytes += ref.counted_bytes
+            return ref.counted_bytes
+        # A known storage can only change size in place (resize_, set_, out= ops).
+        return self._resized(ref, storage.nbytes())
+
+    def _resized(self, ref: _StorageRef, nbytes: int) -> int:
+        """Account a known storage's new size; return the bytes it grew by (0 if it shrank)."""
+        counted_bytes = self._rounded(nbytes)
+        grown_bytes = counted_bytes - ref.counted_bytes
+        if grown_bytes and self.allocator is not None:
+            # A resized storage is a new allocation the data is copied into, then the old one is
+            # freed, growing or shrinking (`resize_bytes_cuda`, aten/src/ATen/native/cuda/
+            # Resize.cpp); a resize to 0 (how FSDP frees a parameter) mallocs nothing.
+            block = self._malloc(nbytes)
+            self.allocator.free(ref.block)
+            ref.block = block
+        if grown_bytes:
+            event = self._record_allocation(nbytes)
+            self._record_free(ref)
+            ref.event = event
+        if grown_bytes:
+            ref.counted_bytes = counted_bytes
+            self.live_bytes += grown_bytes
+        return max(grown_bytes, 0)
+
+    def _malloc(self, nbytes: int) -> BlockId:
+        if self.allocator is None:
+            return NO_BLOCK
+        try:
+            return self.allocator.malloc(nbytes)
+        except AllocatorOutOfMemory as error:
+            raise torch.OutOfMemoryError(_out_of_memory_message(error, self.phase)) from None
+
+    def _release(self, ref: weakref.ref[Any]) -> None:
+        # Runs when a counted storage is freed, whenever that is (mid-op, after the step, in gc).
+        assert isinstance(ref, _StorageRef)
+        if self._storages.pop(ref.key, None) is ref:
+            self.live_bytes -= ref.counted_bytes
+            if self.allocator is not None:
+                self.allocator.free(ref.block)
+            self._record_free(ref)
+
+    def _record_allocation(self, nbytes: int) -> int:
+        if not self.record_series:
+            return -1
+        self.allocations.append(nbytes)
+        return len(self.allocations) - 1
+
+    def _record_free(self, ref: _StorageRef) -> None:
+        # Only frees of recorded allocations, and only while the tracker is active: storages of
+        # the step that die after it (its outputs, in the caller's hands) are not the step's.
+        if ref.event >= 0 and self._active:
+            self.allocations.append(-(ref.event + 1))
+
+    def _count_outputs(self, out: object) -> int:
+        if isinstance(out, torch.Tensor):
+            return self._count(out)
+        if isinstance(out, (tuple, list)):
+            # Multi-output ops return tuples; foreach and fused optimizer ops return lists.
+            return sum(self._count_outputs(item) for item in out)
+        return 0
+
+    # -------------------------------------------------------------------------------------
+    # The per-op hook: keep it short, it runs for every op of every trial.
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if id(func) in _UNCOUNTED_OP_IDS:
+            return func(*args, **(kwargs or {}))
+        # The phase is decided before the op runs so that a real allocator failure inside the
+        # op is reported in the phase of the op that failed.
+        if self._in_optimizer:
+            phase = Phase.OPTIMIZER
+        elif _current_graph_task_id() != -1:
+            phase = Phase.BACKWARD
+        else:
+            phase = Phase.FORWARD
+        phase_changed = phase is not self.phase
+        self.phase = phase
+        live_before_bytes = self.live_bytes
+        out = func(*args, **(kwargs or {}))
+        added_bytes = self._count_outputs(out)
+        self.op_count += 1
+        live_bytes = self.live_bytes
+        if added_bytes and live_bytes > self._limit_bytes:
+            # The peak stays at what ran before this allocation; the outputs are already
+            # counted, and are subtracted when the exception releases them.
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory (emulated). Tried to allocate {added_bytes / _MiB:.2f} MiB "
+                f"in {func}; capacity {self._limit_bytes / _MiB:.2f} MiB, "
+                f"{live_before_bytes / _MiB:.2f} MiB live, phase {phase.value}"
+            )
+        if added_bytes or phase_changed:
+            if live_bytes > self.peak_bytes:
+                self.peak_bytes = live_bytes
+            if live_bytes > self.phase_peak_bytes.get(phase, -1):
+                self.phase_peak_bytes[phase] = live_bytes
+        if self.record_series:
+            self.series.append(live_bytes)
+        return out
+
+    # -------------------------------------------------------------------------------------
+    # Phases and storage resizes come from hooks installed only while the tracker is active.
+
+    def _enter_optimizer(self, *_: object) -> None:
+        self._in_optimizer = True
+
+    def _leave_optimizer(self, *_: object) -> None:
+        self._in_optimizer = False
+
+    def __enter__(self) -> LiveBytesTracker:
+        self._in_optimizer = False
+        self._hooks = [
+            register_optimizer_step_pre_hook(self._enter_optimizer),
+            register_optimizer_step_post_hook(self._leave_optimizer),
+        ]
+        self._patch_storage_resize()
+        self._active = True
+        super().__enter__()  # type: ignore[no-untyped-call]
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        super().__exit__(exc_type, exc_value, traceback)  # type: ignore[no-untyped-call]
+        self._active = False
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self._restore_storage_resize()
+        # `phase` is left as it was: after an out-of-memory it names the phase that failed.
+        self._in_optimizer = False
+
+    def _patch_storage_resize(self) -> None:
+        # UntypedStorage.resize_ bypasses the dispatcher (FSDP frees parameters this way), so it
+        # is wrapped for the tracker's lifetime, as MemTracker does.
+        original = torch.UntypedStorage.resize_
+        self._original_storage_resize = original
+        tracker = self
+
+        def resize_(storage: Any, size: int) -> Any:
+            result = original(storage, size)
+            ref = tracker._storages.get(id(storage))
+            if ref is not None:
+                tracker._resized(ref, storage.nbytes())
+                tracker.peak_bytes = max(tracker.peak_bytes, tracker.live_bytes)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
+
+    def _restore_storage_resize(self) -> None:
+        if self._original_storage_resize is not None:
+            torch.UntypedStorage.resize_ = self._original_storage_resize  # type: ignore[method-assign]
+            self._original_storage_resize = None
+
+
+def _out_of_memory_message(error: AllocatorOutOfMemory, phase: Phase) -> str:
+    # The figures torch's message gives (c10/cuda/CUDACachingAllocator.cpp, malloc).
+    unallocated_bytes = error.reserved_bytes - error.allocated_bytes
+    return (
+        f"CUDA out of memory (emulated). Tried to allocate {error.allocation_bytes / _MiB:.2f} "
+        f"MiB; capacity {error.capacity_bytes / _MiB:.2f} MiB, of which "
+        f"{error.allocated_bytes / _MiB:.2f} MiB is allocated by PyTorch and "
+        f"{unallocated_bytes / _MiB:.2f} MiB is reserved by PyTorch but unallocated; "
+        f"phase {phase.value}"
+    )
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """What a device holds of `tensor`: a DTensor's (sharded parameters, their gradients and
+    optimizer states) local shard, any other tensor itself. A DTensor's own storage is its
+    global size."""
+    local = getattr(tensor, "_local_tensor", None)  # torch.distributed.tensor.DTensor
+    return local if isinstance(local, torch.Tensor) else tensor
+
+
+def resident_tensors(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> list[torch.Tensor]:
+    """Everything a training step finds already allocated: parameters, buffers, gradients (via
+    `add_resident`) and the optimizer's state tensors."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    return tensors

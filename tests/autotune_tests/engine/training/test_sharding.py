@@ -1,0 +1,212 @@
+"""Sharded data parallel: one rank of ZeRO-1/2/3 and hybrid sharding in one process (torch's own
+FSDP2 and ZeroRedundancyOptimizer over a fake process group), checked against two real gloo
+ranks on the CPU and against the arithmetic of what a rank keeps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.spawn import spawn
+from torch.utils._python_dispatch import _disable_current_modes
+
+from autotune.core.schemas import Phase, Spec
+from autotune.engine.devices.device import EmulatedDevice
+from autotune.engine.emulation.tracker import local_tensor
+from autotune.engine.estimate import EstimateRunner
+from autotune.engine.runner import InProcessRunner
+from autotune.engine.training.sharding import blocks
+from tests.autotune_tests.gloo import run_gloo_rank
+
+pytestmark = pytest.mark.xdist_group("real-fsdp")
+
+MiB = 2**20
+HUGE_BYTES = 2**40
+TRIALS = [(2, 1), (6, 2)]  # (micro-batch, accumulation steps)
+CHECKED = ("zero2", "zero3")
+TOLERANCE = 0.02
+
+
+def _spec(sharding: str = "none", world_size: int = 2, **training: object) -> Spec:
+    return Spec.model_validate(
+        {
+            "model": {"preset": "llama-tiny"},
+            "training": {
+                "seq_len": 32,
+                "world_size": world_size,
+                "sharding": sharding,
+                "max_micro_batch": 64,
+                **training,
+            },
+        }
+    )
+
+
+Peaks = list[tuple[int, int]]  # (peak reserved, peak allocated) per trial
+
+
+def _trials(sharding: str) -> Peaks:
+    runner = InProcessRunner(_spec(sharding), EmulatedDevice(HUGE_BYTES))
+    assert runner.warm_up().fits
+    peaks = []
+    for micro_batch, accumulation in TRIALS:
+        outcome = runner.trial(micro_batch, accumulation)
+        assert outcome.fits and outcome.peak_allocated_bytes is not None
+        peaks.append((outcome.peak_bytes, outcome.peak_allocated_bytes))
+    return peaks
+
+
+def _collectives_on_untracked_buffers() -> None:
+    """Two differences of gloo on the CPU from NCCL on a GPU, taken out of the real ranks: gloo's
+    reduce-scatter copies its whole input (a unit's gradients) into a temporary, which NCCL does
+    not; and gloo's worker threads hold the tensors of a collective until they are done with
+    it, so a buffer FSDP2 frees is freed late, by a timing the trackers see. The real ranks run
+    each collective of FSDP2 on copies the tracker does not see, and copy the result into
+    FSDP2's buffer: the same values, FSDP2's allocations as FSDP2 makes them."""
+    all_gather_into_tensor, all_reduce = dist.all_gather_into_tensor, dist.all_reduce
+
+    def all_gather_single(
+        output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False
+    ) -> None:
+        with _disable_current_modes():
+            gathered = torch.empty_like(output)
+            all_gather_into_tensor(gathered, input.clone(), group=group)
+            output.copy_(gathered)
+
+    def reduce_scatter_single(
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: Any = dist.ReduceOp.SUM,
+        group: Any = None,
+        async_op: bool = False,
+    ) -> None:
+        with _disable_current_modes():
+            total = input.clone()
+            all_reduce(total, op=op, group=group)
+            chunk = total.numel() // dist.get_world_size(group)
+            start = dist.get_rank(group) * chunk
+            output.view(-1).copy_(total.view(-1)[start : start + chunk])
+
+    dist.all_gather_single = all_gather_single  # type: ignore[assignment]
+    dist.reduce_scatter_single = reduce_scatter_single  # type: ignore[assignment]
+
+
+def _real_rank(rank: int, workdir: str) -> None:  # run by run_gloo_rank
+    _collectives_on_untracked_buffers()
+    # The training step finds the launched job's process group and shards over it.
+    torch.save({sharding: _trials(sharding) for sharding in CHECKED}, f"{workdir}/{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def real_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Peaks]]:
+    workdir = tmp_path_factory.mktemp("fsdp")
+    spawn(run_gloo_rank, args=(_real_rank, str(workdir)), nprocs=2, join=True)  # type: ignore[no-untyped-call]
+    return [torch.load(Path(workdir) / f"{rank}.pt") for rank in (0, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", CHECKED)
+def test_two_real_gloo_fsdp2_ranks_peak_as_the_emulated_rank(
+    real_ranks: list[dict[str, Peaks]], sharding: str
+) -> None:
+    emulated = _trials(sharding)
+    for rank in real_ranks:
+        for (micro_batch, _), (reserved, allocated), (real_reserved, real_allocated) in zip(
+            TRIALS, emulated, rank[sharding], strict=True
+        ):
+            assert real_allocated == pytest.approx(allocated, rel=TOLERANCE), micro_batch
+            assert real_reserved == pytest.approx(reserved, rel=TOLERANCE), micro_batch
+
+
+def _resident_bytes(runner: InProcessRunner) -> int:
+    return sum(
+        local_tensor(t).untyped_storage().nbytes()
+        for t in runner.step.resident_tensors()
+        if t.dim() > 0  # AdamW's step counters
+    )
+
+
+def test_zero3_lowers_a_rank_s_memory_as_the_arithmetic_says() -> None:
+    whole = InProcessRunner(_spec(world_size=1), EmulatedDevice(HUGE_BYTES))
+    assert whole.warm_up().fits
+    params = sum(p.numel() for p in whole.step.model.parameters())
+    optimizer_peak = whole.trial(2).phase_peak_bytes[Phase.OPTIMIZER]
+    previous_peak = whole.trial(2).peak_allocated_bytes
+    for ranks in (2, 4):
+        runner = InProcessRunner(_spec("zero3", world_size=ranks), EmulatedDevice(HUGE_BYTES))
+        assert runner.warm_up().fits
+        # Between steps a rank keeps its shard of the fp32 weights and of AdamW's two moments:
+        # 12 bytes per parameter over the ranks (FSDP2 pads each to a multiple of the ranks).
+        assert _resident_bytes(runner) == pytest.approx(12 * params / ranks, rel=0.005)
+        outcome = runner.trial(2)
+        # The optimizer step touches only shards: the whole step's peak there, divided.
+        assert outcome.phase_peak_bytes[Phase.OPTIMIZER] == pytest.approx(
+            optimizer_peak / ranks, rel=0.01
+        )
+        # The forward holds the resident shards and at least one gathered block besides.
+        block_bytes = max(
+            sum(4 * p.numel() for p in block.parameters()) for block in blocks(runner.step.model)
+        )
+        assert outcome.phase_peak_bytes[Phase.FORWARD] >= 12 * params / ranks + block_bytes
+        assert outcome.peak_allocated_bytes is not None and previous_peak is not None
+        assert outcome.peak_allocated_bytes < previous_peak
+        previous_peak = outcome.peak_allocated_bytes
+
+
+def test_each_stage_shards_more_and_fits_more() -> None:
+    resident = {}
+    for sharding in ("none", "zero1", "zero2", "zero3"):
+        runner = InProcessRunner(_spec(sharding), EmulatedDevice(HUGE_BYTES))
+        assert runner.warm_up().fits
+        resident[sharding] = _resident_bytes(runner)
+        assert any(sharding in a for a in runner.device_info.assumptions) or sharding == "none"
+    # DDP keeps its gradient buckets; ZeRO-1 shards the moments; ZeRO-2 (FSDP2) and ZeRO-3 keep
+    # sharded weights between steps.
+    assert resident["none"] > resident["zero1"] > resident["zero2"] == resident["zero3"]
+    # 200 MiB hold 14 samples on a DDP rank and 22 on a ZeRO-3 rank (their probes' maxima).
+    fits = {}
+    for sharding in ("none", "zero3"):
+        runner = InProcessRunner(_spec(sharding), EmulatedDevice(200 * MiB))
+        assert runner.warm_up().fits
+        fits[sharding] = [runner.trial(b).fits for b in (14, 18)]
+    assert fits == {"none": [True, False], "zero3": [True, True]}
+
+
+def test_hybrid_shards_within_its_group() -> None:
+    hybrid = InProcessRunner(
+        _spec("hybrid", world_size=4, shard_group_size=2), EmulatedDevice(HUGE_BYTES)
+    )
+    zero3 = InProcessRunner(_spec("zero3", world_size=2), EmulatedDevice(HUGE_BYTES))
+    for runner in (hybrid, zero3):
+        assert runner.warm_up().fits
+    assert _resident_bytes(hybrid) == _resident_bytes(zero3)
+
+
+def test_the_estimate_traces_a_sharded_rank() -> None:
+    spec = _spec("zero3", world_size=4)
+    estimate = EstimateRunner(spec, capacity_bytes=HUGE_BYTES)
+    emulated = InProcessRunner(spec, EmulatedDevice(HUGE_BYTES))
+    for checkpointing in (False, True):
+        a = estimate.trial(3, checkpointing=checkpointing)
+        b = emulated.trial(3, checkpointing=checkpointing)
+        assert (a.peak_bytes, a.peak_allocated_bytes) == (b.peak_bytes, b.peak_allocated_bytes)
+
+
+@pytest.mark.parametrize(
+    ("training", "message"),
+    [
+        ({"sharding": "zero3", "world_size": 1}, "training.sharding: zero3 shards across ranks"),
+        ({"sharding": "hybrid", "world_size": 8}, "training.shard_group_size: hybrid sharding"),
+        (
+            {"sharding": "hybrid", "world_size": 8, "shard_group_size": 3},
+            "training.shard_group_size: 3 must divide world_size 8",
+        ),
+        ({"world_size": 8, "shard_group_size": 4}, "training.shard_group_size: only for"),
+    ],
+)
+def test_sharding_settings_are_checked_by_field(training: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Spec.model_validate({"model": {"preset": "llama-tiny"}, "training": training})
