@@ -37,9 +37,9 @@ class DatabaseUnreachable(AutotuneError):
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from api.db import UNREACHABLE_ERRORS, Database
     from api.main import create_app
     from api.settings import Settings
+    from api.store.db import UNREACHABLE_ERRORS, Database
 
     settings = Settings()
     if args.db:

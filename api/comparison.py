@@ -12,8 +12,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.errors import NoComparison
-from api.runstore import get_run
-from api.tables import RunRow
+from api.store.runstore import get_run
+from api.store.tables import RunRow
 from autotune.core.gpus.catalogue import Gpu, UnknownGpu, find_gpu
 from autotune.remote.protocol import (
     Comparison,

@@ -17,11 +17,11 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from api.db import Database
 from api.errors import Forbidden, InvalidToken, Unauthenticated
-from api.runcache import FinishedRunCache
-from api.runwatch import RunWatch
 from api.settings import Settings
+from api.store.db import Database
+from api.store.runcache import FinishedRunCache
+from api.store.runwatch import RunWatch
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def authorize(role: Role) -> Callable[[Request], Awaitable[None]]:
 def check_token(settings: Settings, role: Role, token: str | None) -> None:
     """Let `token` act as `role`, or raise: 401 for none or an unknown one, 403 for a known
     token without the role. The API reads it from the Authorization header, the web pages
-    from their cookie (`api.pages`)."""
+    from their cookie (`api.web.pages`)."""
     if role == Role.READER and settings.open_reads:
         return
     if token is None:

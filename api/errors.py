@@ -1,5 +1,5 @@
-"""Domain errors raised by the run store (`api.runstore`, `api.leases`, `api.results`) and the
-auth dependencies, and the handlers that turn them into HTTP.
+"""Domain errors raised by the run store (`api.store.runstore`, `api.store.leases`,
+`api.store.results`) and the auth dependencies, and the handlers that turn them into HTTP.
 
 * ApiError                 (code, status)
   + Unauthenticated        401  no bearer token
@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException
 
-from api.db import UNREACHABLE_ERRORS
+from api.store.db import UNREACHABLE_ERRORS
 from autotune.core.result_check import Violation
 
 logger = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from api import results
-from api.db import Database, migrate
+from api.store import results
+from api.store.db import Database, migrate
 from autotune import __version__
 from autotune.core.schemas import DeviceInfo, DeviceKind, TuneResult
 from autotune.remote.protocol import (

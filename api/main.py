@@ -16,14 +16,14 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
 import autotune
-from api import pages
-from api.db import Database, migrate
 from api.deps import AppContext
 from api.errors import register_error_handlers
 from api.routes import health, runs, worker
-from api.runcache import FinishedRunCache
-from api.runwatch import RunWatch
 from api.settings import Settings
+from api.store.db import Database, migrate
+from api.store.runcache import FinishedRunCache
+from api.store.runwatch import RunWatch
+from api.web import pages
 from autotune.remote.protocol import API_PREFIX
 
 logger = logging.getLogger(__name__)

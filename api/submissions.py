@@ -6,8 +6,8 @@ with the same run.
 
 from __future__ import annotations
 
-from api import runstore
 from api.deps import AppContext
+from api.store import runstore
 from autotune.remote.protocol import RunCreate, RunStatus
 
 FACTORY_REFUSED = (

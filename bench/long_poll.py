@@ -4,7 +4,7 @@ Starts a real uvicorn process (`api.main`, one process, like `autotune serve`) o
 database, queues 200 runs nobody works on, and measures sequential `GET /api/v1/runs/{id}` of
 another queued run (read from the database every time) twice: alone, then while 200 clients
 each hold a `?wait=` long poll open on their own run (re-polling when it times out). Before the
-shared watcher (`api/runwatch.py`) each poller reloaded its whole run every 0.1 s and the p50
+shared watcher (`api/store/runwatch.py`) each poller reloaded its whole run every 0.1 s and the p50
 went from 5 ms to 135 ms; the goal is within 2x. Runs on SQLite and, when reachable, on
 PostgreSQL (a fresh schema, dropped afterwards). Writes bench/results/long_poll.{json,md}.
 

@@ -53,7 +53,7 @@ class Target:
 
 TARGETS = {
     # The lease state machine: claim, expiry, renewal, the holder check, a claim's failure.
-    "leases": Target("api/leases.py", ("tests/api_tests/test_worker_protocol.py",)),
+    "leases": Target("api/store/leases.py", ("tests/api_tests/test_worker_protocol.py",)),
     "search": Target("autotune/core/search.py", ("tests/autotune_tests/core/test_search.py",)),
     "tracker": Target(
         "autotune/engine/emulation/tracker.py",

@@ -30,7 +30,7 @@ import httpx2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from api.pages import TOKEN_COOKIE  # noqa: E402
+from api.web.pages import TOKEN_COOKIE  # noqa: E402
 from autotune.core.schemas import Phase, StepOutcome, Trial, TrialState  # noqa: E402
 from autotune.remote.client import ServerClient  # noqa: E402
 from tests.api_tests.factories import (  # noqa: E402

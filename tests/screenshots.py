@@ -21,7 +21,7 @@ from pathlib import Path
 
 from playwright.sync_api import sync_playwright
 
-from api.pages import TOKEN_COOKIE
+from api.web.pages import TOKEN_COOKIE
 from autotune.core.bytesize import parse_bytes
 from autotune.core.specfile import load_spec
 from autotune.remote.client import ServerClient, ServerError

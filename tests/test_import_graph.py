@@ -137,7 +137,7 @@ def test_the_reader_finds_imports_in_functions_strings_and_type_checking_blocks(
         "from typing import TYPE_CHECKING\n"
         "from . import sibling\n"
         "if TYPE_CHECKING:\n"
-        "    from api.db import Database\n"
+        "    from api.store.db import Database\n"
         "def serve():\n"
         "    import uvicorn\n"
         "    from api.main import create_app\n"
@@ -152,7 +152,7 @@ def test_the_reader_finds_imports_in_functions_strings_and_type_checking_blocks(
         ("typing", True),
         ("autotune.cli", True),
         ("autotune.cli.sibling", True),
-        ("api.db", False),
+        ("api.store.db", False),
         ("uvicorn", False),
         ("api.main", False),
         ("probes.cli_worker", False),

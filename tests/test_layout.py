@@ -101,7 +101,7 @@ def test_every_file_the_server_reads_is_in_its_package_data() -> None:
     ]["api"]
     needed = [
         path.relative_to(REPO / "api").as_posix()
-        for folder in ("templates", "static", "migrations")
+        for folder in ("web/templates", "web/static", "migrations")
         for path in (REPO / "api" / folder).rglob("*")
         # script.py.mako is what `alembic revision` writes revisions from: not read at run time.
         if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".mako"

@@ -1,4 +1,4 @@
-"""Alembic environment of the autotune run store, run by `api.db.migrate` at server start.
+"""Alembic environment of the autotune run store, run by `api.store.db.migrate` at server start.
 
 Our version table is `autotune_alembic_version`, not Alembic's default, because Optuna's storage
 keeps its own `alembic_version` table in the same database.
@@ -10,8 +10,8 @@ from alembic import context
 from sqlalchemy import create_engine
 from sqlalchemy.engine import Connection
 
-from api.db import VERSION_TABLE
-from api.tables import TableBase
+from api.store.db import VERSION_TABLE
+from api.store.tables import TableBase
 
 
 def _run(connection: Connection) -> None:

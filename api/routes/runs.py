@@ -9,10 +9,11 @@ from fastapi import APIRouter, Path, Query, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.concurrency import run_in_threadpool
 
-from api import comparison, runreads, runstore, submissions
+from api import comparison, submissions
 from api.deps import AppContext, ClientAuth, ContextDep, ReaderAuth
-from api.rowmodels import run_url
-from api.runcache import CachedRun
+from api.store import runreads, runstore
+from api.store.rowmodels import run_url
+from api.store.runcache import CachedRun
 from autotune.remote.protocol import (
     MAX_INT,
     MAX_PAGE_LIMIT,
@@ -57,7 +58,7 @@ async def _wait_for(context: AppContext, run_id: int, wait_s: float) -> CachedRu
     """The finished run (its status and body), or None when the wait is over first.
 
     The run is loaded in full at most twice (now, and once it finished); in between, the
-    process's one watcher polls only its status (`api.runwatch`).
+    process's one watcher polls only its status (`api.store.runwatch`).
     """
     status, body = await run_in_threadpool(runreads.load_run, context, run_id)
     if status.is_finished():

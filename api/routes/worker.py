@@ -10,10 +10,10 @@ from typing import Any
 
 from fastapi import APIRouter, Response
 
-from api import leases, results, runstore
 from api.deps import ContextDep, WorkerAuth
 from api.errors import InvalidResult
 from api.routes.runs import RunId
+from api.store import leases, results, runstore
 from autotune.core.result_check import check_result
 from autotune.remote.protocol import (
     AttemptEvent,

@@ -16,7 +16,7 @@ from autotune.core.errors import SpecError
 from autotune.core.hubid import HUB_ID_MAX, hub_id_problem
 from autotune.core.presets import PRESETS, CNNPreset, DecoderPreset
 
-# Column sizes in api/tables.py: a longer value would pass SQLite and fail PostgreSQL, so the
+# Column sizes in api/store/tables.py: a longer value would pass SQLite and fail PostgreSQL, so the
 # schemas refuse it first and both databases answer the same 422.
 MODEL_LABEL_MAX = 300  # autotune_runs.model
 STUDY_NAME_MAX = 100  # autotune_runs.study_name

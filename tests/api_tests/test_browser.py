@@ -19,7 +19,7 @@ import pytest
 from axe_playwright_python.sync_playwright import Axe
 from playwright.sync_api import Browser, BrowserContext, Page, expect, sync_playwright
 
-from api.pages import TOKEN_COOKIE
+from api.web.pages import TOKEN_COOKIE
 from autotune.core.exports import render_exports
 from autotune.remote.client import ServerClient
 from autotune.remote.protocol import RunStatus

@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy import make_url, text
 from sqlalchemy.exc import OperationalError
 
-from api.db import Database
+from api.store.db import Database
 from autotune.remote.client import ServerClient
 from tests.api_tests.tcp_proxy import Mode, TcpProxy
 from tests.conftest import LiveServer, free_port, start_server, stop_server

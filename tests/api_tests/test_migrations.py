@@ -11,8 +11,8 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, text
 from sqlalchemy.exc import IntegrityError
 
-from api.db import VERSION_TABLE, Database, alembic_config, migrate
-from api.tables import TableBase
+from api.store.db import VERSION_TABLE, Database, alembic_config, migrate
+from api.store.tables import TableBase
 
 OUR_TABLES = {
     "autotune_alembic_version",

@@ -465,8 +465,8 @@ def test_worker_record_is_kept(
 ) -> None:
     from sqlalchemy import select
 
-    from api.db import Database
-    from api.tables import WorkerRow
+    from api.store.db import Database
+    from api.store.tables import WorkerRow
 
     user.submit_run(tiny_spec(), emulated())
     worker.claim("w1", [emulated_device()])

@@ -4,7 +4,7 @@ Revision ID: 0001
 Revises:
 Create Date: 2026-11-22
 
-Self-contained on purpose (no import of api.tables): a revision is a frozen snapshot.
+Self-contained on purpose (no import of api.store.tables): a revision is a frozen snapshot.
 """
 
 from __future__ import annotations

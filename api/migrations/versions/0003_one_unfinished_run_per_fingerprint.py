@@ -2,7 +2,7 @@
 
 Identical submissions at the same moment each looked for a twin and found none under READ
 COMMITTED on PostgreSQL, so each queued its own run. A partial unique index makes the second
-insert fail; the submitting route then joins the twin that won (`api.runstore.submit_run`).
+insert fail; the submitting route then joins the twin that won (`api.store.runstore.submit_run`).
 
 Revision ID: 0003
 Revises: 0002

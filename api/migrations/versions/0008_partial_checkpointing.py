@@ -17,7 +17,7 @@ depends_on: str | None = None
 
 
 def _count() -> sa.types.TypeEngine[int]:
-    # The models' int: 64-bit, INTEGER on SQLite (api/tables.py).
+    # The models' int: 64-bit, INTEGER on SQLite (api/store/tables.py).
     return sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 

@@ -1,7 +1,7 @@
 """The web pages: the list of runs, one run (plots, exports, every attempt and trial), a submit
-form and the token form. Server-rendered (Jinja2 templates in `api/templates/`, plots as SVG
-from `api.run_plots`); the one script (`api/static/autotune.js`) copies exports and refreshes an
-unfinished run's page, and every page works without it.
+form and the token form. Server-rendered (Jinja2 templates in `api/web/templates/`, plots as SVG
+from `api.web.run_plots`); the one script (`api/web/static/autotune.js`) copies exports and
+refreshes an unfinished run's page, and every page works without it.
 
 Pages follow the API's token rules. The browser keeps the token in a cookie set by the token
 form: HttpOnly, so no script (and no page) ever shows it, and SameSite=Strict, so another site
@@ -23,11 +23,12 @@ from fastapi.templating import Jinja2Templates
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from api import comparison, runreads, runstore, submissions
-from api.charts import render_svg
+from api import comparison, submissions
 from api.deps import AppContext, Role, check_token, context_of, is_known_token
 from api.errors import ApiError, Forbidden, InvalidToken, NoComparison, RunNotFound
-from api.run_plots import capacity_bytes, latest_attempts, memory_chart, throughput_chart
+from api.store import runreads, runstore
+from api.web.charts import render_svg
+from api.web.run_plots import capacity_bytes, latest_attempts, memory_chart, throughput_chart
 from autotune.core.bytesize import format_bytes
 from autotune.core.exports import render_exports
 from autotune.core.gpus.catalogue import GPUS

@@ -1,4 +1,4 @@
-"""The one converter between ORM rows (`api.tables`) and protocol models
+"""The one converter between ORM rows (`api.store.tables`) and protocol models
 (`autotune.remote.protocol`).
 
 Fields are copied by name by pydantic, never one by one by hand: rows become models through
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from api.tables import AttemptRow, ModeRow, RunRow, TrialRow
+from api.store.tables import AttemptRow, ModeRow, RunRow, TrialRow
 from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.schemas import ModeProbe, StepOutcome, Trial
 from autotune.remote.protocol import (

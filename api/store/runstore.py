@@ -2,7 +2,7 @@
 
 Keyword-only functions over a Session, returning protocol models; they raise `api.errors`
 domain errors, never HTTP exceptions. Callers own the transaction (writes run inside
-`Database.write()`). Leases are `api.leases`; what workers store is `api.results`.
+`Database.write()`). Leases are `api.store.leases`; what workers store is `api.store.results`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.errors import RunNotCancellable, RunNotFound
-from api.rowmodels import run_of, summary_of, target_memory_bytes
-from api.tables import AttemptRow, FailureRow, ModeRow, RecommendationRow, RunRow, TrialRow
+from api.store.rowmodels import run_of, summary_of, target_memory_bytes
+from api.store.tables import AttemptRow, FailureRow, ModeRow, RecommendationRow, RunRow, TrialRow
 from autotune.remote.protocol import CudaTarget, Run, RunCreate, RunPage, RunStatus, fingerprint
 
 

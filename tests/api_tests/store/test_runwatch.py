@@ -10,9 +10,9 @@ from datetime import UTC, datetime
 
 from sqlalchemy import event
 
-from api import runstore
-from api.db import Database, migrate
-from api.runwatch import RunWatch
+from api.store import runstore
+from api.store.db import Database, migrate
+from api.store.runwatch import RunWatch
 from autotune.remote.protocol import RunCreate
 from tests.api_tests.factories import emulated, tiny_spec
 

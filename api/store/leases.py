@@ -27,9 +27,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from api.errors import LeaseExpired, RunCancelled, StaleLease
-from api.rowmodels import target_of
-from api.runstore import is_postgres, lock_run
-from api.tables import FailureRow, RunRow, WorkerRow
+from api.store.rowmodels import target_of
+from api.store.runstore import is_postgres, lock_run
+from api.store.tables import FailureRow, RunRow, WorkerRow
 from autotune.core.schemas import DeviceInfo, DeviceKind, Spec
 from autotune.remote.protocol import (
     Claim,

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from api import leases, runstore
 from api.deps import AppContext
-from api.runcache import CachedRun
+from api.store import leases, runstore
+from api.store.runcache import CachedRun
 from autotune.remote.protocol import Run, RunPage, RunStatus
 
 

@@ -1,6 +1,6 @@
 """What workers store under a lease: streamed attempts and trials, and the final result.
 
-Every function first checks the lease (`api.leases.held_run`); under a stale lease nothing is
+Every function first checks the lease (`api.store.leases.held_run`); under a stale lease nothing is
 written. The final result is authoritative: it replaces what was streamed under its lease.
 """
 
@@ -13,10 +13,10 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from api.errors import ResultRejected
-from api.leases import held_run, renew
-from api.rowmodels import attempt_row, mode_row, target_of, trial_row
-from api.runstore import create_run
-from api.tables import AttemptRow, ModeRow, RecommendationRow, RunRow, TrialRow
+from api.store.leases import held_run, renew
+from api.store.rowmodels import attempt_row, mode_row, target_of, trial_row
+from api.store.runstore import create_run
+from api.store.tables import AttemptRow, ModeRow, RecommendationRow, RunRow, TrialRow
 from autotune.core.schemas import TuneResult
 from autotune.remote.protocol import (
     AttemptEvent,

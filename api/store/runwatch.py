@@ -17,9 +17,9 @@ from datetime import datetime
 from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
-from api.db import Database
-from api.leases import expire_leases
-from api.tables import RunRow
+from api.store.db import Database
+from api.store.leases import expire_leases
+from api.store.tables import RunRow
 from autotune.remote.protocol import RunStatus
 
 logger = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from api.charts import nice_ticks
-from api.pages import TOKEN_COOKIE
+from api.web.charts import nice_ticks
+from api.web.pages import TOKEN_COOKIE
 from autotune.core.exports import render_exports
 from autotune.remote.client import ServerClient
 from autotune.remote.protocol import EstimateTarget, RunStatus

@@ -12,8 +12,8 @@ recommended configuration ringed.
 
 from __future__ import annotations
 
-from api.charts import Chart, Line, Point, Rule, Series
-from api.rowmodels import target_memory_bytes
+from api.store.rowmodels import target_memory_bytes
+from api.web.charts import Chart, Line, Point, Rule, Series
 from autotune.core.schemas import TrialState
 from autotune.remote.protocol import Run
 
