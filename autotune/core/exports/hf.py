@@ -29,10 +29,13 @@ _FSDP2_SINCE_MAJOR = 5
 OPTIM = {
     OptimizerName.ADAMW: ("adamw_torch", None),
     OptimizerName.SGD: ("sgd", "momentum=0.9"),
-    # transformers' own Adafactor: factored second moments and no first moment, the state
-    # torch.optim.Adafactor (measured) keeps.
-    OptimizerName.ADAFACTOR: ("adafactor", None),
-    OptimizerName.ADAMW_8BIT: ("adamw_bnb_8bit", None),  # bitsandbytes' AdamW8bit
+}
+# The others go to the Trainer as a class: optim="adafactor" is transformers' own Adafactor, and
+# optim="adamw_bnb_8bit" keeps the embeddings' states in 32 bits (8 bytes per element where 2
+# were measured: gigabytes for a large vocabulary).
+OPTIMIZER_CLASSES = {
+    OptimizerName.ADAFACTOR: ("torch", "torch.optim.Adafactor", {"foreach": True}),
+    OptimizerName.ADAMW_8BIT: ("bitsandbytes", "bitsandbytes.optim.AdamW8bit", {}),
 }
 _FSDP1_STRATEGIES = {
     Sharding.ZERO2: "shard_grad_op",
@@ -80,10 +83,11 @@ def hf_arguments(run: MeasuredRun, transformers_version: str | None) -> dict[str
         hf["tf32"] = training.tf32
     if training.precision is not Precision.FP32:
         hf[training.precision.value] = True  # TrainingArguments' bf16 / fp16 autocast flags
-    optim, optim_args = OPTIM[run.optimizer]
-    hf["optim"] = optim
-    if optim_args is not None:
-        hf["optim_args"] = optim_args
+    if run.optimizer in OPTIM:
+        optim, optim_args = OPTIM[run.optimizer]
+        hf["optim"] = optim
+        if optim_args is not None:
+            hf["optim_args"] = optim_args
     if run.sharding is Sharding.ZERO1:
         hf["deepspeed"] = deepspeed_config(run)
     elif run.fsdp2:
@@ -126,12 +130,12 @@ def render_hf(run: MeasuredRun, hf: dict[str, Any]) -> str:
     return (
         f"# Hugging Face TrainingArguments; {rule}.\n"
         + comment(shared_notes(run))
-        + _weights_lines(run)
         + _packing_lines(run)
         + _sharding_lines(run, hf)
         + f"{imports}\nargs = TrainingArguments(\n{kwargs}    # ... your other arguments\n)\n"
         + _ddp_lines(run)
         + _optimizer_lines(run)
+        + _weights_lines(run)
         + (
             "\n# LoRA adapters as measured, on the model you give the Trainer:\n"
             + lora_snippet(run.lora)
@@ -146,13 +150,10 @@ def _weights_lines(run: MeasuredRun) -> str:
     if not run.bf16_weights:
         return ""
     return (
-        "# bf16 weights, no fp32 master copy: load the model with\n"
-        "#     AutoModelForCausalLM.from_pretrained(..., dtype=torch.bfloat16)\n"
-        + (
-            "# (before adding the adapters: peft keeps them fp32, as measured)\n"
-            if run.lora
-            else ""
-        )
+        "\n# bf16 weights, no fp32 master copy (or load the model so:\n"
+        "# AutoModelForCausalLM.from_pretrained(..., dtype=torch.bfloat16))"
+        + (", before the adapters: peft keeps them fp32, as measured" if run.lora else "")
+        + ":\nimport torch\n\nmodel = model.to(torch.bfloat16)\n"
     )
 
 
@@ -213,14 +214,20 @@ def _ddp_lines(run: MeasuredRun) -> str:
 
 
 def _optimizer_lines(run: MeasuredRun) -> str:
-    if run.optimizer is OptimizerName.ADAFACTOR:
-        return (
-            "# optim='adafactor' is transformers' Adafactor: factored second moments, no first\n"
-            "# moment, the state of torch.optim.Adafactor (measured). For that class itself:\n"
-            "#     Trainer(..., optimizer_cls_and_kwargs=(\n"
-            "#         torch.optim.Adafactor, {'foreach': True}))\n"
-        )
-    return ""
+    if run.optimizer not in OPTIMIZER_CLASSES:
+        return ""
+    module, name, kwargs = OPTIMIZER_CLASSES[run.optimizer]
+    why = (
+        "optim='adamw_bnb_8bit' would keep the embeddings' states in 32 bits"
+        if run.optimizer is OptimizerName.ADAMW_8BIT
+        else "optim='adafactor' is transformers' own Adafactor"
+    )
+    return (
+        f"\n# The measured optimizer, {name} ({why}):\n"
+        "#     Trainer(model=model, args=args, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,\n"
+        "#             ...)\n"
+        f"import {module}\n\noptimizer_cls_and_kwargs = ({name}, {kwargs!r})\n"
+    )
 
 
 def _partial_snippet(run: MeasuredRun) -> str:
