@@ -14,6 +14,8 @@ What Axolotl cannot express, said in the text:
 * a fractional `lora_alpha` (its schema takes an integer): rounded, and the text says so.
 * partial checkpointing: Axolotl checkpoints every layer (more recompute, no more memory).
 * DDP's `gradient_as_bucket_view` (no key): one more gradient copy than measured.
+* bitsandbytes' AdamW8bit: `adamw_bnb_8bit` is the Trainer's bitsandbytes AdamW with 8-bit
+  states but 32-bit ones for the embeddings.
 """
 
 from __future__ import annotations
@@ -126,6 +128,13 @@ def _notes(run: MeasuredRun, config: dict[str, Any]) -> list[str]:
             lines.append(
                 "Full fine-tuning of fp16 weights fails in the gradient scaler: use bf16 or LoRA."
             )
+    if run.optimizer is OptimizerName.ADAMW_8BIT:
+        lines += [
+            "adamw_bnb_8bit is the Trainer's bitsandbytes AdamW(optim_bits=8), which keeps the",
+            "embeddings' states in 32 bits (8 bytes per element where bitsandbytes' AdamW8bit,",
+            "measured, keeps 2): Axolotl cannot name that class. Leave the room: 6 bytes per",
+            "embedding element.",
+        ]
     lora = run.lora
     if lora is not None and config[_K["lora_alpha"]] != lora["lora_alpha"]:
         lines.append(

@@ -224,8 +224,8 @@ def _optimizer_lines(run: MeasuredRun) -> str:
     )
     return (
         f"\n# The measured optimizer, {name} ({why}):\n"
-        "#     Trainer(model=model, args=args, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,\n"
-        "#             ...)\n"
+        "#     Trainer(model=model, args=args,\n"
+        "#             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs, ...)\n"
         f"import {module}\n\noptimizer_cls_and_kwargs = ({name}, {kwargs!r})\n"
     )
 

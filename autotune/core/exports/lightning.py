@@ -142,6 +142,8 @@ def _configure_model_lines(run: MeasuredRun, module: dict[str, Any]) -> list[str
     shard = module.get("fully_shard")
     if shard is not None:
         body += _fully_shard_lines(run, shard)
+    if all(line.startswith("#") for line in body):
+        body.append("pass")
     return ["def configure_model(self):"] + [f"    {line}" for line in body]
 
 
@@ -185,4 +187,6 @@ def _configure_optimizers_lines(module: dict[str, Any]) -> list[str]:
             "trainable = [p for p in self.parameters() if p.requires_grad]",
             f"return {optimizer}(trainable, lr=...{extra})",
         ]
+    if optimizer.startswith("bitsandbytes."):
+        build.insert(0, "import bitsandbytes")
     return ["def configure_optimizers(self):"] + [f"    {line}" for line in build]

@@ -33,6 +33,7 @@ from tests.autotune_tests.core.exports.roundtrip import (
     token_batch,
 )
 
+
 def _trainable(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
@@ -155,9 +156,7 @@ def hf_sharding(exports: Exports, case: Case, tmp: str) -> dict[str, Any]:
         if parallelism is not None
         else (case.spec().world_size,)
     )
-    found["sharding"] = (
-        f"fsdp2 mesh {mesh} reshard_after_forward={plugin.reshard_after_forward}"
-    )
+    found["sharding"] = f"fsdp2 mesh {mesh} reshard_after_forward={plugin.reshard_after_forward}"
     return found
 
 
@@ -189,8 +188,9 @@ def lightning_run(exports: Exports, case: Case) -> dict[str, Any]:
     arguments = exports.lightning
     world = case.spec().world_size
     methods: dict[str, Any] = {"torch": torch}
-    # The user's device: this machine's CPU.
-    exec(_uncommented(text, "def configure_model(self):").replace('"cuda"', '"cpu"'), methods)
+    # The user's device (this machine's CPU) and learning rate.
+    code = _uncommented(text, "def configure_model(self):")
+    exec(code.replace('"cuda"', '"cpu"').replace("lr=...", "lr=1e-3"), methods)
     trainer = L.Trainer(
         **arguments["trainer"], accelerator="cpu", devices=1, logger=False, max_steps=1
     )
@@ -207,6 +207,12 @@ def lightning_run(exports: Exports, case: Case) -> dict[str, Any]:
         optimizer = methods["configure_optimizers"](module)
         local = getattr(optimizer, "optim", optimizer)
         plugin = trainer.precision_plugin
+        if arguments["trainer"]["precision"] == "16-mixed":
+            # On a CPU accelerator Lightning swaps 16-mixed for bf16-mixed; its plugin for a
+            # GPU (fp16 autocast, a GradScaler) runs on the CPU as well.
+            from lightning.pytorch.plugins.precision import MixedPrecision
+
+            plugin = MixedPrecision("16-mixed", device="cpu")
         scaler = getattr(plugin, "scaler", None)
         micro_batch = arguments["datamodule"]["batch_size"]
         with observe(module, local) as seen:
@@ -251,42 +257,55 @@ def _lightning_strategy(arguments: dict[str, Any]) -> bool | None:
 # DeepSpeed: its own config object, on the run's ranks (a fake process group).
 
 
-class _DataParallelUnit:
-    """DeepSpeed's `mpu`: how many data-parallel ranks the config is for."""
+class _TorchRanks:
+    """DeepSpeed's communication backend reduced to what its config parser asks: the rank and
+    world size of torch's (fake) process group. DeepSpeed's own backend would build its
+    shared-memory C++ op first (a compiler run on a fresh machine)."""
 
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
+    def is_initialized(self) -> bool:
+        return dist.is_initialized()
 
-    def get_data_parallel_world_size(self) -> int:
-        return self.world_size
+    def get_rank(self, group: Any = None) -> int:
+        return dist.get_rank(group)
 
-    def get_data_parallel_rank(self) -> int:
-        return 0
+    def get_world_size(self, group: Any = None) -> int:
+        return dist.get_world_size(group)
 
 
 def deepspeed_properties(config: dict[str, Any], world_size: int) -> dict[str, Any]:
-    """What DeepSpeed 0.19's config parser makes of `config` on `world_size` ranks."""
-    import deepspeed.comm
+    """What DeepSpeed 0.19's config parser makes of `config` on `world_size` ranks, and the
+    optimizer class its engine builds from it (`_configure_basic_optimizer`)."""
+    import deepspeed.comm.comm
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    if not deepspeed.comm.is_initialized():
-        fake_ranks(1 if world_size == 1 else world_size)
-    parsed = DeepSpeedConfig(json.loads(json.dumps(config)), mpu=_DataParallelUnit(world_size))
+    from autotune.engine.training.sharding import process_group
+
+    process_group(world_size)
+    backend, deepspeed.comm.comm.cdb = deepspeed.comm.comm.cdb, _TorchRanks()
+    try:
+        parsed = DeepSpeedConfig(json.loads(json.dumps(config)))
+    finally:
+        deepspeed.comm.comm.cdb = backend
+        leave_fake_ranks()
     autocast = None
     if parsed.torch_autocast_enabled:
         autocast = str(parsed.torch_autocast_dtype).removeprefix("torch.")
-    bf16 = parsed.bfloat16_config.enabled
-    stage = parsed.zero_optimization_stage
-    optimizer = parsed.optimizer_name
+    name, params = parsed.optimizer_name, parsed.optimizer_params or {}
+    optimizer = None
+    if name == "adamw" and params.get("torch_adam"):
+        optimizer = "AdamW"  # torch.optim.AdamW
+    elif name is not None:
+        optimizer = getattr(torch.optim, name).__name__
     return {
         "micro_batch": parsed.train_micro_batch_size_per_gpu,
         "accumulation": parsed.gradient_accumulation_steps,
         "world_size": parsed.world_size,
         "autocast": autocast,
-        "weights": ["bfloat16" if bf16 else "float32"],
+        "grad_scaler": autocast == "float16",
+        "weights": ["bfloat16" if parsed.bfloat16_config.enabled else "float32"],
         "optimizer": optimizer,
-        "optimizer_params": parsed.optimizer_params,
-        "zero_stage": stage,
+        "optimizer_params": {k: v for k, v in params.items() if k != "torch_adam"},
+        "zero_stage": parsed.zero_optimization_stage,
         "untested_optimizer_allowed": parsed.zero_allow_untested_optimizer,
     }
 
@@ -349,4 +368,3 @@ def axolotl_run(exports: Exports, case: Case, tmp: str) -> dict[str, Any]:
     if cfg.sample_packing:
         found["tokens_per_sample"] = cfg.sequence_len
     return found
-

@@ -55,7 +55,9 @@ class Case:
             accumulation_steps=self.accumulation,
             checkpointing=self.checkpointing,
             checkpointed_blocks=self.checkpointed_blocks,
-            num_blocks=TINY_LLAMA_CONFIG["num_hidden_layers"] if self.checkpointed_blocks else None,
+            num_blocks=TINY_LLAMA_CONFIG["num_hidden_layers"]
+            if self.checkpointed_blocks
+            else None,
             world_size=world,
             global_batch=self.micro_batch * self.accumulation * world,
             samples_per_s=1.0,

@@ -751,3 +751,51 @@ def test_the_training_step_sets_tf32_as_the_spec_says() -> None:
     finally:
         torch.backends.cuda.matmul.fp32_precision = before[0]
         torch.backends.cudnn.conv.fp32_precision = before[1]  # type: ignore[attr-defined]
+
+
+def test_a_loop_for_your_models_lora_modules_still_runs_its_demo() -> None:
+    """The measured LoRA targets are the user's model's names ([q_proj, v_proj]), which the demo
+    model lacks: the demo adapts its own linear layers, and prepare_model keeps LORA for yours."""
+    pytest.importorskip("peft")
+    lora = {"r": 4, "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]}
+    source = build_exports(
+        _rec(2, 2),
+        token_model=True,
+        transformers_version="5.23.0",
+        training=TrainingSpec(lora=lora),
+    ).pytorch_loop
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        loop = _load_loop(source, name="__main__")
+    assert "adapting its linear layers instead" in out.getvalue()
+    assert "loss per optimizer step" in out.getvalue()
+    assert loop["LORA"]["target_modules"] == ["q_proj", "v_proj"]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_the_loops_demo_runs_in_every_precision_and_optimizer(precision: str) -> None:
+    """fp32, bf16 and fp16 loops once printed identical losses: now each autocasts (fp16 with a
+    GradScaler) and builds the measured optimizer."""
+    for optimizer in ("sgd", "adafactor", "adamw8bit"):
+        pytest.importorskip("bitsandbytes")
+        source = build_exports(
+            _rec(2, 2),
+            token_model=True,
+            transformers_version="5.23.0",
+            training=TrainingSpec(precision=precision, optimizer=optimizer),
+        ).pytorch_loop
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            loop = _load_loop(source, name="__main__")
+        assert "loss per optimizer step" in out.getvalue()
+        model = loop["DemoModel"]()
+        built = loop["make_optimizer"](model, lr=1e-3)
+        assert (
+            type(built).__name__
+            == {
+                "sgd": "SGD",
+                "adafactor": "Adafactor",
+                "adamw8bit": "AdamW8bit",
+            }[optimizer]
+        )
+        assert (loop["make_scaler"](model) is not None) is (precision == "fp16")
