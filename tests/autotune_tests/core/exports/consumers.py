@@ -151,11 +151,16 @@ def hf_sharding(exports: Exports, case: Case, tmp: str) -> dict[str, Any]:
     plugin = FullyShardedDataParallelPlugin(**args._process_fsdp_args())
     assert plugin.fsdp_version == 2
     parallelism = args.parallelism_config
-    mesh = (
-        (parallelism.dp_replicate_size, parallelism.dp_shard_size)
-        if parallelism is not None
-        else (case.spec().world_size,)
-    )
+    mesh: tuple[int, ...] = (case.spec().world_size,)
+    if parallelism is not None:
+        # accelerate's own device mesh for these sizes, on the run's ranks.
+        fake_ranks(case.spec().world_size)
+        try:
+            device_mesh = parallelism.build_device_mesh("cpu")
+            assert device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
+            mesh = tuple(device_mesh.shape)
+        finally:
+            leave_fake_ranks()
     found["sharding"] = f"fsdp2 mesh {mesh} reshard_after_forward={plugin.reshard_after_forward}"
     return found
 

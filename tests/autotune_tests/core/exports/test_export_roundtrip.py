@@ -21,6 +21,12 @@ from tests.autotune_tests.core.exports import consumers
 from tests.autotune_tests.core.exports.roundtrip import CASES, Case, measured
 
 TRANSFORMERS_VERSION = "5.24.0"
+# Two workers share the matrix, each importing its libraries and measuring each case once: the
+# torch-level consumers (loop, Lightning, DeepSpeed) and the Trainer-based ones (HF, Axolotl).
+TORCH_GROUP = "export_roundtrip_torch"
+HF_GROUP = "export_roundtrip_trainer"
+# A few seconds per group for imports and the engine's runs: scheduled first.
+pytestmark = pytest.mark.slow
 
 # (consumer, case) -> {property: what the consumer builds instead of the measured value}, and
 # the words its text uses to say so.
@@ -80,7 +86,7 @@ SHARDED = {"zero1", "zero2", "zero3", "hybrid"}
 # The plain PyTorch loop: executed, on a fake process group for several ranks.
 
 
-@pytest.mark.xdist_group("export_roundtrip_loop")
+@pytest.mark.xdist_group(TORCH_GROUP)
 @pytest.mark.parametrize("name", NAMES)
 def test_the_pytorch_loop_runs_what_was_measured(name: str) -> None:
     case = CASES[name]
@@ -92,7 +98,7 @@ def test_the_pytorch_loop_runs_what_was_measured(name: str) -> None:
 # ranks the DeepSpeed config or accelerate's FSDP plugin it sets up.
 
 
-@pytest.mark.xdist_group("export_roundtrip_hf")
+@pytest.mark.xdist_group(HF_GROUP)
 @pytest.mark.parametrize("name", [n for n in NAMES if n not in SHARDED])
 def test_the_trainer_runs_what_was_measured(name: str, tmp_path: Path) -> None:
     case = CASES[name]
@@ -112,7 +118,7 @@ def test_the_trainer_runs_what_was_measured(name: str, tmp_path: Path) -> None:
     assert found == expected
 
 
-@pytest.mark.xdist_group("export_roundtrip_hf")
+@pytest.mark.xdist_group(HF_GROUP)
 @pytest.mark.parametrize("name", sorted(SHARDED))
 def test_the_trainer_arguments_shard_as_measured(name: str, tmp_path: Path) -> None:
     case = CASES[name]
@@ -134,7 +140,7 @@ def test_the_trainer_arguments_shard_as_measured(name: str, tmp_path: Path) -> N
 # precision plugin and accumulation, one step; the strategy objects for several ranks.
 
 
-@pytest.mark.xdist_group("export_roundtrip_lightning")
+@pytest.mark.xdist_group(TORCH_GROUP)
 @pytest.mark.parametrize("name", NAMES)
 def test_lightning_runs_what_was_measured(name: str) -> None:
     case = CASES[name]
@@ -151,7 +157,7 @@ def _zero_stage(sharding: str) -> int:
     return next((stage for key, stage in _ZERO_STAGES.items() if key in sharding), 0)
 
 
-@pytest.mark.xdist_group("export_roundtrip_deepspeed")
+@pytest.mark.xdist_group(TORCH_GROUP)
 @pytest.mark.parametrize("name", NAMES)
 def test_deepspeed_parses_what_was_measured(name: str) -> None:
     case = CASES[name]
@@ -174,7 +180,7 @@ def test_deepspeed_parses_what_was_measured(name: str) -> None:
 # builds them.
 
 
-@pytest.mark.xdist_group("export_roundtrip_axolotl")
+@pytest.mark.xdist_group(HF_GROUP)
 @pytest.mark.parametrize("name", NAMES)
 def test_axolotl_validates_what_was_measured(name: str, tmp_path: Path) -> None:
     pytest.importorskip("axolotl", reason="make env installs Axolotl's schema (no-deps)")
