@@ -91,9 +91,9 @@ def _measured(exports: Exports) -> MeasuredRun:
 
 def render_exports(exports: Exports) -> dict[str, str]:
     """Paste-ready text per target: `hf` and `lightning` as Python, `axolotl` as YAML,
-    `deepspeed` as JSON, `pytorch_loop` as is; `deepspeed_notes` when the JSON cannot say
-    everything; on several ranks also `data_parallel`, what the memory was measured with and
-    what DeepSpeed does instead."""
+    `deepspeed` as JSON, `pytorch_loop` as is; `deepspeed_notes`, what the JSON cannot say
+    (the notes every text carries among them); on several ranks also `data_parallel`, what the
+    memory was measured with and what DeepSpeed does instead."""
     run = _measured(exports)
     texts = {
         "hf": render_hf(run, exports.hf),
@@ -102,9 +102,7 @@ def render_exports(exports: Exports) -> dict[str, str]:
         "lightning": render_lightning(run, exports.lightning),
         "pytorch_loop": exports.pytorch_loop,
     }
-    notes = deepspeed_notes(run)
-    if notes is not None:
-        texts["deepspeed_notes"] = notes
+    texts["deepspeed_notes"] = deepspeed_notes(run)
     if run.world_size > 1:
         texts["data_parallel"] = data_parallel_note(run)
     return texts

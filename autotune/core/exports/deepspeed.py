@@ -59,8 +59,9 @@ def deepspeed_config(run: MeasuredRun) -> dict[str, Any]:
     return config
 
 
-def deepspeed_notes(run: MeasuredRun) -> str | None:
-    """What the JSON (which has no comments) cannot say, or None."""
+def deepspeed_notes(run: MeasuredRun) -> str:
+    """What the JSON (which has no comments) cannot say: the notes every export carries, and
+    what DeepSpeed holds beyond the measured run."""
     lines: list[str] = []
     if run.optimizer is OptimizerName.ADAMW_8BIT:
         lines += [
@@ -71,15 +72,20 @@ def deepspeed_notes(run: MeasuredRun) -> str | None:
         ]
     if run.bf16_weights:
         copy = (
-            "a bf16 master copy of its partition of the weights and gradients (2 bytes per "
-            "parameter each, divided by the ranks)"
+            [
+                "keeps a bf16 master copy of its partition of the weights and gradients (2",
+                "bytes per parameter each, divided by the ranks),",
+            ]
             if run.sharding is not Sharding.NONE
-            else "an fp32 master copy of the weights and of the gradients (8 bytes per "
-            "parameter; bf16 master weights need ZeRO)"
+            else [
+                "keeps an fp32 master copy of the weights and of the gradients (8 bytes per",
+                "parameter; bf16 master weights need ZeRO),",
+            ]
         )
         lines += [
             "bf16 weights with no second copy cannot be expressed: DeepSpeed's bf16 optimizer",
-            f"keeps {copy}, which was not measured. Leave it room.",
+            *copy,
+            "which was not measured, and runs without autocast. Leave it room.",
         ]
     if run.sharding is Sharding.HYBRID:
         lines += [
@@ -89,6 +95,4 @@ def deepspeed_notes(run: MeasuredRun) -> str | None:
             "ranks: less memory per",
             "rank than measured, but every all-gather crosses the nodes.",
         ]
-    if not lines:
-        return None
     return "# DeepSpeed: what the JSON cannot say\n" + comment(shared_notes(run) + lines)

@@ -3,7 +3,8 @@ step of a token target, and the notes on how the measured ranks shared their sta
 
 One place for a note that concerns every consumer: `shared_notes` is the head of every text
 (each consumer prefixes it with its comment syntax; the DeepSpeed JSON, which has none, gets it
-in its own notes text).
+in its notes text; the plain loop's docstring states all but the batch line, which it words
+itself). A setting every consumer needs (an environment variable, say) belongs here.
 """
 
 from __future__ import annotations
@@ -33,46 +34,48 @@ def comment(lines: list[str], marker: str = "#") -> str:
 
 
 def data_parallel_note(run: MeasuredRun) -> str:
-    """How the measured ranks shared their state, for the `data_parallel` text (None on one
-    unsharded rank)."""
+    """How the measured ranks shared their state, for the `data_parallel` text (several ranks
+    only)."""
     if run.sharding is Sharding.NONE:
-        return (
-            f"# {run.world_size} ranks: memory per rank was measured for torch DDP with\n"
-            "# gradient_as_bucket_view=True (gradients live in DDP's all-reduce buckets), "
-            "default\n"
-            "# bucket sizes, buffers broadcast; the PyTorch loop and Lightning set it, the "
-            "Hugging\n"
-            "# Face text shows where. DDP's default (False) holds a second copy of the "
-            "gradients.\n"
-            "# DeepSpeed uses no torch DDP: without ZeRO it all-reduces after the last "
-            "micro-batch's\n"
-            "# backward through flat copies of the gradients (up to 5e8 elements each), a "
-            "second\n"
-            "# copy of the gradients at the end of backward that was not measured.\n"
+        return comment(
+            [
+                f"{run.world_size} ranks: memory per rank was measured for torch DDP with",
+                "gradient_as_bucket_view=True (gradients live in DDP's all-reduce buckets),",
+                "default bucket sizes, buffers broadcast; the PyTorch loop and Lightning set it,",
+                "the Hugging Face text shows where. DDP's default (False) holds a second copy of",
+                "the gradients. DeepSpeed uses no torch DDP: without ZeRO it all-reduces after",
+                "the last micro-batch's backward through flat copies of the gradients (up to 5e8",
+                "elements each), a second copy of the gradients at the end of backward that was",
+                "not measured.",
+            ]
         )
     if run.sharding is Sharding.ZERO1:
-        measured = (
-            "torch DDP with ZeroRedundancyOptimizer (each rank the optimizer states of its\n"
-            "# share of the parameters); gradients all-reduced by DDP on the last micro-batch "
-            "of\n# each step only"
-        )
+        measured = [
+            "torch DDP with ZeroRedundancyOptimizer (each rank the optimizer states of its",
+            "share of the parameters); gradients all-reduced by DDP on the last micro-batch of",
+            "each step only.",
+        ]
     else:
-        measured = (
-            "torch FSDP2 (fully_shard on each block, then the root"
-            + (", without resharding after forward" if run.sharding is Sharding.ZERO2 else "")
-            + (
+        how = "fully_shard on each block, then the root"
+        if run.sharding is Sharding.ZERO2:
+            how += ", without resharding after forward"
+        if run.sharding is Sharding.HYBRID:
+            groups = run.world_size // run.shard_group_size
+            how += (
                 f", sharded within groups of {run.shard_group_size} ranks, replicated across "
-                f"{run.world_size // run.shard_group_size} groups"
-                if run.sharding is Sharding.HYBRID
-                else ""
+                f"{groups} groups"
             )
-            + ");\n# gradients reduce-scattered after every micro-batch"
-        )
+        measured = [
+            f"torch FSDP2 ({how});",
+            "gradients reduce-scattered after every micro-batch.",
+        ]
     stage = {Sharding.ZERO1: 1, Sharding.ZERO2: 2}.get(run.sharding, 3)
-    return (
-        f"# {run.world_size} ranks, ZeRO stage {stage}: memory per rank was measured with "
-        f"{measured}.\n"
-        "# DeepSpeed's own ZeRO keeps flat buffers besides (reduce_bucket_size,\n"
-        "# allgather_bucket_size, stage 3's prefetch_bucket_size) that were not measured: "
-        "leave\n# them room or lower them.\n"
+    return comment(
+        [f"{run.world_size} ranks, ZeRO stage {stage}: memory per rank was measured with"]
+        + measured
+        + [
+            "DeepSpeed's own ZeRO keeps flat buffers besides (reduce_bucket_size,",
+            "allgather_bucket_size, stage 3's prefetch_bucket_size) that were not measured:",
+            "leave them room or lower them.",
+        ]
     )

@@ -661,7 +661,9 @@ def test_a_token_target_round_trips_into_every_export(
     assert per_step * axolotl["sequence_len"] == tokens
     assert exports.deepspeed["train_batch_size"] * seq_len == tokens
     texts = render_exports(exports)
-    for name in ("hf", "axolotl", "lightning", "pytorch_loop"):
+    # The notes every text carries (autotune.core.exports.notes), the DeepSpeed JSON's in its
+    # notes text.
+    for name in ("hf", "axolotl", "lightning", "pytorch_loop", "deepspeed_notes"):
         assert f"{tokens} tokens per optimizer step" in texts[name], name
     assert f"max_length={seq_len}" in texts["hf"]
     assert yaml.safe_load(texts["axolotl"]) == axolotl
