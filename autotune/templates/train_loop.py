@@ -36,7 +36,8 @@ CHECKPOINT_BLOCKS: list[int] | None = None
 AUTOCAST_DTYPE: str | None = None
 # The parameters' dtype: "bfloat16" trains bf16 weights with no fp32 master copy.
 WEIGHTS_DTYPE = "float32"
-OPTIMIZER = "adamw"  # adamw | sgd (momentum 0.9) | adafactor | adamw8bit (bitsandbytes)
+# adamw | sgd (momentum 0.9) | adafactor | adamw8bit (bitsandbytes'; torchao's under FSDP2)
+OPTIMIZER = "adamw"
 # peft LoraConfig keyword arguments when LoRA adapters were measured, else None.
 LORA: dict[str, Any] | None = None
 # none (DDP) | zero1 (ZeroRedundancyOptimizer) | zero2, zero3 (FSDP2) | hybrid (FSDP2, 2-D mesh)
@@ -105,6 +106,11 @@ def shard(model: nn.Module) -> None:
 
 def optimizer_class() -> tuple[Any, dict[str, Any]]:
     """The measured optimizer's class and keyword arguments (but the learning rate)."""
+    if OPTIMIZER == "adamw8bit" and SHARDING in ("zero2", "zero3", "hybrid"):
+        # torchao's, as measured: bitsandbytes' does not support FSDP2's sharded parameters.
+        import torchao.optim  # pip install torchao
+
+        return torchao.optim.AdamW8bit, {}
     if OPTIMIZER == "adamw8bit":
         import bitsandbytes  # pip install bitsandbytes
 

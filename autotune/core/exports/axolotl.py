@@ -59,7 +59,7 @@ OPTIMIZERS = {
     OptimizerName.ADAMW: "adamw_torch",
     OptimizerName.SGD: "sgd",
     OptimizerName.ADAFACTOR: "adafactor",
-    OptimizerName.ADAMW_8BIT: "adamw_bnb_8bit",
+    OptimizerName.ADAMW_8BIT: "adamw_bnb_8bit",  # torchao's adamw_torch_8bit under FSDP2
 }
 
 
@@ -76,6 +76,8 @@ def axolotl_config(run: MeasuredRun) -> dict[str, Any]:
     if training.tf32 is not None:
         config[_K["tf32"]] = training.tf32
     config[_K["optimizer"]] = OPTIMIZERS[run.optimizer]
+    if run.optimizer is OptimizerName.ADAMW_8BIT:
+        config[_K["optimizer"]] = run.eight_bit_adamw.hf_optim
     if run.optimizer is OptimizerName.SGD:
         config[_K["optimizer_args"]] = {"momentum": 0.9}
     lora = run.lora
@@ -128,7 +130,9 @@ def _notes(run: MeasuredRun, config: dict[str, Any]) -> list[str]:
             lines.append(
                 "Full fine-tuning of fp16 weights fails in the gradient scaler: use bf16 or LoRA."
             )
-    if run.optimizer is OptimizerName.ADAMW_8BIT:
+    if run.optimizer is OptimizerName.ADAMW_8BIT and run.fsdp2:
+        lines.append("adamw_torch_8bit is torchao's AdamW8bit, measured for FSDP2 shards.")
+    elif run.optimizer is OptimizerName.ADAMW_8BIT:
         lines += [
             "adamw_bnb_8bit is the Trainer's bitsandbytes AdamW(optim_bits=8), which keeps the",
             "embeddings' states in 32 bits (8 bytes per element where bitsandbytes' AdamW8bit,",

@@ -29,7 +29,7 @@ _OPTIMIZERS: dict[OptimizerName, dict[str, Any] | None] = {
     OptimizerName.ADAMW: {"type": "AdamW", "params": {"torch_adam": True, "foreach": True}},
     OptimizerName.SGD: {"type": "SGD", "params": {"momentum": 0.9, "foreach": True}},
     OptimizerName.ADAFACTOR: {"type": "Adafactor", "params": {"foreach": True}},
-    OptimizerName.ADAMW_8BIT: None,  # a client optimizer: bitsandbytes.optim.AdamW8bit
+    OptimizerName.ADAMW_8BIT: None,  # a client optimizer: bitsandbytes' or torchao's AdamW8bit
 }
 
 
@@ -64,9 +64,13 @@ def deepspeed_notes(run: MeasuredRun) -> str:
     what DeepSpeed holds beyond the measured run."""
     lines: list[str] = []
     if run.optimizer is OptimizerName.ADAMW_8BIT:
+        eight_bit = run.eight_bit_adamw
         lines += [
-            "The optimizer is bitsandbytes' AdamW8bit, passed to DeepSpeed as a client optimizer:",
-            "    optimizer = bitsandbytes.optim.AdamW8bit(model.parameters(), lr=...)",
+            f"The optimizer is {eight_bit.library}'s AdamW8bit (the one measured), passed to "
+            "DeepSpeed",
+            "as a client optimizer:",
+            f"    import {eight_bit.library}.optim",
+            f"    optimizer = {eight_bit.class_path}(model.parameters(), lr=...)",
             "    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, "
             "config=ds_config)",
         ]

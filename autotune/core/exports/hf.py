@@ -88,6 +88,9 @@ def hf_arguments(run: MeasuredRun, transformers_version: str | None) -> dict[str
         hf["optim"] = optim
         if optim_args is not None:
             hf["optim_args"] = optim_args
+    elif run.optimizer is OptimizerName.ADAMW_8BIT and run.fsdp2:
+        # transformers builds torchao's AdamW8bit itself, with no 32-bit embedding states.
+        hf["optim"] = run.eight_bit_adamw.hf_optim
     if run.sharding is Sharding.ZERO1:
         hf["deepspeed"] = deepspeed_config(run)
     elif run.fsdp2:
@@ -216,6 +219,11 @@ def _ddp_lines(run: MeasuredRun) -> str:
 def _optimizer_lines(run: MeasuredRun) -> str:
     if run.optimizer not in OPTIMIZER_CLASSES:
         return ""
+    if run.optimizer is OptimizerName.ADAMW_8BIT and run.fsdp2:
+        return (
+            "\n# optim='adamw_torch_8bit' builds torchao's AdamW8bit, measured for FSDP2 shards\n"
+            "# (bitsandbytes' does not support them): pip install torchao.\n"
+        )
     module, name, kwargs = OPTIMIZER_CLASSES[run.optimizer]
     why = (
         "optim='adamw_bnb_8bit' would keep the embeddings' states in 32 bits"

@@ -36,6 +36,8 @@ OPTIMIZER_CLASSES: dict[OptimizerName, tuple[str, dict[str, Any]]] = {
 
 def lightning_arguments(run: MeasuredRun) -> dict[str, Any]:
     optimizer, kwargs = OPTIMIZER_CLASSES[run.optimizer]
+    if run.optimizer is OptimizerName.ADAMW_8BIT:
+        optimizer = run.eight_bit_adamw.class_path
     module: dict[str, Any] = {
         "gradient_checkpointing": run.checkpointing,
         "optimizer": optimizer,
@@ -187,6 +189,7 @@ def _configure_optimizers_lines(module: dict[str, Any]) -> list[str]:
             "trainable = [p for p in self.parameters() if p.requires_grad]",
             f"return {optimizer}(trainable, lr=...{extra})",
         ]
-    if optimizer.startswith("bitsandbytes."):
-        build.insert(0, "import bitsandbytes")
+    library = optimizer.split(".")[0]
+    if library != "torch":
+        build.insert(0, f"import {library}.optim")
     return ["def configure_optimizers(self):"] + [f"    {line}" for line in build]

@@ -30,6 +30,24 @@ FSDP2_SHARDINGS = (Sharding.ZERO2, Sharding.ZERO3, Sharding.HYBRID)
 
 
 @dataclass(frozen=True)
+class EightBitAdamW:
+    """One library's 8-bit AdamW, as a script builds it."""
+
+    library: str  # the distribution to install
+    class_path: str  # importable as module.Class
+    hf_optim: str  # transformers' `TrainingArguments.optim` that builds this class
+
+
+# `optimizer: adamw8bit` is measured as bitsandbytes' AdamW8bit on whole parameters, and as
+# torchao's under FSDP2 (bitsandbytes' does not support DTensors; Axolotl refuses the pair):
+# the engine's choice (autotune.engine.training.adamw_8bit), which the exports follow.
+BITSANDBYTES_ADAMW_8BIT = EightBitAdamW(
+    "bitsandbytes", "bitsandbytes.optim.AdamW8bit", "adamw_bnb_8bit"
+)
+TORCHAO_ADAMW_8BIT = EightBitAdamW("torchao", "torchao.optim.AdamW8bit", "adamw_torch_8bit")
+
+
+@dataclass(frozen=True)
 class MeasuredRun:
     """What was measured: one rank's micro-batch, accumulation and rank count, checkpointing,
     and the training setup (precision, weights, optimizer, adapters, sharding)."""
@@ -89,6 +107,11 @@ class MeasuredRun:
     def fsdp2(self) -> bool:
         """Sharded by FSDP2 (zero2, zero3, hybrid) when measured."""
         return self.sharding in FSDP2_SHARDINGS
+
+    @property
+    def eight_bit_adamw(self) -> EightBitAdamW:
+        """The 8-bit AdamW measured for `optimizer: adamw8bit` with this sharding."""
+        return TORCHAO_ADAMW_8BIT if self.fsdp2 else BITSANDBYTES_ADAMW_8BIT
 
     @property
     def shard_group_size(self) -> int:

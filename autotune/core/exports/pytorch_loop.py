@@ -97,8 +97,9 @@ def _setup_lines(run: MeasuredRun) -> str:
             f"torch.autocast(dtype=torch.{_AUTOCAST_DTYPES[run.precision]}){scaler}.\n"
         )
     if run.optimizer is OptimizerName.ADAMW_8BIT:
+        eight_bit = run.eight_bit_adamw
         lines.append(
-            "Optimizer: bitsandbytes.optim.AdamW8bit (8-bit states; pip install bitsandbytes).\n"
+            f"Optimizer: {eight_bit.class_path} (8-bit states; pip install {eight_bit.library}).\n"
         )
     elif run.optimizer is not OptimizerName.ADAMW:
         lines.append(f"Optimizer: {run.optimizer} (OPTIMIZER; see make_optimizer).\n")

@@ -187,14 +187,26 @@ def observe(model: nn.Module, local_optimizer: torch.optim.Optimizer) -> Iterato
             handle.remove()
 
 
+def _storages(tensor: torch.Tensor) -> dict[int, int]:
+    """The storages (address: bytes) a tensor holds, through tensor subclasses such as
+    torchao's 8-bit states (codes, scales, a quantisation map)."""
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None or type(tensor) is torch.Tensor:
+        storage = tensor.untyped_storage()
+        return {storage.data_ptr(): storage.nbytes()}
+    found: dict[int, int] = {}
+    for name in flatten()[0]:
+        found.update(_storages(_local(getattr(tensor, name))))
+    return found
+
+
 def state_bytes_per_element(optimizer: torch.optim.Optimizer, model: nn.Module) -> float:
     """The optimizer state's bytes (each storage once, scalars left out) per trained element."""
     storages: dict[int, int] = {}
     for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor) and value.numel() > 1:
-                local = _local(value)
-                storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+                storages.update(_storages(_local(value)))
     elements = sum(_local(p).numel() for p in model.parameters() if p.requires_grad)
     return round(sum(storages.values()) / elements, 1)
 

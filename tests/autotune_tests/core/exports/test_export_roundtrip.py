@@ -10,6 +10,7 @@ names the property it changes, and its text must say so (the README's export tab
 from __future__ import annotations
 
 import functools
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -202,3 +203,39 @@ def test_axolotl_validates_what_was_measured(name: str, tmp_path: Path) -> None:
         assert found["zero_stage"] == 1
     if case.spec().target_global_tokens is not None:
         assert found["tokens_per_sample"] == case.spec().seq_len
+
+
+# ---------------------------------------------------------------------------------------------
+# 8-bit AdamW under FSDP2 is torchao's (bitsandbytes' does not support DTensors, and Axolotl
+# refuses adamw_bnb_8bit with FSDP2): every consumer builds torchao's class for zero2/3/hybrid.
+
+
+@pytest.mark.xdist_group(HF_GROUP)
+@pytest.mark.parametrize("sharding", ["zero3", "hybrid"])
+def test_sharded_8bit_adamw_is_torchaos_in_every_consumer(sharding: str, tmp_path: Path) -> None:
+    pytest.importorskip("torchao")
+    group = {"shard_group_size": 2} if sharding == "hybrid" else {}
+    world = 4 if sharding == "hybrid" else 2
+    case = Case({"world_size": world, "sharding": sharding, "optimizer": "adamw8bit", **group})
+    exports = _exports(case)
+    texts = render_exports(exports)
+    torchao_class = "torchao.optim.AdamW8bit"
+    # The plain loop: torchao's AdamW8bit on FSDP2's sharded parameters, one step.
+    loop = consumers.loop_run(exports, case)
+    assert loop["optimizer"] == "AdamW8bit" and "fsdp2" in loop["sharding"]
+    assert "import torchao.optim" in texts["pytorch_loop"]
+    # Hugging Face: the optim the Trainer builds torchao's class from.
+    args = consumers.hf_objects(exports, str(tmp_path))["args"]
+    from transformers import Trainer
+
+    optimizer_class, _ = Trainer.get_optimizer_cls_and_kwargs(args)
+    assert f"{optimizer_class.__module__}.{optimizer_class.__name__}".startswith("torchao.optim")
+    # Lightning's configure_optimizers and DeepSpeed's client optimizer name it.
+    assert f"return {torchao_class}(trainable" in texts["lightning"]
+    assert f"optimizer = {torchao_class}(" in texts["deepspeed_notes"]
+    assert exports.deepspeed["zero_allow_untested_optimizer"] is True
+    # Axolotl accepts it with FSDP2 (it refuses adamw_bnb_8bit there).
+    if importlib.util.find_spec("axolotl") is not None:
+        found = consumers.axolotl_run(exports, case, str(tmp_path))
+        assert found["optimizer"] == "AdamW8bit"
+        assert exports.axolotl["optimizer"] == "adamw_torch_8bit"
