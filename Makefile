@@ -8,6 +8,10 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+# Axolotl's release pins an older transformers, peft and pydantic: the export round trip only
+# needs its config schema, which imports with these (no dependencies pulled; the version is
+# autotune/core/exports/axolotl.py's AXOLOTL_VERSION).
+AXOLOTL_SPEC ?= axolotl==0.19.0 addict pillow posthog distro
 # pip leaves bytecode to the first import (--no-compile): compiling every file of torch and
 # transformers took 45 s of CPU out of 75 s of install, for modules the tests mostly never import.
 # So Python must be allowed to cache what it compiles, whatever the caller's environment says.
@@ -31,7 +35,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 ifneq ($(HAS_GPU),yes)
 	$(PIP_INSTALL) $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
 endif
-	$(PIP_INSTALL) -e '.[all,dev]'
+	DS_BUILD_OPS=0 $(PIP_INSTALL) -e '.[all,dev]'
+	$(PIP_INSTALL) --no-deps $(AXOLOTL_SPEC)
 	touch $@
 
 env: $(VENV)/.installed

@@ -59,6 +59,7 @@ EXPORT_NAMES = {
     "hf": "Hugging Face TrainingArguments",
     "axolotl": "Axolotl",
     "deepspeed": "DeepSpeed",
+    "deepspeed_notes": "DeepSpeed: what the JSON cannot say",
     "lightning": "Lightning",
     "pytorch_loop": "Plain PyTorch loop",
     "data_parallel": "Data parallel",

@@ -328,6 +328,9 @@ class _Check:
             expected[("lora", "r")] = training.lora.r
         elif exports.lora is not None:
             self.fail("exports.lora", "set although the spec trains no adapters")
+        if exports.training != self.result.spec.training:
+            # The texts say what each consumer holds beyond this section.
+            self.fail("exports.training", "is not the result's spec's training section")
         data = exports.model_dump()
         for path, value in expected.items():
             found = _at(data, *path)

@@ -606,6 +606,15 @@ class Exports(FrozenModel):
         description="Set for a token target (training.target_global_tokens): the packed "
         "sample length the target was turned into samples with.",
     )
+    training: TrainingSpec = Field(
+        default_factory=TrainingSpec,
+        description="The training section the settings were built for: what each text says "
+        "its consumer holds beyond the measured run comes from it (exports stored before it "
+        "was recorded read as the defaults).",
+    )
+    token_model: bool = Field(
+        default=True, description="The loop normalises by label tokens (else by samples)."
+    )
 
 
 class TuneResult(FrozenModel):

@@ -32,6 +32,12 @@ GLOBAL_BATCH = MICRO_BATCH * ACCUMULATION_STEPS * WORLD_SIZE
 CHECKPOINTING = False
 # With checkpointing, the indices of the blocks to checkpoint (partial checkpointing); None: all.
 CHECKPOINT_BLOCKS: list[int] | None = None
+# The forward's autocast dtype ("bfloat16", "float16": with a GradScaler), None: no autocast.
+AUTOCAST_DTYPE: str | None = None
+# The parameters' dtype: "bfloat16" trains bf16 weights with no fp32 master copy.
+WEIGHTS_DTYPE = "float32"
+# adamw | sgd (momentum 0.9) | adafactor | adamw8bit (bitsandbytes'; torchao's under FSDP2)
+OPTIMIZER = "adamw"
 # peft LoraConfig keyword arguments when LoRA adapters were measured, else None.
 LORA: dict[str, Any] | None = None
 # none (DDP) | zero1 (ZeroRedundancyOptimizer) | zero2, zero3 (FSDP2) | hybrid (FSDP2, 2-D mesh)
@@ -98,27 +104,58 @@ def shard(model: nn.Module) -> None:
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
 
 
+def optimizer_class() -> tuple[Any, dict[str, Any]]:
+    """The measured optimizer's class and keyword arguments (but the learning rate)."""
+    if OPTIMIZER == "adamw8bit" and SHARDING in ("zero2", "zero3", "hybrid"):
+        # torchao's, as measured: bitsandbytes' does not support FSDP2's sharded parameters.
+        import torchao.optim  # pip install torchao
+
+        return torchao.optim.AdamW8bit, {}
+    if OPTIMIZER == "adamw8bit":
+        import bitsandbytes  # pip install bitsandbytes
+
+        return bitsandbytes.optim.AdamW8bit, {}
+    if OPTIMIZER == "sgd":
+        return torch.optim.SGD, {"momentum": 0.9, "foreach": True}
+    if OPTIMIZER == "adafactor":
+        return torch.optim.Adafactor, {"foreach": True}
+    return torch.optim.AdamW, {"foreach": True}
+
+
 def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    """AdamW over the parameters that train; with ZeRO-1, each rank keeps its partition's
-    states (torch's ZeroRedundancyOptimizer)."""
+    """The measured optimizer over the parameters that train; with ZeRO-1, each rank keeps its
+    partition's states (torch's ZeroRedundancyOptimizer)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer, kwargs = optimizer_class()
     if SHARDING == "zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(trainable, optimizer_class=torch.optim.AdamW, lr=lr)
-    return torch.optim.AdamW(trainable, lr=lr)
+        return ZeroRedundancyOptimizer(trainable, optimizer_class=optimizer, lr=lr, **kwargs)
+    built: torch.optim.Optimizer = optimizer(trainable, lr=lr, **kwargs)
+    return built
 
 
-def prepare_model(model: nn.Module) -> nn.Module:
-    """Checkpointing as recommended, LoRA adapters if measured with them, then DDP or sharding
-    on several ranks. Call after moving the model to its device, before make_optimizer."""
+def make_scaler(model: nn.Module) -> torch.amp.GradScaler | None:
+    """fp16 autocast's gradient scaler (None for the other precisions)."""
+    if AUTOCAST_DTYPE != "float16":
+        return None
+    return torch.amp.GradScaler(next(model.parameters()).device.type)
+
+
+def prepare_model(model: nn.Module, lora: dict[str, Any] | None = LORA) -> nn.Module:
+    """Weights in WEIGHTS_DTYPE, checkpointing as recommended, LoRA adapters if measured with
+    them (`lora`), then DDP or sharding on several ranks. Call after moving the model to its
+    device, before make_optimizer."""
+    if WEIGHTS_DTYPE == "bfloat16":
+        # Before the adapters: peft keeps them fp32 on a bf16 model, as measured.
+        model = model.to(torch.bfloat16)
     if CHECKPOINTING:
         enable_checkpointing(model)
-    if LORA is not None:
+    if lora is not None:
         # The base model frozen, adapters trained: pip install peft.
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(**LORA))
+        model = get_peft_model(model, LoraConfig(**lora))
     if SHARDING in ("zero2", "zero3", "hybrid"):
         # FSDP2 shards in place; it reduce-scatters after every micro-batch (no no_sync).
         shard(model)
@@ -127,6 +164,32 @@ def prepare_model(model: nn.Module) -> nn.Module:
         # measured with; DDP's default keeps a second copy of every gradient.
         model = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
     return model
+
+
+def demo_lora(model: nn.Module) -> dict[str, Any] | None:
+    """LORA for the demo model: as measured where the demo model has those modules, else every
+    linear layer but the head (the measured names are your model's, not the demo's)."""
+    if LORA is None:
+        return None
+    names = [name for name, _ in model.named_modules()]
+
+    def found(target: str) -> bool:
+        return any(name == target or name.endswith(f".{target}") for name in names)
+
+    targets = LORA["target_modules"]
+    wanted = [] if isinstance(targets, str) else list(targets)
+    wanted += LORA.get("modules_to_save") or []
+    if all(found(target) for target in wanted):
+        return LORA
+    print("demo: DemoModel lacks the measured LoRA modules; adapting its linear layers instead")
+    return {**LORA, "target_modules": "all-linear", "modules_to_save": None}
+
+
+def autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """The forward's autocast to AUTOCAST_DTYPE, or nothing."""
+    if AUTOCAST_DTYPE is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, AUTOCAST_DTYPE))
 
 
 def check_world_size() -> None:
@@ -139,14 +202,18 @@ def check_world_size() -> None:
 
 
 def train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[Batch]
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[Batch],
+    scaler: torch.amp.GradScaler | None = None,
 ) -> float:
     """One optimizer step over this rank's ACCUMULATION_STEPS micro-batches.
 
     The loss is the sum over every micro-batch of every rank divided by the number of loss
     targets in all of them, so the gradient equals the full-batch gradient whatever the split.
     Gradients are zeroed first and left in place after the update. Returns the mean loss of
-    this rank's micro-batches.
+    this rank's micro-batches. The forward runs under autocast to AUTOCAST_DTYPE (if any);
+    fp16 needs the `scaler` from make_scaler.
     """
     check_world_size()
     if len(micro_batches) != ACCUMULATION_STEPS:
@@ -170,10 +237,16 @@ def train_step(
         no_sync = getattr(model, "no_sync", None)
         context = contextlib.nullcontext() if is_last or no_sync is None else no_sync()
         with context:
-            loss = loss_sum(model, batch)
-            torch.autograd.backward(loss * scale)
+            with autocast(device):
+                loss = loss_sum(model, batch)
+            scaled = loss * scale
+            torch.autograd.backward(scaled if scaler is None else scaler.scale(scaled))
         total_loss += loss.item()
-    optimizer.step()
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)  # unscales first; skips the step on inf or nan gradients
+        scaler.update()
     return total_loss / max(local_targets, 1)
 
 
@@ -182,6 +255,7 @@ def train(
     optimizer: torch.optim.Optimizer,
     data_loader: Iterable[Batch],
     num_steps: int,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> list[float]:
     """num_steps optimizer steps, each over ACCUMULATION_STEPS consecutive loader batches.
 
@@ -197,7 +271,7 @@ def train(
         for batch in data_loader:
             micro_batches.append(batch)
             if len(micro_batches) == ACCUMULATION_STEPS:
-                losses.append(train_step(model, optimizer, micro_batches))
+                losses.append(train_step(model, optimizer, micro_batches, scaler))
                 micro_batches = []
                 if len(losses) == num_steps:
                     break
@@ -213,10 +287,11 @@ def demo() -> list[float]:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     torch.manual_seed(0)
-    model = prepare_model(DemoModel().to(device))
+    demo_model = DemoModel().to(device)
+    model = prepare_model(demo_model, lora=demo_lora(demo_model))
     optimizer = make_optimizer(model, lr=1e-3)
     batches = demo_batches(2 * ACCUMULATION_STEPS, MICRO_BATCH)
-    return train(model, optimizer, batches, num_steps=2)
+    return train(model, optimizer, batches, num_steps=2, scaler=make_scaler(model))
 
 
 def leave_process_group() -> None:

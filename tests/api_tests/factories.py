@@ -166,7 +166,9 @@ def tune_result(spec: Spec, device: DeviceInfo, *, study_name: str | None = None
         probe=ProbeResult(device=device, modes=modes),
         trials=[trial(0, micro_batch=4, accumulation_steps=8), trial(1)],
         recommendation=recommendation,
-        exports=build_exports(recommendation, token_model=True, transformers_version=None),
+        exports=build_exports(
+            recommendation, token_model=True, transformers_version=None, training=spec.training
+        ),
         study_name=study_name,
     )
 

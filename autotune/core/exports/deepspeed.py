@@ -1,0 +1,102 @@
+"""The DeepSpeed JSON for the measured run (key names of DeepSpeed 0.19's
+`deepspeed/runtime/constants.py`), and what it cannot say.
+
+* Precision: fp32 weights under autocast (what was measured for bf16 and fp16) are DeepSpeed's
+  `torch_autocast` section; bf16 weights are its `bf16` section, which always keeps a second
+  copy of the weights in the optimizer (fp32, or bf16 with ZeRO's
+  `bf16_master_weights_and_grads`): the notes say how much that was not measured.
+* Optimizer: AdamW as torch's (`torch_adam`), SGD (momentum 0.9) and Adafactor as torch's
+  classes (DeepSpeed builds any `torch.optim` class it is named); bitsandbytes' AdamW8bit is a
+  client optimizer passed to `deepspeed.initialize`, which ZeRO accepts only with
+  `zero_allow_untested_optimizer` (as it does SGD and Adafactor).
+* Sharding: ZeRO stages 1-3; hybrid sharding within groups cannot be expressed since 0.19
+  removed MiCS, so hybrid is stage 3 over all ranks (less memory per rank than measured, more
+  traffic across nodes), and the notes say so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autotune.core.exports.measured import ZERO_STAGES, MeasuredRun
+from autotune.core.exports.notes import comment, shared_notes
+from autotune.core.schemas import OptimizerName, Precision, Sharding
+
+_AUTOCAST_DTYPES = {Precision.BF16: "bfloat16", Precision.FP16: "float16"}
+# ZeRO's tested optimizers (deepspeed/runtime/zero/utils.py ZERO_SUPPORTED_OPTIMIZERS) include
+# torch's AdamW; the others need the flag.
+_OPTIMIZERS: dict[OptimizerName, dict[str, Any] | None] = {
+    OptimizerName.ADAMW: {"type": "AdamW", "params": {"torch_adam": True, "foreach": True}},
+    OptimizerName.SGD: {"type": "SGD", "params": {"momentum": 0.9, "foreach": True}},
+    OptimizerName.ADAFACTOR: {"type": "Adafactor", "params": {"foreach": True}},
+    OptimizerName.ADAMW_8BIT: None,  # a client optimizer: bitsandbytes' or torchao's AdamW8bit
+}
+
+
+def deepspeed_config(run: MeasuredRun) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "train_batch_size": run.global_batch,
+        "train_micro_batch_size_per_gpu": run.micro_batch,
+        "gradient_accumulation_steps": run.accumulation_steps,
+    }
+    zero = run.sharding is not Sharding.NONE
+    if run.bf16_weights:
+        bf16: dict[str, Any] = {"enabled": True}
+        if zero:
+            # The smallest copy DeepSpeed can keep: bf16 master weights, gradients and states.
+            bf16["bf16_master_weights_and_grads"] = True
+            bf16["bf16_optimizer_states"] = True
+        config["bf16"] = bf16
+    elif run.precision is not Precision.FP32:
+        config["torch_autocast"] = {"enabled": True, "dtype": _AUTOCAST_DTYPES[run.precision]}
+    optimizer = _OPTIMIZERS[run.optimizer]
+    if optimizer is not None:
+        config["optimizer"] = {"type": optimizer["type"], "params": dict(optimizer["params"])}
+    if zero:
+        config["zero_optimization"] = {"stage": ZERO_STAGES[run.sharding]}
+        if run.optimizer is not OptimizerName.ADAMW:
+            config["zero_allow_untested_optimizer"] = True
+    return config
+
+
+def deepspeed_notes(run: MeasuredRun) -> str:
+    """What the JSON (which has no comments) cannot say: the notes every export carries, and
+    what DeepSpeed holds beyond the measured run."""
+    lines: list[str] = []
+    if run.optimizer is OptimizerName.ADAMW_8BIT:
+        eight_bit = run.eight_bit_adamw
+        lines += [
+            f"The optimizer is {eight_bit.library}'s AdamW8bit (the one measured), passed to "
+            "DeepSpeed",
+            "as a client optimizer:",
+            f"    import {eight_bit.library}.optim",
+            f"    optimizer = {eight_bit.class_path}(model.parameters(), lr=...)",
+            "    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, "
+            "config=ds_config)",
+        ]
+    if run.bf16_weights:
+        copy = (
+            [
+                "keeps a bf16 master copy of its partition of the weights and gradients (2",
+                "bytes per parameter each, divided by the ranks),",
+            ]
+            if run.sharding is not Sharding.NONE
+            else [
+                "keeps an fp32 master copy of the weights and of the gradients (8 bytes per",
+                "parameter; bf16 master weights need ZeRO),",
+            ]
+        )
+        lines += [
+            "bf16 weights with no second copy cannot be expressed: DeepSpeed's bf16 optimizer",
+            *copy,
+            "which was not measured, and runs without autocast. Leave it room.",
+        ]
+    if run.sharding is Sharding.HYBRID:
+        lines += [
+            f"Hybrid sharding (groups of {run.shard_group_size}) cannot be expressed: DeepSpeed "
+            "0.19 removed MiCS,",
+            f"its only way to shard within groups. This is ZeRO-3 over all {run.world_size} "
+            "ranks: less memory per",
+            "rank than measured, but every all-gather crosses the nodes.",
+        ]
+    return "# DeepSpeed: what the JSON cannot say\n" + comment(shared_notes(run) + lines)

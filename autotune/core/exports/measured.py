@@ -1,0 +1,159 @@
+"""The run that was measured, as every consumer's export reads it: the recommendation's numbers
+and the spec's training setup, in one plain record (`MeasuredRun`), and the peft `LoraConfig`
+arguments that rebuild the measured adapters.
+
+Everything an export says comes from here, so that the server can rebuild the exports from a
+stored spec and recommendation alone: no hidden inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from autotune.core.schemas import (
+    OptimizerName,
+    Precision,
+    Recommendation,
+    Sharding,
+    TrainingSpec,
+    WeightsDtype,
+)
+
+# The name the measured model's output head has, which "all-linear" adapters leave out
+# (autotune.engine.training.adapters: peft itself leaves it out only on transformers models).
+OUTPUT_HEAD = "lm_head"
+# DeepSpeed's ZeRO stage for each sharding; hybrid is stage 3 over all ranks there (DeepSpeed
+# 0.19 removed MiCS, its only way to shard within groups: the DeepSpeed text says so).
+ZERO_STAGES = {Sharding.ZERO1: 1, Sharding.ZERO2: 2, Sharding.ZERO3: 3, Sharding.HYBRID: 3}
+FSDP2_SHARDINGS = (Sharding.ZERO2, Sharding.ZERO3, Sharding.HYBRID)
+
+
+@dataclass(frozen=True)
+class EightBitAdamW:
+    """One library's 8-bit AdamW, as a script builds it."""
+
+    library: str  # the distribution to install
+    class_path: str  # importable as module.Class
+    hf_optim: str  # transformers' `TrainingArguments.optim` that builds this class
+
+
+# `optimizer: adamw8bit` is measured as bitsandbytes' AdamW8bit on whole parameters, and as
+# torchao's under FSDP2 (bitsandbytes' does not support DTensors; Axolotl refuses the pair):
+# the engine's choice (autotune.engine.training.adamw_8bit), which the exports follow.
+BITSANDBYTES_ADAMW_8BIT = EightBitAdamW(
+    "bitsandbytes", "bitsandbytes.optim.AdamW8bit", "adamw_bnb_8bit"
+)
+TORCHAO_ADAMW_8BIT = EightBitAdamW("torchao", "torchao.optim.AdamW8bit", "adamw_torch_8bit")
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """What was measured: one rank's micro-batch, accumulation and rank count, checkpointing,
+    and the training setup (precision, weights, optimizer, adapters, sharding)."""
+
+    micro_batch: int
+    accumulation_steps: int
+    world_size: int
+    global_batch: int
+    checkpointing: bool
+    checkpointed_blocks: int | None  # partial checkpointing: the first this many blocks
+    num_blocks: int | None
+    training: TrainingSpec
+    token_model: bool
+
+    @classmethod
+    def of(
+        cls, rec: Recommendation, training: TrainingSpec | None, *, token_model: bool
+    ) -> MeasuredRun:
+        """Raises:
+        ValueError: when `rec.global_batch` is not micro-batch * accumulation * world size."""
+        b, accumulation, world = rec.micro_batch, rec.accumulation_steps, rec.world_size
+        if b * accumulation * world != rec.global_batch:
+            raise ValueError(
+                f"inconsistent recommendation: {b} * {accumulation} * {world} != "
+                f"{rec.global_batch}"
+            )
+        partial = rec.checkpointed_blocks if rec.checkpointing else None
+        return cls(
+            micro_batch=b,
+            accumulation_steps=accumulation,
+            world_size=world,
+            global_batch=rec.global_batch,
+            checkpointing=rec.checkpointing,
+            checkpointed_blocks=partial,
+            num_blocks=rec.num_blocks if partial is not None else None,
+            training=training or TrainingSpec(),
+            token_model=token_model,
+        )
+
+    @property
+    def precision(self) -> Precision:
+        return self.training.precision
+
+    @property
+    def bf16_weights(self) -> bool:
+        return self.training.weights is WeightsDtype.BF16
+
+    @property
+    def optimizer(self) -> OptimizerName:
+        return self.training.optimizer
+
+    @property
+    def sharding(self) -> Sharding:
+        return self.training.sharding
+
+    @property
+    def fsdp2(self) -> bool:
+        """Sharded by FSDP2 (zero2, zero3, hybrid) when measured."""
+        return self.sharding in FSDP2_SHARDINGS
+
+    @property
+    def eight_bit_adamw(self) -> EightBitAdamW:
+        """The 8-bit AdamW measured for `optimizer: adamw8bit` with this sharding."""
+        return TORCHAO_ADAMW_8BIT if self.fsdp2 else BITSANDBYTES_ADAMW_8BIT
+
+    @property
+    def shard_group_size(self) -> int:
+        """Ranks that shard among themselves: the hybrid group, else all of them."""
+        return self.training.shard_group_size or self.world_size
+
+    @property
+    def tokens_per_sample(self) -> int | None:
+        """Set for a token target: the packed sample length it was turned into samples with."""
+        if self.training.target_global_tokens is None:
+            return None
+        return self.training.seq_len
+
+    @property
+    def lora(self) -> dict[str, Any] | None:
+        return lora_config(self.training)
+
+
+def lora_config(training: TrainingSpec) -> dict[str, Any] | None:
+    """peft `LoraConfig` keyword arguments that rebuild the measured adapters on any model:
+    "all-linear" leaves out the output head as the measurement did, whether or not peft knows
+    the model's head (it knows only a transformers model's)."""
+    if training.lora is None:
+        return None
+    lora = training.lora
+    config: dict[str, Any] = {
+        "r": lora.r,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": lora.target_modules,
+    }
+    if lora.target_modules == "all-linear":
+        config["exclude_modules"] = [OUTPUT_HEAD]
+    if lora.modules_to_save:
+        config["modules_to_save"] = list(lora.modules_to_save)
+    return config
+
+
+def lora_snippet(lora: dict[str, Any], model: str = "model", indent: str = "") -> str:
+    """The two lines that add the measured adapters to `model`."""
+    kwargs = ", ".join(f"{key}={value!r}" for key, value in lora.items())
+    return (
+        f"{indent}from peft import LoraConfig, get_peft_model\n"
+        f"{indent}{model} = get_peft_model({model}, LoraConfig({kwargs}))\n"
+    )

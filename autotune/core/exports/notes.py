@@ -1,0 +1,81 @@
+"""What every export says beside its consumer's own keys: the batch arithmetic, the tokens per
+step of a token target, and the notes on how the measured ranks shared their state.
+
+One place for a note that concerns every consumer: `shared_notes` is the head of every text
+(each consumer prefixes it with its comment syntax; the DeepSpeed JSON, which has none, gets it
+in its notes text; the plain loop's docstring states all but the batch line, which it words
+itself). A setting every consumer needs (an environment variable, say) belongs here.
+"""
+
+from __future__ import annotations
+
+from autotune.core.exports.measured import MeasuredRun
+from autotune.core.schemas import Sharding
+
+
+def shared_notes(run: MeasuredRun) -> list[str]:
+    """Lines (without a comment marker) that head every consumer's text."""
+    lines = [
+        f"global batch {run.global_batch} = {run.micro_batch} per rank x "
+        f"{run.accumulation_steps} accumulation steps x {run.world_size} rank(s)"
+    ]
+    tokens = run.tokens_per_sample
+    if tokens is not None:
+        lines.append(
+            f"= {run.global_batch * tokens} tokens per optimizer step: packed samples of "
+            f"{tokens} tokens each"
+        )
+    return lines
+
+
+def comment(lines: list[str], marker: str = "#") -> str:
+    """`lines` as comment lines of a Python or YAML text."""
+    return "".join(f"{marker} {line}\n" if line else f"{marker}\n" for line in lines)
+
+
+def data_parallel_note(run: MeasuredRun) -> str:
+    """How the measured ranks shared their state, for the `data_parallel` text (several ranks
+    only)."""
+    if run.sharding is Sharding.NONE:
+        return comment(
+            [
+                f"{run.world_size} ranks: memory per rank was measured for torch DDP with",
+                "gradient_as_bucket_view=True (gradients live in DDP's all-reduce buckets),",
+                "default bucket sizes, buffers broadcast; the PyTorch loop and Lightning set it,",
+                "the Hugging Face text shows where. DDP's default (False) holds a second copy of",
+                "the gradients. DeepSpeed uses no torch DDP: without ZeRO it all-reduces after",
+                "the last micro-batch's backward through flat copies of the gradients (up to 5e8",
+                "elements each), a second copy of the gradients at the end of backward that was",
+                "not measured.",
+            ]
+        )
+    if run.sharding is Sharding.ZERO1:
+        measured = [
+            "torch DDP with ZeroRedundancyOptimizer (each rank the optimizer states of its",
+            "share of the parameters); gradients all-reduced by DDP on the last micro-batch of",
+            "each step only.",
+        ]
+    else:
+        how = "fully_shard on each block, then the root"
+        if run.sharding is Sharding.ZERO2:
+            how += ", without resharding after forward"
+        if run.sharding is Sharding.HYBRID:
+            groups = run.world_size // run.shard_group_size
+            how += (
+                f", sharded within groups of {run.shard_group_size} ranks, replicated across "
+                f"{groups} groups"
+            )
+        measured = [
+            f"torch FSDP2 ({how});",
+            "gradients reduce-scattered after every micro-batch.",
+        ]
+    stage = {Sharding.ZERO1: 1, Sharding.ZERO2: 2}.get(run.sharding, 3)
+    return comment(
+        [f"{run.world_size} ranks, ZeRO stage {stage}: memory per rank was measured with"]
+        + measured
+        + [
+            "DeepSpeed's own ZeRO keeps flat buffers besides (reduce_bucket_size,",
+            "allgather_bucket_size, stage 3's prefetch_bucket_size) that were not measured:",
+            "leave them room or lower them.",
+        ]
+    )
