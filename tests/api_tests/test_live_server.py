@@ -112,7 +112,9 @@ def test_long_poll_answers_when_the_run_finishes(live_server: LiveServer) -> Non
     assert response.status_code == 200
     assert response.json()["run"]["status"] == "succeeded"
     assert response.json()["cached"] is False
-    assert 0.4 < waited_s < 5
+    # Answered when the result arrived, not at the end of the 20 s wait (the margin absorbs a
+    # loaded machine).
+    assert 0.4 < waited_s < 15
 
 
 def test_client_retries_until_the_server_is_up(live_server: LiveServer) -> None:
