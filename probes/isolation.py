@@ -433,6 +433,15 @@ def run_child(
             logger.warning(
                 "%s child %s answered but did not exit; killed", request.operation, process.pid
             )
+        elif process.exitcode != 0:
+            # The answer stands (it was whole when sent), but a process that dies on its way
+            # out (a corrupted heap aborting at exit) has a bug that may have touched it.
+            logger.warning(
+                "%s child %s answered, then %s; its answer stands",
+                request.operation,
+                process.pid,
+                _exit_reason(process.exitcode).removesuffix(" without an answer"),
+            )
     finally:
         reader.close()
         if process.is_alive():

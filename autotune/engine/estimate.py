@@ -162,6 +162,21 @@ def _sequences_not_packed() -> Iterator[None]:
         setattr(masking_utils, "find_packed_sequence_indices", original)  # noqa: B010
 
 
+class _TraceMode(FakeTensorMode):  # type: ignore[no-untyped-call]
+    """The estimate's fake-tensor mode, which deep copies of its tensors share.
+
+    A fake tensor carries its mode as an attribute, which `Tensor.__deepcopy__` deep-copies with
+    the rest of its `__dict__`: a second mode, with copies of the first one's maps, whose
+    `StorageWeakRef` keys are raw weak pointers that each copy frees again. peft's
+    `modules_to_save` deep-copies the saved modules, so a storage was freed while in use:
+    a segfault in fake-tensor dispatch or in the next dispatcher registration, or a corrupted
+    heap at exit. A mode is a context, not a value: a copy of a tensor traces in its mode.
+    """
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _TraceMode:
+        return self
+
+
 def check_traceable(spec: Spec) -> None:
     """Refuse what reads tensor values inside a step: fake tensors have none."""
     training = spec.training
@@ -232,7 +247,7 @@ class EstimateRunner:
         `capacity_bytes` (memory only: a speed needs the card's peaks), with the caching
         allocator's settings (torch's defaults when None)."""
         check_traceable(spec)
-        self._mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self._mode = _TraceMode(allow_non_fake_inputs=True)
         self.gpu = gpu
         self.assumptions = assumptions or RooflineAssumptions()
         with self._mode:

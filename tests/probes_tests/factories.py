@@ -7,6 +7,7 @@ the tests start workers).
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import subprocess
 import sys
@@ -137,6 +138,13 @@ def abort_in_measurement(training: TrainingSpec) -> Workload:
     a trial of up to 2 accumulated micro-batches); a measurement child runs at least 5 (warm-up,
     the tracked check, 3 timed steps), so only throughput measurements crash."""
     return _workload(training, _abort_on_call(5))
+
+
+def abort_at_exit(training: TrainingSpec) -> Workload:
+    """The healthy model, in a process that aborts on its way out, once its answer is sent (as
+    a heap corrupted by a native bug aborts at exit: "corrupted double-linked list")."""
+    multiprocessing.util.Finalize(None, os.abort, exitpriority=0)
+    return _workload(training)
 
 
 HEAVY_STATE_ROWS = 5_000_000

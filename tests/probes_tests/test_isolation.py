@@ -6,6 +6,7 @@ Real children (both start methods where it matters), real emulated devices, real
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,6 +27,7 @@ from autotune.engine.runner import InProcessRunner
 from autotune.engine.tuner import tune_session
 from probes.errors import TrialCrashed, TrialError, WorkerShutdown
 from probes.isolation import ChildProcessRunner, StartMethod
+from tests.autotune_tests.factories import TINY_LLAMA_CONFIG
 from tests.probes_tests.factories import HEAVY_STATE_ROWS, wide_spec
 from tests.probes_tests.live import MARK_VARIABLE, REPO, marked_pids, new_mark, wait_for_no_marked
 
@@ -214,14 +217,55 @@ def test_probe_in_children_finds_what_one_process_finds() -> None:
     assert traced_runner.children_run == 1 + 1 + 2 * 2 < runner.children_run
 
 
-def test_abort_is_a_crash_not_an_oom_and_the_next_trial_is_unharmed() -> None:
-    runner = ChildProcessRunner(
-        wide_spec("abort_above_4", features=16),
+def _forkserver_runner(
+    spec: Spec, capacity_bytes: int = CAPACITY_BYTES, **options: Any
+) -> ChildProcessRunner:
+    return ChildProcessRunner(
+        spec,
         "cpu",
-        CAPACITY_BYTES,
+        capacity_bytes,
         start_method="forkserver",
         allowed_factories=TESTS,
+        **options,
     )
+
+
+def test_children_train_the_embeddings_and_head_beside_adapters(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Saved modules (peft deep-copies them) in isolated children: the first one traces the
+    fit points on fake tensors, which crashed the child or corrupted its heap (see
+    autotune/engine/estimate.py), then a warm-up and a trial on the emulated GPU."""
+    lora = {"r": 4, "alpha": 8.0, "modules_to_save": ["embed_tokens", "lm_head"]}
+    spec = Spec.model_validate(
+        {
+            "model": {"hf_config": TINY_LLAMA_CONFIG},
+            "training": {"seq_len": 16, "precision": "bf16", "max_micro_batch": 8, "lora": lora},
+        }
+    )
+    runner = _forkserver_runner(spec, 2**30, trace_fit=True)
+    with caplog.at_level(logging.WARNING, logger="probes.isolation"):
+        assert [p.fits for p in runner.fit_points(checkpointing=False)] == [True, True]
+        assert runner.warm_up(checkpointing=False).fits
+        assert runner.trial(4, checkpointing=False).fits
+    assert not [r for r in caplog.records if r.name == "probes.isolation"]
+
+
+def test_a_child_that_dies_after_answering_is_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its answer stands, but its death is said: a heap corrupted by a native bug aborts at
+    exit, after the trial's answer, and would otherwise go unseen."""
+    runner = _forkserver_runner(wide_spec("abort_at_exit", features=16))
+    with caplog.at_level(logging.WARNING, logger="probes.isolation"):
+        assert runner.warm_up(checkpointing=False).fits
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "probes.isolation"]
+    assert warning.startswith("warm_up child ")
+    assert warning.endswith("answered, then killed by SIGABRT; its answer stands")
+
+
+def test_abort_is_a_crash_not_an_oom_and_the_next_trial_is_unharmed() -> None:
+    runner = _forkserver_runner(wide_spec("abort_above_4", features=16))
     assert runner.warm_up(checkpointing=False).fits
     with pytest.raises(TrialCrashed) as crashed:
         runner.trial(8, checkpointing=False)

@@ -18,6 +18,7 @@ from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.estimate import EstimateRunner
 from autotune.engine.probe import probe_session
 from autotune.engine.runner import InProcessRunner
+from tests.autotune_tests.factories import TINY_LLAMA_CONFIG
 
 SEQ_LEN = 8
 HUGE_BYTES = 1 << 40
@@ -90,6 +91,32 @@ def test_every_trial_is_the_emulated_gpus_to_the_byte(name: str) -> None:
                 b.series,
                 b.allocations,
             )
+
+
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+def test_saved_modules_beside_adapters_trace_as_on_the_emulated_gpu(weights: str) -> None:
+    """peft deep-copies `modules_to_save`; the copies' fake tensors trace in the estimate's own
+    mode (a deep-copied mode frees its tensors' storages twice: the process crashed, see
+    tests/autotune_tests/cli/test_saved_modules.py), and their trials peak as the emulated
+    GPU's."""
+    lora = {"r": 4, "alpha": 8.0, "modules_to_save": ["embed_tokens", "lm_head"]}
+    training = {"seq_len": SEQ_LEN, "precision": "bf16", "weights": weights, "lora": lora}
+    spec = Spec.model_validate({"model": {"hf_config": TINY_LLAMA_CONFIG}, "training": training})
+    estimate = EstimateRunner(spec, capacity_bytes=HUGE_BYTES)
+    model = estimate._runner.step.model
+    saved = [n for n, p in model.named_parameters() if "modules_to_save" in n and p.requires_grad]
+    assert len(saved) == 2
+    modes = {id(t.fake_mode) for t in (*model.parameters(), *model.buffers())}
+    assert modes == {id(estimate._mode)}
+    emulated = InProcessRunner(spec, EmulatedDevice(HUGE_BYTES))
+    for micro_batch in (1, 3):
+        a, b = estimate.trial(micro_batch), emulated.trial(micro_batch)
+        assert a.fits and b.fits
+        assert (a.peak_bytes, a.peak_allocated_bytes, a.phase_peak_bytes) == (
+            b.peak_bytes,
+            b.peak_allocated_bytes,
+            b.phase_peak_bytes,
+        )
 
 
 LLAMA_3_8B = {
