@@ -19,12 +19,21 @@ into an additive one of the query's dtype in view of the tracker, as torch does 
 picks a kernel.
 Calls a GPU would also run on the math path (other head sizes, grouped-query attention) are left
 alone.
+
+A function mode is not active in backward: `torch.autograd.backward` and `grad` are torch
+functions themselves, so the mode is popped when they run and the autograd engine starts
+without it. Checkpoint recomputation runs in backward, and it ran the CPU's attention where
+forward had run `_FusedAttention`; the two save their tensors in different orders, and
+checkpoint hands saved tensors back by position, so backward got the key as the query and the
+query as the key. So the mode also wraps the engine call of every backward it sees in itself
+(`_engine_under`): recomputation then runs `_FusedAttention` as forward did.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -113,13 +122,13 @@ def _attention(
     return output, logsumexp
 
 
-_SEED_COUNTER = itertools.count()
-
-
 def _next_seed() -> int:
-    # From torch's seed without drawing a tensor: a fake tensor (the estimate) has no value to
-    # read, and the GPU kernels keep a seed and an offset, not a mask, for backward.
-    return hash((torch.initial_seed(), next(_SEED_COUNTER))) % 2**62
+    # Drawn from torch's generator, as the GPU kernels take a seed and an offset from CUDA's
+    # (and keep those, not a mask, for backward): checkpoint recomputation restores the
+    # generator's state, and so draws forward's seed again. Drawn out of sight of the tracker
+    # and of fake tensors (the estimate), which have no value to read.
+    with _disable_current_modes():
+        return int(torch.randint(2**62, (), dtype=torch.int64).item())
 
 
 def _visible(computed: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
@@ -153,16 +162,13 @@ class _FusedAttention(torch.autograd.Function):
                 query, key, value, mask, dropout_p, is_causal, scale, seed
             )
         output, logsumexp = _visible(output, like=query), _visible(logsumexp)
-        # Checkpoint matches what is saved by position, and its recomputation (under a function
-        # mode) packs a Function's outputs after its other saved tensors and, it seems, inputs
-        # that need no gradient before those that do: so the mask first, the output last.
-        ctx.save_for_backward(mask, query, key, value, logsumexp, output)
+        ctx.save_for_backward(query, key, value, mask, logsumexp, output)
         ctx.dropout_p, ctx.is_causal, ctx.scale, ctx.seed = dropout_p, is_causal, scale, seed
         return output
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        mask, query, key, value, _logsumexp, _output = ctx.saved_tensors
+        query, key, value, mask, _logsumexp, _output = ctx.saved_tensors
         # In the kernel's order: the three gradients, then its scratch, alive until it returns.
         grad_q, grad_k, grad_v = (torch.empty_like(t) for t in (query, key, value))
         scratch = [
@@ -214,6 +220,33 @@ def fused_attention(
     return output
 
 
+# Where backward enters the autograd engine: `torch.autograd.backward` and `grad` (and so
+# `Tensor.backward`) call this module global once they are past their torch-function check.
+_ENGINE_ENTRY = "_engine_run_backward"
+_BACKWARD_ENTRIES = (torch.autograd.backward, torch.autograd.grad, torch.Tensor.backward)
+
+
+@contextlib.contextmanager
+def _engine_under(mode: Callable[[], TorchFunctionMode]) -> Iterator[None]:
+    """While the block runs, this thread's backward passes run the engine under a fresh `mode`:
+    the engine keeps the function modes active when it starts, and the mode of the caller is
+    popped by then (it is handling the backward call itself)."""
+    run_backward = getattr(torch.autograd, _ENGINE_ENTRY)
+    owner = threading.get_ident()
+
+    def under_mode(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() != owner:
+            return run_backward(*args, **kwargs)
+        with mode():
+            return run_backward(*args, **kwargs)
+
+    setattr(torch.autograd, _ENGINE_ENTRY, under_mode)
+    try:
+        yield
+    finally:
+        setattr(torch.autograd, _ENGINE_ENTRY, run_backward)
+
+
 class _GpuAttention(TorchFunctionMode):
     def __torch_function__(
         self,
@@ -224,6 +257,9 @@ class _GpuAttention(TorchFunctionMode):
     ) -> Any:
         if func is F.scaled_dot_product_attention:
             return fused_attention(*args, **(kwargs or {}))
+        if func in _BACKWARD_ENTRIES:
+            with _engine_under(_GpuAttention):
+                return func(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
 

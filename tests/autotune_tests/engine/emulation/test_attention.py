@@ -141,6 +141,16 @@ def test_hf_gpt2_on_the_emulated_gpu_saves_no_attention_matrix(precision: Precis
     assert len(_square(shapes, SEQ)) >= 2
 
 
+def test_hf_gpt2_with_attention_dropout_checkpoints_on_the_emulated_gpu() -> None:
+    # Recomputation in backward ran the CPU's attention, whose math path (dropout) saves other
+    # tensors than the fused kernel: checkpoint raised CheckpointError on every such model.
+    runner = InProcessRunner(_hf_gpt2_spec(), EmulatedDevice(512 * MiB))
+    assert runner.warm_up(checkpointing=True).fits
+    with _saved_shapes() as shapes:
+        assert runner.trial(2, checkpointing=True).fits
+    assert not _square(shapes, SEQ)
+
+
 def _tracked_peak_bytes(runner: InProcessRunner, micro_batch: int, *, fused: bool) -> int:
     tracker = LiveBytesTracker(None)
     tracker.add_resident(runner.step.resident_tensors())
@@ -201,17 +211,65 @@ def test_masked_or_fp32_attention_counts_the_efficient_kernels_scratch() -> None
     assert fp32_events == [2 * GRAD_BYTES] * 3 + [6_400, 524_288, -5, -4]
 
 
-@pytest.mark.parametrize("mask", [CAUSAL, torch.zeros(2, 1, 16, 16).masked_fill(~CAUSAL, -1e9)])
-def test_a_masked_attention_recomputes_under_checkpointing(mask: torch.Tensor) -> None:
-    # Checkpoint matches saved tensors by position, and its recomputation packs the mask (no
-    # gradient) before the query, key and value: saved after them, every masked model
-    # (Mistral's sliding window, padded batches) raised CheckpointError in the checkpointing
-    # mode. (The emulated GPU measures memory; the values are not checked here.)
+def _scaled_block(**kwargs: object) -> Callable[..., torch.Tensor]:
+    # Query and key scaled differently: swapped in backward, their gradients differ.
     def block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q * 2, k * 2, v * 2, attn_mask=mask)
+        return F.scaled_dot_product_attention(q * 2, k * 3, v * 5, **kwargs)  # type: ignore[arg-type]
+
+    return block
+
+
+def _checkpointed(block: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.utils.checkpoint.checkpoint(block, q, k, v, use_reentrant=False)
+        return out
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"is_causal": True},
+        {"attn_mask": CAUSAL},
+        {"attn_mask": torch.zeros(2, 1, 16, 16).masked_fill(~CAUSAL, -1e9)},
+    ],
+    ids=["plain", "causal", "bool-mask", "additive-mask"],
+)
+@pytest.mark.parametrize("entry", ["Tensor.backward", "autograd.grad"])
+def test_checkpointed_attention_has_the_gradients_of_eager_attention(
+    kwargs: dict[str, object], entry: str
+) -> None:
+    # Checkpoint recomputes in backward, where a function mode is not active by itself: the
+    # CPU's attention recomputed there saved the key where forward had saved the query, and
+    # checkpoint hands saved tensors back by position (the gradients of q and k were wrong).
+    eager = _grads(_scaled_block(**kwargs))
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+        loss = (_checkpointed(_scaled_block(**kwargs))(q, k, v) * torch.linspace(-1, 1, 8)).sum()
+        if entry == "autograd.grad":
+            return list(torch.autograd.grad(loss, (q, k, v)))
+        loss.backward()
+        return [t.grad for t in (q, k, v) if t.grad is not None]
 
     with gpu_attention():
-        grads = _grads(
-            lambda q, k, v: torch.utils.checkpoint.checkpoint(block, q, k, v, use_reentrant=False)
-        )
-    assert [g.shape for g in grads] == [torch.Size([2, 4, 16, 8])] * 3
+        grads = attend(*_qkv())
+    assert len(grads) == 3
+    for ours, theirs in zip(grads, eager, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_checkpoint_recomputes_the_dropout_mask_of_forward() -> None:
+    # Recomputation restores torch's RNG state; the fused kernel's seed must come from it, or
+    # the recomputed attention drops other positions than the output forward returned.
+    def grads(checkpointed: bool) -> list[torch.Tensor]:
+        torch.manual_seed(7)
+        block = _scaled_block(dropout_p=0.5)
+        with gpu_attention():
+            return _grads(_checkpointed(block) if checkpointed else block)
+
+    plain = grads(checkpointed=False)
+    assert plain[2].abs().sum() > 0
+    for ours, theirs in zip(grads(checkpointed=True), plain, strict=True):
+        torch.testing.assert_close(ours, theirs)

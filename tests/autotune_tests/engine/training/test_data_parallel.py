@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._functorch.config
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +21,7 @@ from autotune.core.memory.gradient_buckets import REBUILT_LIMITS, BucketTensor, 
 from autotune.core.schemas import Phase, Spec, TrainingSpec
 from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.emulation.tracker import CUDA_BLOCK_BYTES, LiveBytesTracker
+from autotune.engine.estimate import EstimateRunner
 from autotune.engine.probe import probe
 from autotune.engine.runner import InProcessRunner
 from autotune.engine.training.data_parallel import EmulatedReducer, trainable_parameters
@@ -291,3 +293,18 @@ def test_the_probe_of_a_rank_is_certified_and_ddp_is_what_stops_it() -> None:
             # One process, without DDP's buckets, still fits one more.
             after = fresh.trial(b + 1, checkpointing=mode.checkpointing)
             assert after.fits is fits_one_more
+
+
+def test_an_estimate_of_a_rank_reads_no_data_pointer_of_a_fake_tensor() -> None:
+    # A fake tensor has no data: data_ptr() reads 0 with a deprecation warning (once per
+    # process, so a warning check could pass by luck); with unsafe access off it raises. The
+    # bucket-view check then still finds each gradient in its bucket: the estimate holds what
+    # the emulated rank holds, not a second copy of the gradients.
+    spec = _mlp_spec(2)
+    with torch._functorch.config.patch(fake_tensor_allow_unsafe_data_ptr_access=False):
+        estimate = EstimateRunner(spec, capacity_bytes=HUGE_BYTES)
+        assert estimate.warm_up().fits
+        estimated = estimate.trial(16)
+    emulated = InProcessRunner(spec, EmulatedDevice(HUGE_BYTES))
+    assert emulated.warm_up().fits
+    assert estimated.peak_bytes == emulated.trial(16).peak_bytes
