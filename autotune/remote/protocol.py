@@ -458,10 +458,31 @@ class RunPage(FrozenModel):
     offset: int
 
 
+class EstimateWorkerState(StrEnum):
+    STARTING = "starting"
+    RUNNING = "running"
+    RESTARTING = "restarting"  # it exited; started again after a back-off
+    STOPPED = "stopped"  # the server is stopping
+
+
+class EstimateWorkerHealth(FrozenModel):
+    """The estimate worker `autotune serve` runs beside itself (`api.estimate_worker`)."""
+
+    state: EstimateWorkerState
+    pid: int | None = Field(default=None, description="Its process id while it runs.")
+    restarts: int = Field(description="Times it exited and was started again.")
+    last_exit: str | None = Field(default=None, description="How it last exited, if it did.")
+
+
 class Health(FrozenModel):
     status: Literal["ok"]
     database: Literal["ok"]
     version: str
+    estimate_worker: EstimateWorkerHealth | None = Field(
+        default=None,
+        description="The embedded estimate worker; None where this server process runs none "
+        "(--no-estimates, no torch, or several server processes).",
+    )
 
 
 class ErrorBody(FrozenModel):
