@@ -30,6 +30,7 @@ from pydantic import (
 
 from autotune.core.bytesize import parse_bytes
 from autotune.core.gpus.catalogue import UnknownGpu, find_gpu
+from autotune.core.gpus.cuda_reserve import budget_for
 from autotune.core.memory.allocator_config import (
     AllocatorConfigError,
     canonical_conf,
@@ -179,6 +180,13 @@ class EmulatedTarget(FrozenModel):
     def label(self) -> str:
         return f"emulated:{self.gpu if self.gpu is not None else self.memory_bytes}"
 
+    def max_capacity_bytes(self, world_size: int) -> int:
+        """The most a step may use on a device this target matches."""
+        if self.gpu is not None:
+            return budget_for(find_gpu(self.gpu), world_size).capacity_bytes
+        assert self.memory_bytes is not None
+        return self.memory_bytes
+
 
 class _UnsetLeftOut(FrozenModel):
     """Serialised without its unset (None) fields: a target's JSON is what its user wrote."""
@@ -214,6 +222,10 @@ class CudaTarget(_UnsetLeftOut):
     def label(self) -> str:
         return self.name
 
+    def max_capacity_bytes(self, world_size: int) -> int:
+        """At most the memory of the largest card this target matches."""
+        return min(math.floor(self.memory_bytes * (1 + CUDA_MEMORY_TOLERANCE)), MAX_INT)
+
 
 class EstimateTarget(_UnsetLeftOut):
     """An estimate for the named `gpu` of `autotune.core.gpus.catalogue`: the emulated GPU's step
@@ -242,6 +254,9 @@ class EstimateTarget(_UnsetLeftOut):
     @property
     def label(self) -> str:
         return f"estimate:{self.gpu}"
+
+    def max_capacity_bytes(self, world_size: int) -> int:
+        return budget_for(find_gpu(self.gpu), world_size).capacity_bytes
 
 
 def _with_allocator(identity: dict[str, Any], allocator_conf: str | None) -> dict[str, Any]:

