@@ -11,7 +11,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from autotune.core.exports import build_exports
-from autotune.core.schemas import TrialState
+from autotune.core.schemas import Spec, TrialState
 from autotune.remote.client import ServerClient
 from autotune.remote.protocol import EstimateTarget, RunStatus
 from tests.api_tests.factories import (
@@ -185,3 +185,43 @@ def test_streamed_trials_are_checked_as_results_are(
     )
     worker.post_trial(run_id, lease_id, crashed)
     assert len(user.get_run(run_id).trials) == 2
+
+
+# -- item 5: worker values break the run page -----------------------------------------------
+
+
+def test_the_run_page_draws_extreme_but_valid_values(
+    user: ServerClient, worker: ServerClient, http: TestClient
+) -> None:
+    """A spec whose cap allows a micro-batch of 2^51, an attempt there and a trial at
+    1.7e308 samples/s: the page answers (it looped forever, or raised, in the chart code)."""
+    big = 2**51
+    spec = Spec.model_validate(
+        {
+            "model": {"preset": "gpt2-tiny"},
+            "training": {"seq_len": 64, "target_global_batch": 2 * big, "max_micro_batch": 2**60},
+        }
+    )
+    run_id = user.submit_run(spec, emulated()).id
+    claim = worker.claim("w1", [emulated_device()])
+    assert claim is not None
+    for sequence, micro_batch in enumerate((1, big, big + 1)):
+        outcome = {"micro_batch": micro_batch, "fits": micro_batch == 1, "peak_bytes": 10**6}
+        response = http.post(
+            f"/api/v1/worker/runs/{run_id}/attempts",
+            json={
+                "lease_id": claim.lease_id,
+                "sequence": sequence,
+                "checkpointing": False,
+                "attempt": outcome,
+            },
+            headers=WORKER,
+        )
+        assert response.status_code == 200, response.text
+    fast = trial(0, micro_batch=big, accumulation_steps=2).model_copy(
+        update={"samples_per_s": 1.7e308, "tokens_per_s": None, "step_time_s": 2 * big / 1.7e308}
+    )
+    worker.post_trial(run_id, claim.lease_id, fast)
+    page = http.get(f"/runs/{run_id}", cookies={"autotune_token": WORKER_TOKEN})
+    assert page.status_code == 200
+    assert page.text.count('class="chart"') == 2
