@@ -30,9 +30,11 @@ from api.store import runreads, runstore
 from api.web.charts import render_svg
 from api.web.run_plots import capacity_bytes, latest_attempts, memory_chart, throughput_chart
 from autotune.core.bytesize import format_bytes
+from autotune.core.errors import SpecError
 from autotune.core.exports import render_exports
 from autotune.core.gpus.catalogue import GPUS
 from autotune.core.schemas import checkpointing_label
+from autotune.core.specfile import parse_spec_text
 from autotune.remote.protocol import MAX_INT, Run, RunCreate, RunStatus, fingerprint
 
 TOKEN_COOKIE = "autotune_token"
@@ -278,6 +280,17 @@ def _field_errors(error: ValidationError) -> list[str]:
     ]
 
 
+def _run_create(form: dict[str, str]) -> RunCreate:
+    """The submission the form describes.
+
+    Raises:
+        SpecError: the spec text is too long or deep, has aliases, or is not YAML.
+        ValidationError: the spec or the target is invalid.
+    """
+    spec = parse_spec_text(form["spec"])
+    return RunCreate.model_validate({"spec": spec, "device": _target(form)})
+
+
 @router.post("/submit", response_class=HTMLResponse)
 async def submit_form(request: Request) -> Response:
     """Queue the pasted spec on the chosen target (or join its twin) and show its run page."""
@@ -286,12 +299,12 @@ async def submit_form(request: Request) -> Response:
     except ApiError as error:
         return _token_page(request, error, next_url="/submit")
     form = {**_DEFAULT_FORM, **(await _form(request))}
+    # Parsing and validating take up to a second for the largest spec text allowed: off the
+    # event loop, which must go on answering every other request meanwhile.
     try:
-        spec = yaml.safe_load(form["spec"])
-    except yaml.YAMLError as error:
-        return _submit_form(request, form, [f"spec: not valid YAML ({error})"], 422)
-    try:
-        run_create = RunCreate.model_validate({"spec": spec, "device": _target(form)})
+        run_create = await run_in_threadpool(_run_create, form)
+    except SpecError as error:
+        return _submit_form(request, form, [str(error)], 422)
     except ValidationError as error:
         return _submit_form(request, form, _field_errors(error), 422)
     context = context_of(request)

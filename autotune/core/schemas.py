@@ -70,6 +70,28 @@ class OptimizerName(StrEnum):
     ADAMW_8BIT = "adamw8bit"
 
 
+HF_CONFIG_DEPTH_MAX = 16
+
+
+def nesting_depth(value: object) -> int:
+    """How many dicts and lists deep `value` goes (0 for a scalar); iterative, so any depth is
+    measured without recursion."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: list[object] = list(item.values())
+        elif isinstance(item, list | tuple):
+            children = list(item)
+        else:
+            deepest = max(deepest, depth)
+            continue
+        deepest = max(deepest, depth + 1)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 _FACTORY_PATTERN = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 
 
@@ -114,6 +136,9 @@ class ModelSpec(FrozenModel):
             raise ValueError('hf_config: needs a "model_type" string, e.g. "llama"')
         if self.hf_config is not None and len(self.hf_config["model_type"]) > _MODEL_TYPE_MAX:
             raise ValueError(f"hf_config.model_type: at most {_MODEL_TYPE_MAX} characters")
+        if self.hf_config is not None and nesting_depth(self.hf_config) > HF_CONFIG_DEPTH_MAX:
+            # Real configs nest a few levels; hundreds break serialising (and fingerprinting).
+            raise ValueError(f"hf_config: nested deeper than {HF_CONFIG_DEPTH_MAX} levels")
         if self.hf_config is not None and "auto_map" in self.hf_config:
             raise ValueError("hf_config.auto_map: names remote code, which autotune never runs")
         if self.hf_id is not None and (problem := hub_id_problem(self.hf_id)) is not None:

@@ -5,8 +5,12 @@ worker) are in the e2e tests they name."""
 
 from __future__ import annotations
 
+import threading
+import time
+from html import escape
 from typing import Any
 
+import httpx2
 import pytest
 from starlette.testclient import TestClient
 
@@ -22,7 +26,7 @@ from tests.api_tests.factories import (
     trial,
     tune_result,
 )
-from tests.conftest import WORKER_TOKEN
+from tests.conftest import CLIENT_TOKEN, WORKER_TOKEN, LiveServer
 
 pytestmark = pytest.mark.usefixtures("db_url")
 WORKER = {"Authorization": f"Bearer {WORKER_TOKEN}"}
@@ -225,3 +229,105 @@ def test_the_run_page_draws_extreme_but_valid_values(
     page = http.get(f"/runs/{run_id}", cookies={"autotune_token": WORKER_TOKEN})
     assert page.status_code == 200
     assert page.text.count('class="chart"') == 2
+
+
+# -- items 3 and 8: the submit form's YAML, and 500s that were 422s --------------------------
+
+ALIAS_BOMB = "\n".join(
+    ["a: &a [x, x, x, x, x, x, x, x, x]"]
+    + [
+        f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]"
+        for i in range(6)
+    ]
+    + ["model: {preset: mlp}"]
+)
+
+
+def _deep_yaml(levels: int) -> str:
+    return "model: {preset: mlp}\nextra: " + "[" * levels + "]" * levels
+
+
+@pytest.mark.parametrize(
+    ("spec_text", "memory", "says"),
+    [
+        (ALIAS_BOMB, "24GiB", "spec: YAML aliases (*name) are not allowed"),
+        (_deep_yaml(100), "24GiB", "spec: nested deeper than 32 levels"),
+        (_deep_yaml(1000), "24GiB", "spec: not valid YAML"),
+        ("- 1\n" * 40_000, "24GiB", "spec: 160000 bytes; a spec may have at most 65536"),
+        ("model: {preset: mlp}\ntraining: {seq_len: " + "9" * 5000 + "}", "24GiB", "digits"),
+        ("model: {preset: mlp}", "9" * 5000, "not a memory size"),
+    ],
+    ids=[
+        "alias bomb",
+        "100 levels",
+        "1000 levels",
+        "160 kB",
+        "5000-digit integer",
+        "5000-digit memory",
+    ],
+)
+def test_the_submit_form_refuses_hostile_yaml_with_422(
+    http: TestClient, user: ServerClient, spec_text: str, memory: str, says: str
+) -> None:
+    response = http.post(
+        "/submit",
+        data={"spec": spec_text, "kind": "emulated", "memory": memory},
+        cookies={"autotune_token": CLIENT_TOKEN},
+        follow_redirects=False,
+    )
+    assert response.status_code == 422, response.text[-500:]
+    assert escape(says) in response.text
+    assert user.list_runs().total == 0
+
+
+def _nested_config_json(levels: int) -> str:
+    # Written out: json.dumps itself recurses once per level.
+    return '{"model_type": "llama", "k": ' + '{"k": ' * (levels - 1) + "{}" + "}" * levels
+
+
+@pytest.mark.parametrize("levels", [17, 256, 600, 999])
+def test_a_deeply_nested_hf_config_is_422_on_the_api(http: TestClient, levels: int) -> None:
+    """It was a 500 (the fingerprint could not serialise it). Past the JSON parser's own
+    recursion limit (which depends on the stack the server runs it on) it is a 400."""
+    body = (
+        f'{{"spec": {{"model": {{"hf_config": {_nested_config_json(levels)}}}, '
+        '"training": {"seq_len": 8}}, "device": {"kind": "emulated", "memory_bytes": 1024}}'
+    )
+    response = http.post(
+        "/api/v1/runs",
+        content=body,
+        headers={"Authorization": f"Bearer {CLIENT_TOKEN}", "Content-Type": "application/json"},
+    )
+    if response.status_code == 400 and levels > 900:
+        assert response.json()["code"] == "bad_request"
+        return
+    assert "spec.model hf_config: nested deeper than 16 levels" in _problems(response).replace(
+        "body.", ""
+    ).replace("Value error, ", "")
+
+
+@pytest.mark.e2e
+def test_the_event_loop_answers_while_a_large_spec_is_parsed(live_server: LiveServer) -> None:
+    """The largest spec text allowed, of the slowest kind to parse, on a real server: /health
+    answers while the form is parsed (parsed on the loop, it froze every request)."""
+    entries = ", ".join(["{a: 1, b: [1, 2]}"] * 3300)
+    spec_text = f"model: {{preset: mlp}}\nextra: [{entries}]"
+    assert 60_000 < len(spec_text) < 65_536
+    finished: dict[str, float] = {}
+
+    def submit() -> None:
+        httpx2.post(
+            f"{live_server.url}/submit",
+            data={"spec": spec_text, "kind": "emulated", "memory": "1GiB"},
+            cookies={"autotune_token": CLIENT_TOKEN},
+            timeout=120,
+        )
+        finished["submit"] = time.monotonic()
+
+    thread = threading.Thread(target=submit)
+    thread.start()
+    time.sleep(0.2)  # the form is being parsed (about a second)
+    assert httpx2.get(f"{live_server.url}/health", timeout=120).status_code == 200
+    finished["health"] = time.monotonic()
+    thread.join()
+    assert finished["health"] < finished["submit"], finished
