@@ -13,11 +13,11 @@ from __future__ import annotations
 import math
 from datetime import UTC, date, datetime, time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 from urllib.parse import parse_qs, urlencode
 
 import yaml
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 from pydantic import ValidationError
@@ -42,6 +42,8 @@ PAGE_SIZE = 25
 # How often an unfinished run's page asks whether anything new arrived (a count query).
 POLL_MS = 1000
 _TOKEN_COOKIE_S = 365 * 24 * 3600
+_MAX_PAGE = 10**6
+_FILTER_MAX = 300
 
 
 def device_label(label: str) -> str:
@@ -119,21 +121,32 @@ def _day(text: str | None, *, end: bool) -> datetime | None:
     return datetime.combine(day, time.max if end else time.min, tzinfo=UTC)
 
 
+def _page_number(text: str) -> int:
+    """The `?page=` asked for, within [1, 10^6]: a page answers with a page, never the API's
+    JSON 422 (a hand-edited URL is not an API call)."""
+    number = int(text) if text.isascii() and text.isdigit() and len(text) <= 7 else 1
+    return min(max(number, 1), _MAX_PAGE)
+
+
 @router.get("/", response_class=HTMLResponse)
 def runs_page(
     request: Request,
-    status: Annotated[str, Query(max_length=20)] = "",
-    model: Annotated[str, Query(max_length=300)] = "",
-    device: Annotated[str, Query(max_length=300)] = "",
-    since: Annotated[str, Query(max_length=10)] = "",
-    until: Annotated[str, Query(max_length=10)] = "",
-    page: Annotated[int, Query(ge=1, le=10**6)] = 1,
+    status: str = "",
+    model: str = "",
+    device: str = "",
+    since: str = "",
+    until: str = "",
+    page: str = "1",
 ) -> Response:
-    """Every run, newest first, filtered and paged."""
+    """Every run, newest first, filtered and paged. Filters longer than any stored value
+    are cut (they match nothing either way)."""
     try:
         _authorize(request, Role.READER)
     except ApiError as error:
         return _token_page(request, error, next_url=str(request.url.path))
+    model, device = model[:_FILTER_MAX], device[:_FILTER_MAX]
+    since, until = since[:10], until[:10]
+    number = _page_number(page)
     wanted = RunStatus(status) if status in {s.value for s in RunStatus} else None
     where = runstore.RunFilter(
         status=wanted,
@@ -144,7 +157,7 @@ def runs_page(
     )
     context = context_of(request)
     listing = runreads.list_runs(
-        context, where=where, limit=PAGE_SIZE, offset=(page - 1) * PAGE_SIZE
+        context, where=where, limit=PAGE_SIZE, offset=(number - 1) * PAGE_SIZE
     )
     filters = {"status": status, "model": model, "device": device, "since": since, "until": until}
     kept = {k: v for k, v in filters.items() if v}
@@ -155,14 +168,16 @@ def runs_page(
         {
             "runs": listing.items,
             "total": listing.total,
-            "page": page,
+            "page": number,
             "pages": pages,
             "first": listing.offset + 1,
             "last": listing.offset + len(listing.items),
             "filters": filters,
             "statuses": [s.value for s in RunStatus],
-            "newer_url": f"/?{urlencode({**kept, 'page': page - 1})}" if page > 1 else None,
-            "older_url": f"/?{urlencode({**kept, 'page': page + 1})}" if page < pages else None,
+            "newer_url": f"/?{urlencode({**kept, 'page': number - 1})}" if number > 1 else None,
+            "older_url": (
+                f"/?{urlencode({**kept, 'page': number + 1})}" if number < pages else None
+            ),
             "last_url": f"/?{urlencode({**kept, 'page': pages})}",
         },
     )

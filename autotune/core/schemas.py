@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from autotune.core.errors import SpecError
+from autotune.core.errors import SpecError, shown
 from autotune.core.hubid import HUB_ID_MAX, hub_id_problem
 from autotune.core.presets import PRESETS, CNNPreset, DecoderPreset
 
@@ -130,7 +130,7 @@ class ModelSpec(FrozenModel):
             )
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(
-                f"preset: unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}"
+                f"preset: unknown preset {shown(self.preset)}; choose one of {', '.join(PRESETS)}"
             )
         if self.hf_config is not None and not isinstance(self.hf_config.get("model_type"), str):
             raise ValueError('hf_config: needs a "model_type" string, e.g. "llama"')
@@ -143,8 +143,8 @@ class ModelSpec(FrozenModel):
             raise ValueError("hf_config.auto_map: names remote code, which autotune never runs")
         if self.hf_id is not None and (problem := hub_id_problem(self.hf_id)) is not None:
             raise ValueError(f"hf_id: not a Hugging Face hub id: {problem}")
-        if self.factory is not None and not _FACTORY_PATTERN.match(self.factory):
-            raise ValueError(f'factory: expected "package.module:function", got {self.factory!r}')
+        if self.factory is not None and not _FACTORY_PATTERN.fullmatch(self.factory):
+            raise ValueError('factory: expected "package.module:function"')
         return self
 
     @property

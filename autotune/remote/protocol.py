@@ -29,7 +29,7 @@ from pydantic import (
 )
 
 from autotune.core.bytesize import parse_bytes
-from autotune.core.gpus.catalogue import UnknownGpu, find_gpu
+from autotune.core.gpus.catalogue import KNOWN_NAMES, UnknownGpu, find_gpu
 from autotune.core.gpus.cuda_reserve import budget_for
 from autotune.core.memory.allocator_config import (
     AllocatorConfigError,
@@ -116,8 +116,9 @@ def _gpu_name(value: str) -> str:
     "H100 80GB" are one target (and one fingerprint)."""
     try:
         return find_gpu(value).name
-    except UnknownGpu as error:
-        raise ValueError(str(error)) from None
+    except UnknownGpu:
+        # Not the catalogue's message: it quotes the name sent, which a server does not repeat.
+        raise ValueError(f"unknown GPU; known: {KNOWN_NAMES}") from None
 
 
 GpuName = Annotated[str, Field(min_length=1, max_length=100), AfterValidator(_gpu_name)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from html import escape
 from typing import Any
 
@@ -14,6 +15,8 @@ import httpx2
 import pytest
 from starlette.testclient import TestClient
 
+from api.main import create_app
+from api.settings import Settings
 from autotune.core.exports import build_exports
 from autotune.core.schemas import Spec, TrialState
 from autotune.remote.client import ServerClient
@@ -26,7 +29,7 @@ from tests.api_tests.factories import (
     trial,
     tune_result,
 )
-from tests.conftest import CLIENT_TOKEN, WORKER_TOKEN, LiveServer
+from tests.conftest import CLIENT_TOKEN, WORKER_TOKEN, FakeClock, LiveServer
 
 pytestmark = pytest.mark.usefixtures("db_url")
 WORKER = {"Authorization": f"Bearer {WORKER_TOKEN}"}
@@ -331,3 +334,89 @@ def test_the_event_loop_answers_while_a_large_spec_is_parsed(live_server: LiveSe
     finished["health"] = time.monotonic()
     thread.join()
     assert finished["health"] < finished["submit"], finished
+
+
+# -- item 9: echoes, the factory pattern, refused factories, page parameters -----------------
+
+SECRET = "s3cr3t-" + "q" * 60
+
+
+@pytest.mark.parametrize(
+    ("device", "model"),
+    [
+        ({"kind": "estimate", "gpu": SECRET}, {"preset": "mlp"}),
+        ({"kind": "emulated", "memory_bytes": 1024}, {"preset": SECRET}),
+        ({"kind": "emulated", "memory_bytes": 1024}, {"factory": SECRET + ":x y"}),
+        (
+            {"kind": "emulated", "memory_bytes": 1024, "allocator_conf": f"{SECRET}:1"},
+            {"preset": "mlp"},
+        ),
+        (
+            {
+                "kind": "emulated",
+                "memory_bytes": 1024,
+                "allocator_conf": f"max_split_size_mb:{SECRET}",
+            },
+            {"preset": "mlp"},
+        ),
+    ],
+    ids=["gpu", "preset", "factory", "allocator key", "allocator value"],
+)
+def test_422_messages_do_not_echo_the_input(
+    http: TestClient, device: dict[str, Any], model: dict[str, Any]
+) -> None:
+    body = {"spec": {"model": model, "training": {"seq_len": 8}}, "device": device}
+    response = http.post(
+        "/api/v1/runs", json=body, headers={"Authorization": f"Bearer {CLIENT_TOKEN}"}
+    )
+    assert response.status_code == 422, response.text
+    assert SECRET not in response.text
+    assert "q" * 30 not in response.text
+
+
+def test_a_factory_with_a_trailing_newline_is_refused(http: TestClient) -> None:
+    body = {
+        "spec": {"model": {"factory": "mypkg.models:make\n"}, "training": {"seq_len": 8}},
+        "device": {"kind": "emulated", "memory_bytes": 1024},
+    }
+    response = http.post(
+        "/api/v1/runs", json=body, headers={"Authorization": f"Bearer {CLIENT_TOKEN}"}
+    )
+    assert "spec.model" in _problems(response) and "factory" in _problems(response)
+
+
+def test_a_worker_that_refused_a_factory_is_not_handed_it_again(
+    settings_factory: Callable[..., Settings], clock: FakeClock
+) -> None:
+    app = create_app(settings_factory(allow_factory_specs=True), clock=clock)
+    try:
+        with TestClient(app) as http:
+            user = ServerClient(http=http, token=CLIENT_TOKEN, retries=0)
+            worker = ServerClient(http=http, token=WORKER_TOKEN, retries=0)
+            spec = Spec.model_validate(
+                {"model": {"factory": "mypkg.models:make"}, "training": {"seq_len": 8}}
+            )
+            run_id = user.submit_run(spec, emulated()).id
+            claim = worker.claim("strict", [emulated_device()])
+            assert claim is not None and claim.run_id == run_id
+            worker.report_failure(
+                run_id,
+                claim.lease_id,
+                error_type="FactoryRefused",
+                message="factory: mypkg.models is not allowed on this worker",
+            )
+            assert worker.claim("strict", [emulated_device()]) is None
+            assert user.get_run(run_id).status is RunStatus.QUEUED
+            other = worker.claim("lenient", [emulated_device()])
+            assert other is not None and other.run_id == run_id and other.claim_number == 2
+    finally:
+        app.state.context.db.dispose()
+
+
+@pytest.mark.parametrize(
+    "query", ["page=0", "page=-3", "page=x", f"model={'m' * 1000}", "since=" + "9" * 50]
+)
+def test_the_runs_page_answers_odd_parameters_with_a_page(http: TestClient, query: str) -> None:
+    response = http.get(f"/?{query}", cookies={"autotune_token": CLIENT_TOKEN})
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/html")
