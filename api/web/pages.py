@@ -4,8 +4,13 @@ from `api.web.run_plots`); the one script (`api/web/static/autotune.js`) copies 
 refreshes an unfinished run's page, and every page works without it.
 
 Pages follow the API's token rules. The browser keeps the token in a cookie set by the token
-form: HttpOnly, so no script (and no page) ever shows it, and SameSite=Strict, so another site
-cannot submit a run with it.
+form: HttpOnly, so no script (and no page) ever shows it, and SameSite=Strict, so that another
+site's links and forms do not carry it. SameSite is not enough: a "site" is the registrable
+domain, so a page on another port of the same host, or on a sibling subdomain, still sends the
+cookie. So every form POST must come from this server's own pages: a browser says where a form
+was sent from (`Origin`, else `Referer`), and one from anywhere else is refused with 403 (a
+forged submission, or a login CSRF that would plant the attacker's token). Clients that send
+neither header (curl, scripts) are not browsers holding a victim's cookie.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import math
 from datetime import UTC, date, datetime, time
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlencode
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 import yaml
 from fastapi import APIRouter, Request
@@ -94,6 +99,50 @@ def _token_page(request: Request, error: ApiError, *, next_url: str) -> HTMLResp
         "token.html",
         {"message": message, "next_url": next_url, "saved": saved},
         status_code=error.status_code,
+    )
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _netloc(scheme: str, host: str) -> str:
+    """`host[:port]` without the scheme's default port, lower-cased."""
+    host = host.lower()
+    port = _DEFAULT_PORTS.get(scheme)
+    return host.removesuffix(f":{port}") if port is not None else host
+
+
+def _from_this_site(request: Request) -> bool:
+    """Whether a form POST came from this server's pages (see the module docstring)."""
+    sent_from = request.headers.get("origin") or request.headers.get("referer")
+    if sent_from is None:
+        return True
+    try:
+        origin = urlsplit(sent_from)
+    except ValueError:  # an unbalanced IPv6 bracket
+        return False
+    if origin.scheme not in _DEFAULT_PORTS or not origin.netloc:
+        return False  # "null" (a sandboxed frame, a file), or nonsense
+    here = request.url
+    # The browser's view of this server is the Host it sent (a proxy passes it on), and the
+    # scheme it used, which the proxy states (X-Forwarded-Proto, see the README).
+    host = request.headers.get("host", here.netloc)
+    if here.scheme == "https" and origin.scheme != "https":
+        return False
+    return _netloc(origin.scheme, origin.netloc) == _netloc(here.scheme, host)
+
+
+def _cross_site(request: Request) -> HTMLResponse:
+    return templates.TemplateResponse(
+        request,
+        "token.html",
+        {
+            "message": "This form was sent from another site, so it was refused. "
+            "Open this server's own page and send it from there.",
+            "next_url": "/",
+            "saved": bool(request.cookies.get(TOKEN_COOKIE)),
+        },
+        status_code=403,
     )
 
 
@@ -309,6 +358,8 @@ def _run_create(form: dict[str, str]) -> RunCreate:
 @router.post("/submit", response_class=HTMLResponse)
 async def submit_form(request: Request) -> Response:
     """Queue the pasted spec on the chosen target (or join its twin) and show its run page."""
+    if not _from_this_site(request):
+        return _cross_site(request)
     try:
         _authorize(request, Role.CLIENT)
     except ApiError as error:
@@ -350,6 +401,8 @@ def token_page(request: Request, next: str = "/") -> Response:  # noqa: A002 (th
 @router.post("/token", response_class=HTMLResponse)
 async def save_token(request: Request) -> Response:
     """Keep a token this server knows in the browser's cookie; refuse any other."""
+    if not _from_this_site(request):
+        return _cross_site(request)
     form = await _form(request)
     token = form.get("token", "").strip()
     next_url = _safe_next(form.get("next", "/"))
@@ -378,6 +431,8 @@ async def save_token(request: Request) -> Response:
 
 @router.post("/token/forget")
 def forget_token(request: Request) -> Response:
+    if not _from_this_site(request):
+        return _cross_site(request)
     response = RedirectResponse("/token", status_code=303)
     response.delete_cookie(TOKEN_COOKIE, httponly=True, samesite="strict")
     return response

@@ -420,3 +420,65 @@ def test_the_runs_page_answers_odd_parameters_with_a_page(http: TestClient, quer
     response = http.get(f"/?{query}", cookies={"autotune_token": CLIENT_TOKEN})
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/html")
+
+
+# -- item 6: CSRF on /submit and /token ------------------------------------------------------
+
+FOREIGN = [
+    {"Origin": "http://testserver:18499"},  # the same host on another port: the same "site"
+    {"Origin": "http://evil.testserver"},  # a sibling subdomain
+    {"Origin": "https://attacker.example"},
+    {"Origin": "null"},
+    {"Referer": "http://testserver:18499/attack.html"},
+]
+
+
+@pytest.mark.parametrize("headers", FOREIGN, ids=lambda h: next(iter(h.values())))
+def test_a_submission_from_another_origin_is_refused(
+    http: TestClient, user: ServerClient, headers: dict[str, str]
+) -> None:
+    response = http.post(
+        "/submit",
+        data={"spec": "model: {preset: mlp}", "kind": "emulated", "memory": "1GiB"},
+        cookies={"autotune_token": CLIENT_TOKEN},
+        headers=headers,
+        follow_redirects=False,
+    )
+    assert response.status_code == 403
+    assert "sent from another site" in response.text
+    assert user.list_runs().total == 0
+
+
+@pytest.mark.parametrize("headers", FOREIGN, ids=lambda h: next(iter(h.values())))
+def test_login_csrf_is_refused(http: TestClient, headers: dict[str, str]) -> None:
+    response = http.post(
+        "/token",
+        data={"token": CLIENT_TOKEN, "next": "/"},
+        headers=headers,
+        follow_redirects=False,
+    )
+    assert response.status_code == 403
+    assert "set-cookie" not in response.headers
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{"Origin": "http://testserver"}, {"Referer": "http://testserver/submit"}, {}],
+    ids=["same origin", "same referer", "no browser headers"],
+)
+def test_forms_from_this_server_work(
+    http: TestClient, user: ServerClient, headers: dict[str, str]
+) -> None:
+    saved = http.post(
+        "/token", data={"token": CLIENT_TOKEN}, headers=headers, follow_redirects=False
+    )
+    assert saved.status_code == 303 and "autotune_token" in saved.headers["set-cookie"]
+    response = http.post(
+        "/submit",
+        data={"spec": "model: {preset: mlp}", "kind": "emulated", "memory": "1GiB"},
+        cookies={"autotune_token": CLIENT_TOKEN},
+        headers=headers,
+        follow_redirects=False,
+    )
+    assert response.status_code == 303
+    assert user.list_runs().total == 1
