@@ -433,17 +433,22 @@ FOREIGN = [
 ]
 
 
-@pytest.mark.parametrize("headers", FOREIGN, ids=lambda h: next(iter(h.values())))
-def test_a_submission_from_another_origin_is_refused(
-    http: TestClient, user: ServerClient, headers: dict[str, str]
-) -> None:
-    response = http.post(
+def _submit_mlp(http: TestClient, headers: dict[str, str]) -> Any:
+    """The submit form, sent with the client's cookie and `headers`."""
+    return http.post(
         "/submit",
         data={"spec": "model: {preset: mlp}", "kind": "emulated", "memory": "1GiB"},
         cookies={"autotune_token": CLIENT_TOKEN},
         headers=headers,
         follow_redirects=False,
     )
+
+
+@pytest.mark.parametrize("headers", FOREIGN, ids=lambda h: next(iter(h.values())))
+def test_a_submission_from_another_origin_is_refused(
+    http: TestClient, user: ServerClient, headers: dict[str, str]
+) -> None:
+    response = _submit_mlp(http, headers)
     assert response.status_code == 403
     assert "sent from another site" in response.text
     assert user.list_runs().total == 0
@@ -473,12 +478,6 @@ def test_forms_from_this_server_work(
         "/token", data={"token": CLIENT_TOKEN}, headers=headers, follow_redirects=False
     )
     assert saved.status_code == 303 and "autotune_token" in saved.headers["set-cookie"]
-    response = http.post(
-        "/submit",
-        data={"spec": "model: {preset: mlp}", "kind": "emulated", "memory": "1GiB"},
-        cookies={"autotune_token": CLIENT_TOKEN},
-        headers=headers,
-        follow_redirects=False,
-    )
+    response = _submit_mlp(http, headers)
     assert response.status_code == 303
     assert user.list_runs().total == 1
