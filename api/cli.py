@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import secrets
-import subprocess
 import sys
 from typing import TYPE_CHECKING
 
@@ -55,10 +54,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         generated["worker"] = secrets.token_urlsafe(24)
         settings = settings.model_copy(update={"worker_tokens": [generated["worker"]]})
     url = settings.resolved_database_url()
+    estimates, estimates_note = _estimate_supervisor(args, settings)
     app: FastAPI | None = None
     try:
         if args.workers == 1:
-            app = create_app(settings)
+            app = create_app(
+                settings, estimate_worker=estimates.health if estimates is not None else None
+            )
         else:
             # Each process migrates on start; check once here so one line says what is wrong.
             database = Database(url, connect_timeout_s=settings.database_connect_timeout_s)
@@ -78,28 +80,39 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         sys.stderr.write(
             "autotune serve: set AUTOTUNE_CLIENT_TOKENS / AUTOTUNE_WORKER_TOKENS to choose them\n"
         )
-    estimates: subprocess.Popen[bytes] | None = None
-    if args.estimates:
-        missing = estimate_worker.missing_reason()
-        if args.port == 0:
-            missing = "--port 0 leaves the port to the system, and the worker could not find it"
-        if missing is None:
-            log_path = settings.data_dir / estimate_worker.LOG_FILE
-            estimates = estimate_worker.start(
-                estimate_worker.local_url(args.host, args.port),
-                settings.worker_tokens[0],
-                log_path,
-            )
-            sys.stderr.write(f"autotune serve: estimates run here (worker log: {log_path})\n")
-        else:
-            sys.stderr.write(f"autotune serve: estimates need a worker: {missing}\n")
+    if estimates_note:
+        sys.stderr.write(f"autotune serve: {estimates_note}\n")
+    if estimates is not None:
+        estimates.start()
     sys.stderr.flush()
     try:
         _run_uvicorn(args, app, settings, url)
     finally:
         if estimates is not None:
-            estimate_worker.stop(estimates)
+            estimates.stop()
     return EXIT_OK
+
+
+def _estimate_supervisor(
+    args: argparse.Namespace, settings: Settings
+) -> tuple[estimate_worker.Supervisor | None, str | None]:
+    """The estimate worker to run beside the server (not started yet), or None; and what to
+    tell the operator about it."""
+    if not args.estimates:
+        return None, None
+    missing = estimate_worker.missing_reason()
+    if args.port == 0:
+        missing = "--port 0 leaves the port to the system, and the worker could not find it"
+    if missing is not None:
+        return None, f"estimates need a worker: {missing}"
+    log_path = settings.data_dir / estimate_worker.LOG_FILE
+    server_url = estimate_worker.local_url(args.host, args.port)
+    supervisor = estimate_worker.Supervisor(
+        estimate_worker.command(server_url, settings.data_dir),
+        settings.worker_tokens[0],
+        log_path,
+    )
+    return supervisor, f"estimates run here (worker log: {log_path}; restarted if it stops)"
 
 
 def _run_uvicorn(

@@ -22,6 +22,7 @@ from api.settings import Settings
 from api.store.db import Database
 from api.store.runcache import FinishedRunCache
 from api.store.runwatch import RunWatch
+from autotune.remote.protocol import EstimateWorkerHealth
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class AppContext:
     version: str
     finished_runs: FinishedRunCache
     run_watch: RunWatch
+    # The embedded estimate worker's state (`api.estimate_worker.Supervisor.health`), when
+    # this process supervises one.
+    estimate_worker: Callable[[], EstimateWorkerHealth] | None = None
 
 
 async def get_context(request: Request) -> AppContext:

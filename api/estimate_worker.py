@@ -5,6 +5,11 @@ It is the ordinary `autotune worker --device estimate`, started as a child proce
 command line: `api` imports neither torch nor `probes`. It exists only where both are installed
 (the `probe` extra); otherwise `serve` says that estimates need a worker. The child gets SIGTERM
 when `serve` stops, and from the kernel when `serve` dies without stopping it (Linux).
+
+`Supervisor` keeps it running: a worker that exits (a crash, the kernel's OOM killer, a signal)
+is restarted after a back-off that doubles from `RESTART_BACKOFF_S` to `MAX_RESTART_BACKOFF_S`
+(reset once a worker has lived `STABLE_S`), each exit and restart logged; `GET /health` reports
+its state (`autotune.remote.protocol.EstimateWorkerHealth`).
 """
 
 from __future__ import annotations
@@ -15,9 +20,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from autotune.core.plugins import COMMAND_GROUP, plugins
+from autotune.remote.protocol import EstimateWorkerHealth, EstimateWorkerState
 
 WORKER_ID = "serve-estimates"
 LOG_FILE = "estimate-worker.log"  # in the data directory, beside its Optuna store
@@ -25,6 +34,10 @@ LOG_FILE = "estimate-worker.log"  # in the data directory, beside its Optuna sto
 # indexed query).
 POLL_INTERVAL_S = 0.5
 STOP_GRACE_S = 15.0
+RESTART_BACKOFF_S = 1.0
+MAX_RESTART_BACKOFF_S = 60.0
+# A worker that lived this long was healthy: the next restart waits RESTART_BACKOFF_S again.
+STABLE_S = 60.0
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -56,42 +69,162 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def start(server_url: str, worker_token: str, log_path: Path) -> subprocess.Popen[bytes]:
-    """Start `autotune worker --device estimate` against `server_url`; its log goes to
-    `log_path`. It waits for the server to listen (a worker waits for a server that is down)."""
+def command(server_url: str, data_dir: Path) -> list[str]:
+    """`autotune worker --device estimate` against `server_url`, its store in `data_dir`."""
+    return [
+        sys.executable,
+        "-m",
+        "autotune.cli.main",
+        "worker",
+        "--device",
+        "estimate",
+        "--server",
+        server_url,
+        "--worker-id",
+        WORKER_ID,
+        "--poll-interval",
+        str(POLL_INTERVAL_S),
+        "--data-dir",
+        str(data_dir),
+    ]
+
+
+def start(argv: Sequence[str], worker_token: str, log_path: Path) -> subprocess.Popen[bytes]:
+    """Start `argv` (`command`) with the worker token; its log goes to `log_path`. It waits for
+    the server to listen (a worker waits for a server that is down)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "autotune.cli.main",
-                "worker",
-                "--device",
-                "estimate",
-                "--server",
-                server_url,
-                "--worker-id",
-                WORKER_ID,
-                "--poll-interval",
-                str(POLL_INTERVAL_S),
-                "--data-dir",
-                str(log_path.parent),
-            ],
+            list(argv),
             env={**os.environ, "AUTOTUNE_TOKEN": worker_token},
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 (serve has no other thread yet)
+            # Async-signal-safe enough: one prctl call through an already loaded libc, in the
+            # supervisor's thread (which lives as long as the child: PDEATHSIG follows the
+            # thread that forked).
+            preexec_fn=_die_with_parent,  # noqa: PLW1509
         )
 
 
-def stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM (a run in progress is released), then SIGKILL after `STOP_GRACE_S`."""
+def stop(process: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM (a run in progress is released), then SIGKILL after `grace_s`."""
     if process.poll() is None:
         process.terminate()
         try:
-            process.wait(STOP_GRACE_S)
+            process.wait(grace_s)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def _exit_reason(code: int) -> str:
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
+def _stderr_line(message: str) -> None:
+    sys.stderr.write(f"autotune serve: {message}\n")
+    sys.stderr.flush()
+
+
+class Supervisor:
+    """Runs `argv` as the estimate worker and restarts it whenever it exits, until `stop`.
+
+    Args:
+        argv: the worker's command line (`command`).
+        worker_token: its bearer token (passed in its environment, never on the command line).
+        log_path: where its output goes.
+        log: one line per exit and restart (default: serve's standard error).
+        restart_backoff_s, max_restart_backoff_s, stable_s: the back-off (see the module).
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        worker_token: str,
+        log_path: Path,
+        *,
+        log: Callable[[str], None] = _stderr_line,
+        restart_backoff_s: float = RESTART_BACKOFF_S,
+        max_restart_backoff_s: float = MAX_RESTART_BACKOFF_S,
+        stable_s: float = STABLE_S,
+        stop_grace_s: float = STOP_GRACE_S,
+    ) -> None:
+        self.argv = list(argv)
+        self.worker_token = worker_token
+        self.log_path = log_path
+        self.log = log
+        self.restart_backoff_s = restart_backoff_s
+        self.max_restart_backoff_s = max_restart_backoff_s
+        self.stable_s = stable_s
+        self.stop_grace_s = stop_grace_s
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._process: subprocess.Popen[bytes] | None = None
+        self._state = EstimateWorkerState.STARTING
+        self._restarts = 0
+        self._last_exit: str | None = None
+        self._thread = threading.Thread(
+            target=self._supervise, name="estimate-worker", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def health(self) -> EstimateWorkerHealth:
+        """The worker's state now, for `GET /health`."""
+        with self._lock:
+            process = self._process
+            return EstimateWorkerHealth(
+                state=self._state,
+                pid=process.pid
+                if process is not None and self._state is EstimateWorkerState.RUNNING
+                else None,
+                restarts=self._restarts,
+                last_exit=self._last_exit,
+            )
+
+    def stop(self) -> None:
+        """Stop supervising and stop the worker (SIGTERM, then SIGKILL after the grace)."""
+        self._stopping.set()
+        with self._lock:
+            process = self._process
+        if process is not None:
+            stop(process, self.stop_grace_s)
+        if self._thread.is_alive():
+            self._thread.join()
+        with self._lock:
+            self._state = EstimateWorkerState.STOPPED
+
+    def _supervise(self) -> None:
+        backoff_s = self.restart_backoff_s
+        while not self._stopping.is_set():
+            started_s = time.monotonic()
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                self._process = start(self.argv, self.worker_token, self.log_path)
+                self._state = EstimateWorkerState.RUNNING
+                process = self._process
+            code = process.wait()
+            if self._stopping.is_set():
+                return
+            if time.monotonic() - started_s >= self.stable_s:
+                backoff_s = self.restart_backoff_s
+            reason = _exit_reason(code)
+            with self._lock:
+                self._state = EstimateWorkerState.RESTARTING
+                self._restarts += 1
+                self._last_exit = reason
+            self.log(
+                f"the estimate worker stopped ({reason}; log: {self.log_path}); "
+                f"restarting it in {backoff_s:g} s"
+            )
+            if self._stopping.wait(backoff_s):
+                return
+            backoff_s = min(backoff_s * 2, self.max_restart_backoff_s)

@@ -24,7 +24,7 @@ from api.store.db import Database, migrate
 from api.store.runcache import FinishedRunCache
 from api.store.runwatch import RunWatch
 from api.web import pages
-from autotune.remote.protocol import API_PREFIX
+from autotune.remote.protocol import API_PREFIX, EstimateWorkerHealth
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +33,18 @@ def _utc_now() -> datetime:
     return datetime.now(UTC)
 
 
-def create_app(settings: Settings, *, clock: Callable[[], datetime] = _utc_now) -> FastAPI:
+def create_app(
+    settings: Settings,
+    *,
+    clock: Callable[[], datetime] = _utc_now,
+    estimate_worker: Callable[[], EstimateWorkerHealth] | None = None,
+) -> FastAPI:
     """The API for `settings`; the schema is migrated to the newest revision before returning.
 
     Args:
         settings: everything configurable; nothing else is read from the environment.
         clock: the server's notion of now (aware UTC); tests pass a controllable one.
+        estimate_worker: the state of the estimate worker beside this server, for /health.
     """
     database = Database(
         settings.resolved_database_url(),
@@ -73,6 +79,7 @@ def create_app(settings: Settings, *, clock: Callable[[], datetime] = _utc_now) 
             max_claims=settings.max_claims,
             poll_s=settings.wait_poll_s,
         ),
+        estimate_worker=estimate_worker,
     )
     register_error_handlers(app)
     app.include_router(health.router)

@@ -370,7 +370,7 @@ class Worker:
         )
         keeper = _LeaseKeeper(self.heartbeat_client, claim)
         keeper.start()
-        runner = self._runner_for(claim, device, keeper)
+        runner: TrialRunner | None = None
         progress = _Progress(self.client, keeper)
         # One Optuna study per claim: a study left by an earlier claim of this run (a killed
         # worker sharing this storage) is not continued, nor clobbered. The lease id (random,
@@ -383,6 +383,7 @@ class Worker:
             if claim.spec.model.factory is not None:
                 # Refused here, before any child starts; the children check again.
                 check_factory_allowed(claim.spec.model.factory, self.config.allowed_factories)
+            runner = self._runner_for(claim, device, keeper)
             result = self._tune(claim, runner, progress, study_name)
             self._patiently(
                 keeper, lambda: self.client.submit_result(claim.run_id, claim.lease_id, result)
@@ -433,21 +434,20 @@ class Worker:
     def _runner_for(self, claim: Claim, device: WorkerDevice, keeper: _LeaseKeeper) -> TrialRunner:
         """Trials in child processes on a device; or, for an estimate, traced here: no kernel
         runs and nothing is allocated, so there is no device state for a child to protect, and a
-        child per trial would rebuild the model each time (seconds for an 8B model)."""
-        if device.device_name == ESTIMATE_DEVICE:
-            from autotune.core.gpus.catalogue import find_gpu
-            from autotune.core.gpus.cuda_reserve import budget_for
-            from autotune.core.memory.allocator_config import config_from_environ
-            from autotune.engine.estimate import EstimateRunner
+        child per trial would rebuild the model each time (seconds for an 8B model).
 
-            assert device.gpu is not None
-            return EstimateRunner(
-                claim.spec,
-                gpu=budget_for(find_gpu(device.gpu), claim.spec.training.world_size),
-                # This worker's environment, as its inventory reported it.
-                allocator_config=config_from_environ(os.environ),
-                allowed_factory_prefixes=list(self.config.allowed_factories),
-            )
+        Raises:
+            ModelBuildError: the estimate's model cannot be built or traced (the spec's fault:
+                any worker would fail the same way), with the reason.
+            FactoryRefused: a factory this worker does not allow.
+        """
+        if device.device_name == ESTIMATE_DEVICE:
+            try:
+                return self._estimate_runner(claim, device)
+            except (FactoryRefused, SpecError, ModelBuildError):
+                raise
+            except Exception as error:  # whatever building the user's model raised
+                raise ModelBuildError(f"{type(error).__name__}: {error}") from error
         return ChildProcessRunner(
             claim.spec,
             device.device_name,
@@ -458,6 +458,21 @@ class Worker:
             start_method=self.config.start_method,
             allowed_factories=self.config.allowed_factories,
             trace_fit=self.config.trace_fit,
+        )
+
+    def _estimate_runner(self, claim: Claim, device: WorkerDevice) -> TrialRunner:
+        from autotune.core.gpus.catalogue import find_gpu
+        from autotune.core.gpus.cuda_reserve import budget_for
+        from autotune.core.memory.allocator_config import config_from_environ
+        from autotune.engine.estimate import EstimateRunner
+
+        assert device.gpu is not None
+        return EstimateRunner(
+            claim.spec,
+            gpu=budget_for(find_gpu(device.gpu), claim.spec.training.world_size),
+            # This worker's environment, as its inventory reported it.
+            allocator_config=config_from_environ(os.environ),
+            allowed_factory_prefixes=list(self.config.allowed_factories),
         )
 
     def _tune(
@@ -485,14 +500,14 @@ class Worker:
     def _post_failed_trial(
         self,
         claim: Claim,
-        runner: TrialRunner,
+        runner: TrialRunner | None,
         progress: _Progress,
         study_name: str,
         error: Exception,
     ) -> None:
         """A measurement that crashed or raised becomes a FAILED trial on the run."""
         if not isinstance(runner, ChildProcessRunner):
-            return  # an estimate's measurement is arithmetic in this process
+            return  # none was built, or an estimate's: its measurement is arithmetic here
         failure = runner.last_failure
         if failure is None or failure.error is not error or failure.operation != "measure":
             return

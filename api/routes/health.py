@@ -1,4 +1,6 @@
-"""GET /health: the process is up and the database answers (503 when it does not, promptly)."""
+"""GET /health: the process is up and the database answers (503 when it does not, promptly);
+with the state of the estimate worker `serve` runs beside itself, where it runs one (a worker
+that is restarting is reported, not a 503: the API itself still answers)."""
 
 from __future__ import annotations
 
@@ -31,4 +33,10 @@ async def read_health(context: ContextDep) -> Health:
         raise DatabaseUnavailable(
             f"the database did not answer within {context.settings.health_timeout_s:g} s"
         ) from None
-    return Health(status="ok", database="ok", version=context.version)
+    estimates = context.estimate_worker
+    return Health(
+        status="ok",
+        database="ok",
+        version=context.version,
+        estimate_worker=estimates() if estimates is not None else None,
+    )

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, or_, select, update
+from sqlalchemy import ColumnElement, and_, exists, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -30,6 +30,7 @@ from api.errors import LeaseExpired, RunCancelled, StaleLease
 from api.store.rowmodels import target_of
 from api.store.runstore import is_postgres, lock_run
 from api.store.tables import FailureRow, RunRow, WorkerRow
+from autotune.core.errors import FactoryRefused
 from autotune.core.schemas import DeviceInfo, DeviceKind, Spec
 from autotune.remote.protocol import (
     Claim,
@@ -201,9 +202,20 @@ def claim_run(
     """
     _record_worker(session, request, now)
     expire_leases(session, now=now, max_claims=max_claims)
+    # A worker that refused a run's factory would refuse it again: the run waits for another
+    # (it spent every claim on the same worker within seconds).
+    refused_here = exists().where(
+        FailureRow.run_id == RunRow.id,
+        FailureRow.worker_id == request.worker_id,
+        FailureRow.error_type == FactoryRefused.__name__,
+    )
     oldest = (
         select(RunRow.id)
-        .where(RunRow.status == RunStatus.QUEUED.value, _match_clause(request.devices))
+        .where(
+            RunRow.status == RunStatus.QUEUED.value,
+            _match_clause(request.devices),
+            ~refused_here,
+        )
         .order_by(RunRow.created_at, RunRow.id)
         .limit(1)
     )

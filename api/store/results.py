@@ -1,23 +1,29 @@
 """What workers store under a lease: streamed attempts and trials, and the final result.
 
 Every function first checks the lease (`api.store.leases.held_run`); under a stale lease nothing is
-written. The final result is authoritative: it replaces what was streamed under its lease.
+written. Streamed attempts and trials are checked as a result is (`autotune.core.result_check`).
+The final result is authoritative: it replaces what was streamed under its lease; its exports
+are rebuilt here from its recommendation and spec.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from api.errors import ResultRejected
+from api.errors import InvalidResult, ResultRejected
 from api.store.leases import held_run, renew
 from api.store.rowmodels import attempt_row, mode_row, target_of, trial_row
 from api.store.runstore import create_run
 from api.store.tables import AttemptRow, ModeRow, RecommendationRow, RunRow, TrialRow
-from autotune.core.schemas import TuneResult
+from autotune.core.exports import build_exports
+from autotune.core.result_check import Violation, check_attempt, check_trial
+from autotune.core.schemas import Spec, TuneResult
 from autotune.remote.protocol import (
     AttemptEvent,
     EventAck,
@@ -28,11 +34,27 @@ from autotune.remote.protocol import (
 )
 
 
+def _check_event(row: RunRow, check: Callable[[Spec, int], list[Violation]]) -> None:
+    """Refuse (422 `invalid_result`) an event that breaks what a result would: streamed
+    attempts and trials are shown on the run's page before any result arrives, and stay on a
+    run that then fails."""
+    spec = Spec.model_validate(row.spec)
+    capacity_bytes = target_of(row).max_capacity_bytes(spec.training.world_size)
+    violations = check(spec, capacity_bytes)
+    if violations:
+        raise InvalidResult(violations)
+
+
 def record_attempt(
     session: Session, *, run_id: int, event: AttemptEvent, now: datetime, lease_s: float
 ) -> EventAck:
-    """Store a streamed probe attempt once per (run, lease, sequence); renews the lease."""
+    """Store a streamed probe attempt once per (run, lease, sequence); renews the lease.
+
+    Raises:
+        RunNotFound, StaleLease, RunCancelled, InvalidResult.
+    """
     row = held_run(session, run_id=run_id, lease_id=event.lease_id, now=now)
+    _check_event(row, lambda spec, capacity: check_attempt(spec, event.attempt, capacity))
     seen = session.execute(
         select(AttemptRow.id).where(
             AttemptRow.run_id == run_id,
@@ -56,8 +78,13 @@ def record_attempt(
 def record_trial(
     session: Session, *, run_id: int, event: TrialEvent, now: datetime, lease_s: float
 ) -> EventAck:
-    """Store a streamed trial once per (run, lease, trial number); renews the lease."""
+    """Store a streamed trial once per (run, lease, trial number); renews the lease.
+
+    Raises:
+        RunNotFound, StaleLease, RunCancelled, InvalidResult.
+    """
     row = held_run(session, run_id=run_id, lease_id=event.lease_id, now=now)
+    _check_event(row, lambda spec, capacity: check_trial(spec, event.trial, capacity))
     seen = session.execute(
         select(TrialRow.id).where(
             TrialRow.run_id == run_id,
@@ -84,6 +111,22 @@ def _check_result(row: RunRow, result: TuneResult) -> None:
         raise ResultRejected(
             f"result.device: {result.device.name} does not match the run's target {target.label}"
         )
+
+
+def _exports(result: TuneResult) -> dict[str, Any] | None:
+    """The exports of `result`'s recommendation, built here from it and the spec: a worker's
+    own text (code users paste and run) is never stored; it says only which transformers
+    version to write for and whether the loss is per token."""
+    sent = result.exports
+    if result.recommendation is None or sent is None:
+        return None
+    exports = build_exports(
+        result.recommendation,
+        token_model=sent.token_model,
+        transformers_version=sent.transformers_version,
+        training=result.spec.training,
+    )
+    return exports.model_dump(mode="json")
 
 
 def _store_result(session: Session, row: RunRow, result: TuneResult, now: datetime) -> None:
@@ -114,7 +157,7 @@ def _store_result(session: Session, row: RunRow, result: TuneResult, now: dateti
     if result.recommendation is not None:
         session.add(RecommendationRow(run_id=row.id, **result.recommendation.model_dump()))
     row.infeasible = result.infeasible.model_dump(mode="json") if result.infeasible else None
-    row.exports = result.exports.model_dump(mode="json") if result.exports else None
+    row.exports = _exports(result)
     row.worker_device = result.device.model_dump(mode="json")
     row.torch_version = _torch_major_minor(result.device.torch_version)
     row.study_name = result.study_name or row.study_name

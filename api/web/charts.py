@@ -7,6 +7,9 @@ labelled axes whose titles carry the unit. The x axis turns logarithmic (base 2)
 small micro-batch into its first pixels. Shapes, not only colours, tell kinds apart (a cross is
 an out-of-memory attempt, a ring the chosen configuration, a square a traced prediction), so
 the charts read in grey too.
+
+Every value comes from a worker, and the drawing is total: any floats (subnormal, at the ends
+of the range, integers beyond float precision) give a chart with a bounded number of ticks.
 """
 
 from __future__ import annotations
@@ -19,6 +22,14 @@ from html import escape
 _WIDTH, _HEIGHT = 640, 360
 _LEFT, _RIGHT, _TOP, _BOTTOM = 72, 150, 16, 52  # the right margin holds the legend
 _LOG_SPAN = 16.0
+_MAX_LOG_TICKS = 12
+# Drawn values are kept within +-_LIMIT (spans stay finite) and spans above _MIN_SPAN (a power
+# of ten below it is no float).
+_LIMIT = 1e300
+_MIN_SPAN = 1e-290
+# Pixel positions are clamped this far outside the plot: a point the axes cannot reach is drawn
+# at the edge, not at 10^300 px.
+_MAX_PX = 10_000.0
 
 
 @dataclass(frozen=True)
@@ -68,25 +79,41 @@ class Chart:
     y_from_zero: bool = True
 
 
+def _finite(value: float) -> float:
+    """`value` within what the arithmetic below can hold (NaN as 0): the charts draw what
+    workers reported, and a value at the ends of the float range must not end the page."""
+    if math.isnan(value):
+        return 0.0
+    return min(max(value, -_LIMIT), _LIMIT)
+
+
 def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
-    """About `count` round values (1, 2 or 5 times a power of ten) covering [low, high]."""
+    """About `count` round values (1, 2 or 5 times a power of ten) covering [low, high]; total
+    (any floats give at most 2 * count + 2 ticks)."""
+    low, high = _finite(low), _finite(high)
+    # A span too narrow for the floats at this height (a micro-batch of 2^51 with its
+    # neighbour), or too small for a power of ten to name (subnormal rates), is widened.
+    floor_span = max(abs(low), abs(high)) * 1e-9 + _MIN_SPAN
     if high <= low:
-        high = low + 1.0
-    raw_step = (high - low) / max(count, 1)
-    magnitude = 10 ** math.floor(math.log10(raw_step))
+        high = low + max(1.0, floor_span)
+    elif high - low < floor_span:
+        high = low + floor_span
+    count = max(count, 1)
+    raw_step = (high - low) / count
+    magnitude = 10.0 ** math.floor(math.log10(raw_step))
     step = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw_step)
     first = math.floor(low / step) * step
-    ticks, value = [], first
-    while value <= high + step * 1e-9:
-        ticks.append(round(value, 12))
-        value += step
-    if ticks[-1] < high:
-        ticks.append(round(value, 12))
-    return ticks
+    intervals = min(math.ceil((high - first) / step - 1e-9), 2 * count + 1)
+    ticks = [first + index * step for index in range(intervals + 1)]
+    # Rounded to hide float noise (0.30000000000000004), unless the ticks are that small.
+    return [round(tick, 12) for tick in ticks] if step >= 1e-9 else ticks
 
 
 def _log2_ticks(low: float, high: float) -> list[float]:
-    return [2.0**k for k in range(math.floor(math.log2(low)), math.ceil(math.log2(high)) + 1)]
+    first, last = math.floor(math.log2(low)), math.ceil(math.log2(high))
+    # At most about a dozen: every power of two up to 2^63 would crowd the axis.
+    stride = max(1, math.ceil((last - first) / _MAX_LOG_TICKS))
+    return [2.0**k for k in range(first, last + stride, stride)]
 
 
 def _label(value: float) -> str:
@@ -100,9 +127,11 @@ class _Scale:
         self.start_px, self.end_px = start_px, end_px
 
     def __call__(self, value: float) -> float:
-        v = math.log2(value) if self.log else value
+        value = _finite(value)
+        v = math.log2(value) if self.log and value > 0 else value
         span = self.high - self.low or 1.0
-        return self.start_px + (v - self.low) / span * (self.end_px - self.start_px)
+        px = self.start_px + (v - self.low) / span * (self.end_px - self.start_px)
+        return min(max(px, -_MAX_PX), _MAX_PX) if math.isfinite(px) else self.start_px
 
 
 def _marker(point: Point, x: float, y: float, css_class: str) -> str:
@@ -132,13 +161,14 @@ def render_svg(chart: Chart) -> str:
     ys += [r.y for r in chart.rules]
     if not xs:
         xs, ys = [1.0, 2.0], ys or [0.0, 1.0]
+    xs, ys = [_finite(x) for x in xs], [_finite(y) for y in ys]
     x_low, x_high = min(xs), max(xs)
     log_x = x_low > 0 and x_high / x_low >= _LOG_SPAN
     if log_x:
         x_ticks = _log2_ticks(x_low, x_high)
     else:
         x_ticks = nice_ticks(x_low if x_low != x_high else x_low - 1, x_high)
-    y_ticks = nice_ticks(0.0 if chart.y_from_zero else min(ys), max(ys) * 1.05 or 1.0)
+    y_ticks = nice_ticks(0.0 if chart.y_from_zero else min(ys), _finite(max(ys) * 1.05) or 1.0)
     plot_right, plot_bottom = _WIDTH - _RIGHT, _HEIGHT - _BOTTOM
     sx = _Scale(x_ticks[0], x_ticks[-1], _LEFT, plot_right, log_x)
     sy = _Scale(y_ticks[0], y_ticks[-1], plot_bottom, _TOP, False)

@@ -4,8 +4,13 @@ from `api.web.run_plots`); the one script (`api/web/static/autotune.js`) copies 
 refreshes an unfinished run's page, and every page works without it.
 
 Pages follow the API's token rules. The browser keeps the token in a cookie set by the token
-form: HttpOnly, so no script (and no page) ever shows it, and SameSite=Strict, so another site
-cannot submit a run with it.
+form: HttpOnly, so no script (and no page) ever shows it, and SameSite=Strict, so that another
+site's links and forms do not carry it. SameSite is not enough: a "site" is the registrable
+domain, so a page on another port of the same host, or on a sibling subdomain, still sends the
+cookie. So every form POST must come from this server's own pages: a browser says where a form
+was sent from (`Origin`, else `Referer`), and one from anywhere else is refused with 403 (a
+forged submission, or a login CSRF that would plant the attacker's token). Clients that send
+neither header (curl, scripts) are not browsers holding a victim's cookie.
 """
 
 from __future__ import annotations
@@ -13,11 +18,11 @@ from __future__ import annotations
 import math
 from datetime import UTC, date, datetime, time
 from pathlib import Path
-from typing import Annotated, Any
-from urllib.parse import parse_qs, urlencode
+from typing import Any
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 import yaml
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 from pydantic import ValidationError
@@ -30,9 +35,11 @@ from api.store import runreads, runstore
 from api.web.charts import render_svg
 from api.web.run_plots import capacity_bytes, latest_attempts, memory_chart, throughput_chart
 from autotune.core.bytesize import format_bytes
+from autotune.core.errors import SpecError
 from autotune.core.exports import render_exports
 from autotune.core.gpus.catalogue import GPUS
 from autotune.core.schemas import checkpointing_label
+from autotune.core.specfile import parse_spec_text
 from autotune.remote.protocol import MAX_INT, Run, RunCreate, RunStatus, fingerprint
 
 TOKEN_COOKIE = "autotune_token"
@@ -40,6 +47,8 @@ PAGE_SIZE = 25
 # How often an unfinished run's page asks whether anything new arrived (a count query).
 POLL_MS = 1000
 _TOKEN_COOKIE_S = 365 * 24 * 3600
+_MAX_PAGE = 10**6
+_FILTER_MAX = 300
 
 
 def device_label(label: str) -> str:
@@ -93,6 +102,50 @@ def _token_page(request: Request, error: ApiError, *, next_url: str) -> HTMLResp
     )
 
 
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _netloc(scheme: str, host: str) -> str:
+    """`host[:port]` without the scheme's default port, lower-cased."""
+    host = host.lower()
+    port = _DEFAULT_PORTS.get(scheme)
+    return host.removesuffix(f":{port}") if port is not None else host
+
+
+def _from_this_site(request: Request) -> bool:
+    """Whether a form POST came from this server's pages (see the module docstring)."""
+    sent_from = request.headers.get("origin") or request.headers.get("referer")
+    if sent_from is None:
+        return True
+    try:
+        origin = urlsplit(sent_from)
+    except ValueError:  # an unbalanced IPv6 bracket
+        return False
+    if origin.scheme not in _DEFAULT_PORTS or not origin.netloc:
+        return False  # "null" (a sandboxed frame, a file), or nonsense
+    here = request.url
+    # The browser's view of this server is the Host it sent (a proxy passes it on), and the
+    # scheme it used, which the proxy states (X-Forwarded-Proto, see the README).
+    host = request.headers.get("host", here.netloc)
+    if here.scheme == "https" and origin.scheme != "https":
+        return False
+    return _netloc(origin.scheme, origin.netloc) == _netloc(here.scheme, host)
+
+
+def _cross_site(request: Request) -> HTMLResponse:
+    return templates.TemplateResponse(
+        request,
+        "token.html",
+        {
+            "message": "This form was sent from another site, so it was refused. "
+            "Open this server's own page and send it from there.",
+            "next_url": "/",
+            "saved": bool(request.cookies.get(TOKEN_COOKIE)),
+        },
+        status_code=403,
+    )
+
+
 def _safe_next(url: str) -> str:
     """Only a path of this site: the form must not redirect anywhere else."""
     # Browsers read "/\\host" as "//host": another site, as much as "//host" is.
@@ -117,21 +170,32 @@ def _day(text: str | None, *, end: bool) -> datetime | None:
     return datetime.combine(day, time.max if end else time.min, tzinfo=UTC)
 
 
+def _page_number(text: str) -> int:
+    """The `?page=` asked for, within [1, 10^6]: a page answers with a page, never the API's
+    JSON 422 (a hand-edited URL is not an API call)."""
+    number = int(text) if text.isascii() and text.isdigit() and len(text) <= 7 else 1
+    return min(max(number, 1), _MAX_PAGE)
+
+
 @router.get("/", response_class=HTMLResponse)
 def runs_page(
     request: Request,
-    status: Annotated[str, Query(max_length=20)] = "",
-    model: Annotated[str, Query(max_length=300)] = "",
-    device: Annotated[str, Query(max_length=300)] = "",
-    since: Annotated[str, Query(max_length=10)] = "",
-    until: Annotated[str, Query(max_length=10)] = "",
-    page: Annotated[int, Query(ge=1, le=10**6)] = 1,
+    status: str = "",
+    model: str = "",
+    device: str = "",
+    since: str = "",
+    until: str = "",
+    page: str = "1",
 ) -> Response:
-    """Every run, newest first, filtered and paged."""
+    """Every run, newest first, filtered and paged. Filters longer than any stored value
+    are cut (they match nothing either way)."""
     try:
         _authorize(request, Role.READER)
     except ApiError as error:
         return _token_page(request, error, next_url=str(request.url.path))
+    model, device = model[:_FILTER_MAX], device[:_FILTER_MAX]
+    since, until = since[:10], until[:10]
+    number = _page_number(page)
     wanted = RunStatus(status) if status in {s.value for s in RunStatus} else None
     where = runstore.RunFilter(
         status=wanted,
@@ -142,7 +206,7 @@ def runs_page(
     )
     context = context_of(request)
     listing = runreads.list_runs(
-        context, where=where, limit=PAGE_SIZE, offset=(page - 1) * PAGE_SIZE
+        context, where=where, limit=PAGE_SIZE, offset=(number - 1) * PAGE_SIZE
     )
     filters = {"status": status, "model": model, "device": device, "since": since, "until": until}
     kept = {k: v for k, v in filters.items() if v}
@@ -153,14 +217,16 @@ def runs_page(
         {
             "runs": listing.items,
             "total": listing.total,
-            "page": page,
+            "page": number,
             "pages": pages,
             "first": listing.offset + 1,
             "last": listing.offset + len(listing.items),
             "filters": filters,
             "statuses": [s.value for s in RunStatus],
-            "newer_url": f"/?{urlencode({**kept, 'page': page - 1})}" if page > 1 else None,
-            "older_url": f"/?{urlencode({**kept, 'page': page + 1})}" if page < pages else None,
+            "newer_url": f"/?{urlencode({**kept, 'page': number - 1})}" if number > 1 else None,
+            "older_url": (
+                f"/?{urlencode({**kept, 'page': number + 1})}" if number < pages else None
+            ),
             "last_url": f"/?{urlencode({**kept, 'page': pages})}",
         },
     )
@@ -278,20 +344,33 @@ def _field_errors(error: ValidationError) -> list[str]:
     ]
 
 
+def _run_create(form: dict[str, str]) -> RunCreate:
+    """The submission the form describes.
+
+    Raises:
+        SpecError: the spec text is too long or deep, has aliases, or is not YAML.
+        ValidationError: the spec or the target is invalid.
+    """
+    spec = parse_spec_text(form["spec"])
+    return RunCreate.model_validate({"spec": spec, "device": _target(form)})
+
+
 @router.post("/submit", response_class=HTMLResponse)
 async def submit_form(request: Request) -> Response:
     """Queue the pasted spec on the chosen target (or join its twin) and show its run page."""
+    if not _from_this_site(request):
+        return _cross_site(request)
     try:
         _authorize(request, Role.CLIENT)
     except ApiError as error:
         return _token_page(request, error, next_url="/submit")
     form = {**_DEFAULT_FORM, **(await _form(request))}
+    # Parsing and validating take up to a second for the largest spec text allowed: off the
+    # event loop, which must go on answering every other request meanwhile.
     try:
-        spec = yaml.safe_load(form["spec"])
-    except yaml.YAMLError as error:
-        return _submit_form(request, form, [f"spec: not valid YAML ({error})"], 422)
-    try:
-        run_create = RunCreate.model_validate({"spec": spec, "device": _target(form)})
+        run_create = await run_in_threadpool(_run_create, form)
+    except SpecError as error:
+        return _submit_form(request, form, [str(error)], 422)
     except ValidationError as error:
         return _submit_form(request, form, _field_errors(error), 422)
     context = context_of(request)
@@ -322,6 +401,8 @@ def token_page(request: Request, next: str = "/") -> Response:  # noqa: A002 (th
 @router.post("/token", response_class=HTMLResponse)
 async def save_token(request: Request) -> Response:
     """Keep a token this server knows in the browser's cookie; refuse any other."""
+    if not _from_this_site(request):
+        return _cross_site(request)
     form = await _form(request)
     token = form.get("token", "").strip()
     next_url = _safe_next(form.get("next", "/"))
@@ -350,6 +431,8 @@ async def save_token(request: Request) -> Response:
 
 @router.post("/token/forget")
 def forget_token(request: Request) -> Response:
+    if not _from_this_site(request):
+        return _cross_site(request)
     response = RedirectResponse("/token", status_code=303)
     response.delete_cookie(TOKEN_COOKIE, httponly=True, samesite="strict")
     return response

@@ -16,22 +16,24 @@ _UNITS = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
-_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
+# Digits bounded: a size has no use for more, and a float of 5,000 digits is infinite.
+_PATTERN = re.compile(r"\s*(\d{1,30}(?:\.\d{1,30})?)\s*([KMGT]?I?B?)\s*", re.IGNORECASE)
 
 
 def parse_bytes(text: str) -> int:
     """Parse `2GiB`, `1500MiB`, `3.5GB` or a plain byte count into bytes.
 
     Raises:
-        ValueError: the text is not a positive size with a known unit.
+        ValueError: the text is not a positive size with a known unit (the message does not
+            repeat the text: a server says it to whoever sent it).
     """
-    match = _PATTERN.match(text)
+    match = _PATTERN.fullmatch(text)
     unit = match.group(2).upper() if match else ""
     if match is None or unit not in _UNITS:
-        raise ValueError(f"not a memory size: {text!r} (try e.g. 2GiB, 1500MiB)")
+        raise ValueError("not a memory size (try e.g. 2GiB, 1500MiB)")
     size_bytes = int(float(match.group(1)) * _UNITS[unit])
     if size_bytes <= 0:
-        raise ValueError(f"memory size must be positive: {text!r}")
+        raise ValueError("a memory size must be positive")
     return size_bytes
 
 

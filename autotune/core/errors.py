@@ -31,3 +31,12 @@ class FactoryRefused(ModelBuildError):
 
 class DeviceError(AutotuneError):
     """The requested device is unavailable or its memory cannot be read."""
+
+
+_SHOWN_MAX = 24
+
+
+def shown(value: str) -> str:
+    """A piece of user input quoted in a message: a few characters at most, so that a message
+    never carries back what was sent (a server answers it to whoever sent it)."""
+    return repr(value if len(value) <= _SHOWN_MAX else value[:_SHOWN_MAX] + "...")

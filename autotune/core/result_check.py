@@ -9,7 +9,9 @@ Each invariant is written next to the code that guarantees it:
 
 * the spec: the run's own. Without a target nothing is tuned (`probes.worker` answers with the
   probe alone): no trials, no recommendation, no explanation, no exports;
-* the device: the probe ran on the result's device (`tuner.tune_session`);
+* the device: the probe ran on the result's device (`tuner.tune_session`); a named GPU's
+  capacity (emulated, or estimated) is the catalogue's for the spec's world size
+  (`autotune.core.gpus.cuda_reserve.budget_for`), a real GPU's at most its total memory;
 * the probe, per mode (`probe.probe_session`, `search.find_max_micro_batch`): modes are plain,
   then checkpointed; every attempt is a distinct size in [1, cap]; the max is certified from both
   sides (an attempt at the max fits, one at max + 1 does not unless the max is the cap); fitting
@@ -23,6 +25,10 @@ Each invariant is written next to the code that guarantees it:
 * the answer (`tuner._recommend`): a recommendation iff some trial completed, equal to the
   fastest trial of the pool it is chosen from, for the spec's world size, hitting the target,
   with exports that say the same; otherwise an explanation, and no candidate left unmeasured.
+
+`check_attempt` and `check_trial` hold one streamed attempt or trial to the same rules, as far
+as they can be judged alone (the server checks each as it arrives, against the largest capacity
+the run's target allows).
 """
 
 from __future__ import annotations
@@ -33,10 +39,15 @@ from typing import Any
 
 from autotune.core.candidates import enumerate_candidates
 from autotune.core.exports import ZERO_STAGES
+from autotune.core.gpus.catalogue import UnknownGpu, find_gpu
+from autotune.core.gpus.cuda_reserve import budget_for
 from autotune.core.schemas import (
+    DeviceInfo,
+    DeviceKind,
     ModeProbe,
     Sharding,
     Spec,
+    StepOutcome,
     TracedFit,
     Trial,
     TrialState,
@@ -57,7 +68,7 @@ class Violation:
 
 def check_result(spec: Spec, result: TuneResult) -> list[Violation]:
     """Every invariant `result` violates as an answer to `spec` (empty: a valid result)."""
-    check = _Check(spec, result)
+    check = _Check(spec, result, result.device.capacity_bytes)
     check.spec_and_device()
     if not result.probe.modes:
         check.fail("probe.modes", "the probe searched no mode")
@@ -66,6 +77,49 @@ def check_result(spec: Spec, result: TuneResult) -> list[Violation]:
     check.trials()
     check.answer()
     return check.violations
+
+
+def check_attempt(spec: Spec, attempt: StepOutcome, capacity_bytes: int) -> list[Violation]:
+    """What one streamed probe attempt violates on its own, on a device of at most
+    `capacity_bytes` (the server checks each as it arrives; the result is checked whole)."""
+    check = _Check(spec, None, capacity_bytes)
+    check.attempt("attempt", attempt)
+    return check.violations
+
+
+def check_trial(spec: Spec, trial: Trial, capacity_bytes: int) -> list[Violation]:
+    """What one streamed trial violates on its own. A FAILED trial may be streamed (the worker
+    posts the measurement that crashed), though a result never holds one."""
+    check = _Check(spec, None, capacity_bytes)
+    check.trial("trial", trial, streamed=True)
+    return check.violations
+
+
+def capacity_violations(spec: Spec, device: DeviceInfo) -> list[Violation]:
+    """A device's capacity against what it can be: a named GPU's (an emulated one, or an
+    estimate's) is the catalogue's for the spec's world size, to the byte; a real GPU's step
+    cannot use more than the card has."""
+    violations = []
+    if device.gpu is not None:
+        try:
+            budget = budget_for(find_gpu(device.gpu), spec.training.world_size)
+        except UnknownGpu:
+            return [Violation("device.gpu", "not a GPU of the catalogue")]
+        if device.capacity_bytes != budget.capacity_bytes:
+            violations.append(
+                Violation(
+                    "device.capacity_bytes",
+                    f"not the catalogue's {budget.capacity_bytes} for {budget.gpu.name} at "
+                    f"world size {spec.training.world_size}",
+                )
+            )
+        if device.total_memory_bytes != budget.gpu.total_memory_bytes:
+            violations.append(
+                Violation("device.total_memory_bytes", f"not the catalogue's {budget.gpu.name}")
+            )
+    elif device.kind is DeviceKind.CUDA and device.capacity_bytes > device.total_memory_bytes:
+        violations.append(Violation("device.capacity_bytes", "above the GPU's total memory"))
+    return violations
 
 
 def _finite_positive(value: float | None) -> bool:
@@ -84,14 +138,20 @@ def _at(data: dict[str, Any], *path: str) -> object:
 class _Check:
     """One check's state: the result, what it is checked against, and what failed so far."""
 
-    def __init__(self, spec: Spec, result: TuneResult) -> None:
+    def __init__(self, spec: Spec, result: TuneResult | None, capacity_bytes: int) -> None:
         self.spec = spec
-        self.result = result
-        self.capacity_bytes = result.device.capacity_bytes
+        self._result = result
+        self.capacity_bytes = capacity_bytes
         training = spec.training
         self.budget_bytes = int(self.capacity_bytes * (1.0 - training.headroom))
-        self.modes = {mode.checkpointing: mode for mode in result.probe.modes}
+        modes = result.probe.modes if result is not None else []
+        self.modes = {mode.checkpointing: mode for mode in modes}
         self.violations: list[Violation] = []
+
+    @property
+    def result(self) -> TuneResult:
+        assert self._result is not None, "a streamed event is checked without its result"
+        return self._result
 
     def fail(self, field: str, message: str) -> None:
         self.violations.append(Violation(field, message))
@@ -101,6 +161,8 @@ class _Check:
             self.fail("spec", "differs from the spec that was tuned")
         if self.result.probe.device != self.result.device:
             self.fail("probe.device", "differs from the result's device")
+        for violation in capacity_violations(self.spec, self.result.device):
+            self.fail(violation.field, violation.message)
 
     def mode(self, index: int, mode: ModeProbe) -> None:
         field = f"probe.modes[{index}]"
@@ -123,20 +185,11 @@ class _Check:
             if attempt.micro_batch in verdicts:
                 self.fail(f"{at}.micro_batch", "tried twice in one mode")
             verdicts[attempt.micro_batch] = attempt.fits
-            if attempt.micro_batch > cap:
-                self.fail(f"{at}.micro_batch", f"above the spec's cap {cap}")
+            self.attempt(at, attempt)
             if attempt.fits and attempt.micro_batch > mode.max_micro_batch:
                 self.fail(f"{at}.fits", "a fitting micro-batch above max_micro_batch")
             if not attempt.fits and attempt.micro_batch <= mode.max_micro_batch:
                 self.fail(f"{at}.fits", "an out-of-memory micro-batch at or below the max")
-            if attempt.fits and attempt.peak_bytes > self.capacity_bytes:
-                self.fail(f"{at}.peak_bytes", "a fitting step above the device's capacity")
-            if attempt.fits and attempt.oom_phase is not None:
-                self.fail(f"{at}.oom_phase", "set on a step that fits")
-            allocated = attempt.peak_allocated_bytes
-            if allocated is not None and allocated > attempt.peak_bytes:
-                # Allocated blocks live in reserved segments: torch's own invariant.
-                self.fail(f"{at}.peak_allocated_bytes", "above the peak reserved (peak_bytes)")
         top = mode.max_micro_batch
         if top >= 1 and verdicts.get(top) is not True:
             self.fail(f"{field}.max_micro_batch", "no attempt at the max that fits")
@@ -144,6 +197,20 @@ class _Check:
             self.fail(f"{field}.max_micro_batch", "no attempt at max + 1 that runs out of memory")
         if mode.traced is not None:
             self._traced(f"{field}.traced", mode.traced, cap)
+
+    def attempt(self, at: str, attempt: StepOutcome) -> None:
+        """What an attempt violates on its own."""
+        cap = self.spec.training.max_micro_batch
+        if attempt.micro_batch > cap:
+            self.fail(f"{at}.micro_batch", f"above the spec's cap {cap}")
+        if attempt.fits and attempt.peak_bytes > self.capacity_bytes:
+            self.fail(f"{at}.peak_bytes", "a fitting step above the device's capacity")
+        if attempt.fits and attempt.oom_phase is not None:
+            self.fail(f"{at}.oom_phase", "set on a step that fits")
+        allocated = attempt.peak_allocated_bytes
+        if allocated is not None and allocated > attempt.peak_bytes:
+            # Allocated blocks live in reserved segments: torch's own invariant.
+            self.fail(f"{at}.peak_allocated_bytes", "above the peak reserved (peak_bytes)")
 
     def _traced(self, field: str, traced: TracedFit, cap: int) -> None:
         """A trace is evidence the search verified, not an answer: its prediction may miss,
@@ -162,8 +229,6 @@ class _Check:
         return accumulating or 0
 
     def trials(self) -> None:
-        training = self.spec.training
-        target = training.target_global_batch
         seen: set[tuple[bool, int]] = set()
         previous_number = -1
         for index, trial in enumerate(self.result.trials):
@@ -175,15 +240,7 @@ class _Check:
             if key in seen:
                 self.fail(f"{at}.micro_batch", "this candidate was already measured")
             seen.add(key)
-            if trial.checkpointed_blocks is not None and not trial.checkpointing:
-                self.fail(f"{at}.checkpointed_blocks", "set on a trial without checkpointing")
-            product = trial.micro_batch * trial.accumulation_steps * training.world_size
-            if target is not None and product != target:
-                self.fail(
-                    f"{at}.accumulation_steps",
-                    f"{trial.micro_batch} x {trial.accumulation_steps} x world size "
-                    f"{training.world_size} = {product}, not the target {target}",
-                )
+            self.trial(at, trial, streamed=False)
             mode = self.modes.get(trial.checkpointing)
             if mode is None:
                 self.fail(f"{at}.checkpointing", "a mode the probe did not search")
@@ -196,10 +253,28 @@ class _Check:
                 trial.checkpointing
             ):
                 self.fail(f"{at}.micro_batch", "above the probe's max when accumulating")
-            self._measurement(at, trial)
 
-    def _measurement(self, at: str, trial: Trial) -> None:
-        if trial.state is TrialState.FAILED:
+    def trial(self, at: str, trial: Trial, *, streamed: bool) -> None:
+        """What a trial violates on its own (`streamed`: a FAILED one may be posted)."""
+        training = self.spec.training
+        target = training.target_global_batch
+        if target is None and streamed:  # a result's are refused by `_probe_only`
+            self.fail(at, "a trial although the spec has no target_global_batch to tune for")
+        if trial.micro_batch > training.max_micro_batch:
+            self.fail(f"{at}.micro_batch", f"above the spec's cap {training.max_micro_batch}")
+        if trial.checkpointed_blocks is not None and not trial.checkpointing:
+            self.fail(f"{at}.checkpointed_blocks", "set on a trial without checkpointing")
+        product = trial.micro_batch * trial.accumulation_steps * training.world_size
+        if target is not None and product != target:
+            self.fail(
+                f"{at}.accumulation_steps",
+                f"{trial.micro_batch} x {trial.accumulation_steps} x world size "
+                f"{training.world_size} = {product}, not the target {target}",
+            )
+        self._measurement(at, trial, streamed=streamed)
+
+    def _measurement(self, at: str, trial: Trial, *, streamed: bool) -> None:
+        if trial.state is TrialState.FAILED and not streamed:
             self.fail(f"{at}.state", "a result holds only complete and out-of-memory trials")
         if trial.state is not TrialState.COMPLETE:
             if trial.samples_per_s is not None or trial.tokens_per_s is not None:

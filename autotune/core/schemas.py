@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from autotune.core.errors import SpecError
+from autotune.core.errors import SpecError, shown
 from autotune.core.hubid import HUB_ID_MAX, hub_id_problem
 from autotune.core.presets import PRESETS, CNNPreset, DecoderPreset
 
@@ -21,6 +21,10 @@ from autotune.core.presets import PRESETS, CNNPreset, DecoderPreset
 MODEL_LABEL_MAX = 300  # autotune_runs.model
 STUDY_NAME_MAX = 100  # autotune_runs.study_name
 TORCH_VERSION_MAX = 32  # autotune_runs.torch_version
+TRANSFORMERS_VERSION_MAX = 64
+# A rate or a duration as a worker reports it: a measurement is finite and above zero (a zero,
+# a subnormal or an infinity breaks every ratio and logarithm drawn from it).
+PositiveRate = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 DEVICE_NAME_MAX = 200  # autotune_runs.target_name
 _MODEL_TYPE_MAX = MODEL_LABEL_MAX - len("hf:")
 
@@ -66,6 +70,28 @@ class OptimizerName(StrEnum):
     ADAMW_8BIT = "adamw8bit"
 
 
+HF_CONFIG_DEPTH_MAX = 16
+
+
+def nesting_depth(value: object) -> int:
+    """How many dicts and lists deep `value` goes (0 for a scalar); iterative, so any depth is
+    measured without recursion."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: list[object] = list(item.values())
+        elif isinstance(item, list | tuple):
+            children = list(item)
+        else:
+            deepest = max(deepest, depth)
+            continue
+        deepest = max(deepest, depth + 1)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 _FACTORY_PATTERN = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 
 
@@ -104,18 +130,21 @@ class ModelSpec(FrozenModel):
             )
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(
-                f"preset: unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}"
+                f"preset: unknown preset {shown(self.preset)}; choose one of {', '.join(PRESETS)}"
             )
         if self.hf_config is not None and not isinstance(self.hf_config.get("model_type"), str):
             raise ValueError('hf_config: needs a "model_type" string, e.g. "llama"')
         if self.hf_config is not None and len(self.hf_config["model_type"]) > _MODEL_TYPE_MAX:
             raise ValueError(f"hf_config.model_type: at most {_MODEL_TYPE_MAX} characters")
+        if self.hf_config is not None and nesting_depth(self.hf_config) > HF_CONFIG_DEPTH_MAX:
+            # Real configs nest a few levels; hundreds break serialising (and fingerprinting).
+            raise ValueError(f"hf_config: nested deeper than {HF_CONFIG_DEPTH_MAX} levels")
         if self.hf_config is not None and "auto_map" in self.hf_config:
             raise ValueError("hf_config.auto_map: names remote code, which autotune never runs")
         if self.hf_id is not None and (problem := hub_id_problem(self.hf_id)) is not None:
             raise ValueError(f"hf_id: not a Hugging Face hub id: {problem}")
-        if self.factory is not None and not _FACTORY_PATTERN.match(self.factory):
-            raise ValueError(f'factory: expected "package.module:function", got {self.factory!r}')
+        if self.factory is not None and not _FACTORY_PATTERN.fullmatch(self.factory):
+            raise ValueError('factory: expected "package.module:function"')
         return self
 
     @property
@@ -454,7 +483,7 @@ class StepOutcome(FrozenModel):
         description="Times the allocator freed its cache and retried a malloc; None when not "
         "measured.",
     )
-    phase_peak_bytes: dict[Phase, int] = Field(
+    phase_peak_bytes: dict[Phase, Annotated[int, Field(ge=0)]] = Field(
         default_factory=dict, description="Peak live tensor bytes in each phase that ran."
     )
     oom_phase: Phase | None = None
@@ -534,14 +563,19 @@ class Trial(FrozenModel):
         "checkpointing); None: every block.",
     )
     state: TrialState
-    samples_per_s: float | None = None
-    tokens_per_s: float | None = None
-    step_time_s: float | None = Field(default=None, description="Median optimizer-step time.")
-    step_time_spread: float | None = Field(
-        default=None, description="(max - min) / median of the timed steps."
+    samples_per_s: PositiveRate | None = None
+    tokens_per_s: PositiveRate | None = None
+    step_time_s: PositiveRate | None = Field(
+        default=None, description="Median optimizer-step time."
     )
-    timed_steps: int = 0
-    peak_bytes: int | None = None
+    step_time_spread: float | None = Field(
+        default=None,
+        ge=0,
+        allow_inf_nan=False,
+        description="(max - min) / median of the timed steps.",
+    )
+    timed_steps: int = Field(default=0, ge=0)
+    peak_bytes: int | None = Field(default=None, ge=0)
     error: str | None = None
 
     @property
@@ -565,10 +599,10 @@ class Recommendation(FrozenModel):
     )
     world_size: int = Field(ge=1)
     global_batch: int = Field(ge=1)
-    samples_per_s: float
-    tokens_per_s: float | None = None
-    peak_bytes: int
-    capacity_bytes: int
+    samples_per_s: PositiveRate
+    tokens_per_s: PositiveRate | None = None
+    peak_bytes: int = Field(ge=0)
+    capacity_bytes: int = Field(ge=0)
 
     @property
     def checkpointing_label(self) -> str:
@@ -584,7 +618,10 @@ class Infeasible(FrozenModel):
 
 
 class Exports(FrozenModel):
-    """Ready-to-paste settings, with each ecosystem's own key names."""
+    """Ready-to-paste settings, with each ecosystem's own key names. A pure function of the
+    recommendation, the spec's training section, `token_model` and `transformers_version`
+    (`autotune.core.exports.build_exports`): the server rebuilds them from those, never storing
+    a worker's text."""
 
     hf: dict[str, Any]
     axolotl: dict[str, Any]
@@ -614,6 +651,13 @@ class Exports(FrozenModel):
     )
     token_model: bool = Field(
         default=True, description="The loop normalises by label tokens (else by samples)."
+    )
+    transformers_version: str | None = Field(
+        default=None,
+        max_length=TRANSFORMERS_VERSION_MAX,
+        pattern=r"^[0-9][0-9A-Za-z.+-]*$",
+        description="The transformers version the Hugging Face settings were written for "
+        "(its checkpointing key and FSDP version); None: unknown.",
     )
 
 

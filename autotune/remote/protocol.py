@@ -29,7 +29,8 @@ from pydantic import (
 )
 
 from autotune.core.bytesize import parse_bytes
-from autotune.core.gpus.catalogue import UnknownGpu, find_gpu
+from autotune.core.gpus.catalogue import KNOWN_NAMES, UnknownGpu, find_gpu
+from autotune.core.gpus.cuda_reserve import budget_for
 from autotune.core.memory.allocator_config import (
     AllocatorConfigError,
     canonical_conf,
@@ -115,8 +116,9 @@ def _gpu_name(value: str) -> str:
     "H100 80GB" are one target (and one fingerprint)."""
     try:
         return find_gpu(value).name
-    except UnknownGpu as error:
-        raise ValueError(str(error)) from None
+    except UnknownGpu:
+        # Not the catalogue's message: it quotes the name sent, which a server does not repeat.
+        raise ValueError(f"unknown GPU; known: {KNOWN_NAMES}") from None
 
 
 GpuName = Annotated[str, Field(min_length=1, max_length=100), AfterValidator(_gpu_name)]
@@ -179,6 +181,13 @@ class EmulatedTarget(FrozenModel):
     def label(self) -> str:
         return f"emulated:{self.gpu if self.gpu is not None else self.memory_bytes}"
 
+    def max_capacity_bytes(self, world_size: int) -> int:
+        """The most a step may use on a device this target matches."""
+        if self.gpu is not None:
+            return budget_for(find_gpu(self.gpu), world_size).capacity_bytes
+        assert self.memory_bytes is not None
+        return self.memory_bytes
+
 
 class _UnsetLeftOut(FrozenModel):
     """Serialised without its unset (None) fields: a target's JSON is what its user wrote."""
@@ -214,6 +223,10 @@ class CudaTarget(_UnsetLeftOut):
     def label(self) -> str:
         return self.name
 
+    def max_capacity_bytes(self, world_size: int) -> int:
+        """At most the memory of the largest card this target matches."""
+        return min(math.floor(self.memory_bytes * (1 + CUDA_MEMORY_TOLERANCE)), MAX_INT)
+
 
 class EstimateTarget(_UnsetLeftOut):
     """An estimate for the named `gpu` of `autotune.core.gpus.catalogue`: the emulated GPU's step
@@ -242,6 +255,9 @@ class EstimateTarget(_UnsetLeftOut):
     @property
     def label(self) -> str:
         return f"estimate:{self.gpu}"
+
+    def max_capacity_bytes(self, world_size: int) -> int:
+        return budget_for(find_gpu(self.gpu), world_size).capacity_bytes
 
 
 def _with_allocator(identity: dict[str, Any], allocator_conf: str | None) -> dict[str, Any]:
@@ -458,10 +474,31 @@ class RunPage(FrozenModel):
     offset: int
 
 
+class EstimateWorkerState(StrEnum):
+    STARTING = "starting"
+    RUNNING = "running"
+    RESTARTING = "restarting"  # it exited; started again after a back-off
+    STOPPED = "stopped"  # the server is stopping
+
+
+class EstimateWorkerHealth(FrozenModel):
+    """The estimate worker `autotune serve` runs beside itself (`api.estimate_worker`)."""
+
+    state: EstimateWorkerState
+    pid: int | None = Field(default=None, description="Its process id while it runs.")
+    restarts: int = Field(description="Times it exited and was started again.")
+    last_exit: str | None = Field(default=None, description="How it last exited, if it did.")
+
+
 class Health(FrozenModel):
     status: Literal["ok"]
     database: Literal["ok"]
     version: str
+    estimate_worker: EstimateWorkerHealth | None = Field(
+        default=None,
+        description="The embedded estimate worker; None where this server process runs none "
+        "(--no-estimates, no torch, or several server processes).",
+    )
 
 
 class ErrorBody(FrozenModel):

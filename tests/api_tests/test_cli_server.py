@@ -171,19 +171,23 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
-def test_serve_alone_answers_an_estimate(tmp_path: Path) -> None:
-    """No worker started: `serve` runs its own estimate worker, which answers an estimate POST
-    with a recommendation and exports, and stops with the server. How long the answer takes is
-    printed, not asserted: a time bound failed this test on a loaded machine (the brief keeps
-    speed targets in bench/, never in unit tests)."""
-    data_dir = tmp_path / "data"
-    url, process = _serve(
+def _serve_estimates(tmp_path: Path, data_dir: Path) -> tuple[str, subprocess.Popen[bytes]]:
+    return _serve(
         tmp_path,
         estimates=True,
         AUTOTUNE_CLIENT_TOKENS=CLIENT_TOKEN,
         AUTOTUNE_WORKER_TOKENS=WORKER_TOKEN,
         AUTOTUNE_DATA_DIR=str(data_dir),
     )
+
+
+def test_serve_alone_answers_an_estimate(tmp_path: Path) -> None:
+    """No worker started: `serve` runs its own estimate worker, which answers an estimate POST
+    with a recommendation and exports, and stops with the server. How long the answer takes is
+    printed, not asserted: a time bound failed this test on a loaded machine (the brief keeps
+    speed targets in bench/, never in unit tests)."""
+    data_dir = tmp_path / "data"
+    url, process = _serve_estimates(tmp_path, data_dir)
     spec = Spec.model_validate(
         {
             "model": {"preset": "mlp"},
@@ -231,3 +235,36 @@ def test_serve_alone_answers_an_estimate(tmp_path: Path) -> None:
     while _processes_mentioning(str(data_dir)):
         assert time.monotonic() < deadline_s, _processes_mentioning(str(data_dir))
         time.sleep(0.1)
+
+
+@pytest.mark.e2e
+def test_serve_restarts_its_estimate_worker_and_health_reports_it(tmp_path: Path) -> None:
+    """The estimate worker killed (as the OOM killer would): `serve` logs it, starts another
+    after a back-off, /health says so throughout, and estimates are answered again."""
+    data_dir = tmp_path / "data"
+    url, process = _serve_estimates(tmp_path, data_dir)
+    worker_log = data_dir / "estimate-worker.log"
+
+    def wait_for_workers(count: int) -> None:
+        deadline_s = time.monotonic() + 120
+        while not worker_log.is_file() or worker_log.read_text().count("waiting for runs") < count:
+            assert process.poll() is None and time.monotonic() < deadline_s, worker_log
+            time.sleep(0.1)
+
+    try:
+        wait_for_workers(1)
+        first = httpx2.get(f"{url}/health").json()["estimate_worker"]
+        assert first["state"] == "running" and first["restarts"] == 0
+        os.kill(first["pid"], 9)
+        wait_for_workers(2)
+        second = httpx2.get(f"{url}/health").json()["estimate_worker"]
+        assert second["state"] == "running" and second["restarts"] == 1, second
+        assert second["last_exit"] == "killed by SIGKILL"
+        spec = Spec.model_validate({"model": {"preset": "mlp"}})
+        with ServerClient(url, token=CLIENT_TOKEN) as user:
+            submitted = user.submit_run(spec, EstimateTarget(gpu="T4"), wait_s=60)
+            assert submitted.status is RunStatus.SUCCEEDED, submitted
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert "the estimate worker stopped (killed by SIGKILL" in (tmp_path / "serve.log").read_text()

@@ -67,6 +67,7 @@ def build_exports(
         pytorch_loop=pytorch_loop(run),
         training=run.training,
         token_model=token_model,
+        transformers_version=transformers_version,
     )
 
 

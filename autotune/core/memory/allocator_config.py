@@ -19,6 +19,8 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from autotune.core.errors import shown
+
 MIB = 1024 * 1024
 # c10/core/AllocatorConfig.h: kMinBlockSize, kSmallSize, kSmallBuffer, kMinLargeAlloc, kRoundLarge.
 MIN_BLOCK_BYTES = 512
@@ -227,7 +229,9 @@ class _Parser:
         self.backend = "native"
 
     def fail(self, detail: str) -> AllocatorConfigError:
-        return AllocatorConfigError(f"allocator config {self.text!r}: {detail}")
+        # The text itself is not repeated (it may be 1,000 characters, and a server would say
+        # it back to whoever sent it): the detail names the key, and a short piece of a value.
+        return AllocatorConfigError(f"allocator config: {detail}")
 
     def token(self, index: int, what: str) -> str:
         if index >= len(self.tokens):
@@ -237,12 +241,12 @@ class _Parser:
     def expect(self, index: int, token: str) -> None:
         found = self.token(index, repr(token))
         if found != token:
-            raise self.fail(f"expected {token!r}, got {found!r}")
+            raise self.fail(f"expected {shown(token)}, got {shown(found)}")
 
     def integer(self, index: int, key: str) -> int:
         value = self.token(index, f"a value for {key}")
         if not _INTEGER.fullmatch(value):
-            raise self.fail(f"{key}: expected a non-negative integer, got {value!r}")
+            raise self.fail(f"{key}: expected a non-negative integer, got {shown(value)}")
         if int(value) > _SIZE_MAX:
             raise self.fail(f"{key}: {value} is out of range")  # std::stoull throws
         return int(value)
@@ -250,7 +254,7 @@ class _Parser:
     def decimal(self, index: int, key: str) -> float:
         value = self.token(index, f"a value for {key}")
         if not _DECIMAL.fullmatch(value):
-            raise self.fail(f"{key}: expected a number, got {value!r}")
+            raise self.fail(f"{key}: expected a number, got {shown(value)}")
         number = float(value)
         if number != 0.0 and not sys.float_info.min <= abs(number) <= sys.float_info.max:
             # std::stod throws out_of_range on underflow to a subnormal and on overflow.
@@ -260,7 +264,7 @@ class _Parser:
     def boolean(self, index: int, key: str) -> bool:
         value = self.token(index, f"a value for {key}")
         if value not in ("True", "False"):
-            raise self.fail(f"{key}: expected True or False (case-sensitive), got {value!r}")
+            raise self.fail(f"{key}: expected True or False (case-sensitive), got {shown(value)}")
         return value == "True"
 
     def megabytes_at_least(self, index: int, key: str, minimum_mb: int) -> int:
@@ -302,7 +306,7 @@ class _Parser:
         """Parse the key at `index` and its value; return the index of the value's last token."""
         key = self.tokens[index]
         if key not in _KEYS:
-            raise self.fail(f"unrecognized key {key!r}")
+            raise self.fail(f"unrecognized key {shown(key)}")
         if key == "large_segment_size_mb":
             return self.skip(index)
         self.expect(index + 1, ":")
@@ -327,7 +331,9 @@ class _Parser:
         elif key == "backend":
             backend = self.token(value, f"a value for {key}")
             if backend not in ("native", "cudaMallocAsync"):
-                raise self.fail(f"unknown allocator backend {backend!r} (native, cudaMallocAsync)")
+                raise self.fail(
+                    f"unknown allocator backend {shown(backend)} (native, cudaMallocAsync)"
+                )
             self.backend = backend
         elif key == "expandable_segments":
             self.expandable_segments = self.boolean(value, key)
@@ -374,7 +380,9 @@ class _Parser:
                 self.divisions[last_slot + 1 :] = [divisions] * (ROUNDUP_INTERVALS - last_slot - 1)
             else:
                 if not _INTEGER.fullmatch(boundary) or not _is_power_of_two(int(boundary)):
-                    raise self.fail(f"{key}: intervals have to be powers of 2, got {boundary!r}")
+                    raise self.fail(
+                        f"{key}: intervals have to be powers of 2, got {shown(boundary)}"
+                    )
                 slot = min(int(boundary).bit_length() - 1, ROUNDUP_INTERVALS - 1)
                 if first:
                     # The first boundary also sets every interval below it.

@@ -4,6 +4,7 @@ is reported, naming the field; the valid result and the real tuner's results pas
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from autotune.core.result_check import check_result
 from autotune.core.schemas import Spec, TuneResult
@@ -93,13 +95,11 @@ BROKEN: list[tuple[str, Callable[[Data], object], str]] = [
         lambda d: _trial(d, 1, micro_batch=10**6, accumulation_steps=1),
         "trials[1].micro_batch",
     ),
-    ("negative samples/s", lambda d: _rec(d, samples_per_s=-5.0), "recommendation.samples_per_s"),
     (
         "peak above capacity",
         lambda d: _rec(d, peak_bytes=CAPACITY + 1),
         "recommendation.peak_bytes",
     ),
-    ("negative peak", lambda d: _rec(d, peak_bytes=-1), "recommendation.peak_bytes"),
     ("no recommendation although trials completed", _no_recommendation, "recommendation"),
     ("no recommendation and nothing measured", _no_answer_at_all, "recommendation"),
     ("no recommendation and no reason", _no_recommendation, "infeasible"),
@@ -200,13 +200,6 @@ BROKEN: list[tuple[str, Callable[[Data], object], str]] = [
         lambda d: _trial(d, 0, state="oom"),
         "trials[0].samples_per_s",
     ),
-    (
-        "negative trial samples/s",
-        lambda d: _trial(d, 0, samples_per_s=-1.0),
-        "trials[0].samples_per_s",
-    ),
-    ("negative tokens/s", lambda d: _trial(d, 0, tokens_per_s=-1.0), "trials[0].tokens_per_s"),
-    ("zero step time", lambda d: _trial(d, 0, step_time_s=0.0), "trials[0].step_time_s"),
     (
         "samples/s that the step time does not give",
         lambda d: _trial(d, 0, step_time_s=1.0),
@@ -310,6 +303,33 @@ def test_each_broken_invariant_is_named(mutate: Callable[[Data], object], field:
     assert field in [v.field for v in violations], violations
 
 
+# Refused by the schema itself (`autotune.core.schemas.PositiveRate`, byte counts >= 0): no
+# result holding them can even be read.
+IMPOSSIBLE_NUMBERS: list[tuple[str, Callable[[Data], object], str]] = [
+    ("negative samples/s", lambda d: _rec(d, samples_per_s=-5.0), "recommendation.samples_per_s"),
+    ("negative peak", lambda d: _rec(d, peak_bytes=-1), "recommendation.peak_bytes"),
+    ("negative trial samples/s", lambda d: _trial(d, 0, samples_per_s=-1.0), "samples_per_s"),
+    ("negative tokens/s", lambda d: _trial(d, 0, tokens_per_s=-1.0), "trials.0.tokens_per_s"),
+    ("zero step time", lambda d: _trial(d, 0, step_time_s=0.0), "trials.0.step_time_s"),
+    ("negative timed steps", lambda d: _trial(d, 0, timed_steps=-99), "trials.0.timed_steps"),
+    ("negative spread", lambda d: _trial(d, 0, step_time_spread=-1.0), "step_time_spread"),
+    ("negative trial peak", lambda d: _trial(d, 0, peak_bytes=-5), "trials.0.peak_bytes"),
+]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [pytest.param(m, f, id=name) for name, m, f in IMPOSSIBLE_NUMBERS],
+)
+def test_impossible_numbers_are_refused_by_the_schema(
+    mutate: Callable[[Data], object], field: str
+) -> None:
+    data = _valid().model_dump(mode="json")
+    mutate(data)
+    with pytest.raises(ValidationError, match=re.escape(field)):
+        TuneResult.model_validate(data)
+
+
 def test_a_spec_without_target_is_answered_by_the_probe_alone() -> None:
     spec = Spec.model_validate({"model": {"preset": "gpt2-tiny"}, "training": {"seq_len": 64}})
     tuned = tune_result(spec, emulated_device())
@@ -386,7 +406,8 @@ class _NegativeClock(InProcessRunner):
 def test_the_tuner_raises_on_a_result_that_breaks_an_invariant(tmp_path: Path) -> None:
     spec = wide_spec(features=16, target_global_batch=8, max_micro_batch=8)
     session = _NegativeClock(spec, EmulatedDevice(6 * MIB))
-    with pytest.raises(AssertionError, match=r"tuner bug: .*samples_per_s"):
+    # Refused where the trial is made (a rate must be > 0), else by the tuner's own check.
+    with pytest.raises((AssertionError, ValidationError), match=r"samples_per_s"):
         tune_session(
             session,
             storage_url=f"sqlite:///{tmp_path / 'tune.db'}",

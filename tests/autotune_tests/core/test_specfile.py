@@ -92,7 +92,7 @@ def test_yaml_and_json_give_the_same_spec(tmp_path: Path) -> None:
             "training.weights: bf16 weights compute in bf16; set precision: bf16",
         ),
         ("- just\n- a list", "spec: expected a mapping"),
-        ("model: [unclosed", "not valid yaml"),
+        ("model: [unclosed", "not valid YAML"),
     ],
 )
 def test_invalid_specs_name_the_field(tmp_path: Path, text: str, message: str) -> None:
