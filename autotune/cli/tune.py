@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.syntax import Syntax
 from rich.table import Table
 
+from autotune.cli.export_text import add_export_arg, print_exports, print_one_export
 from autotune.cli.options import (
     Subcommands,
     add_device_args,
@@ -32,7 +34,13 @@ from autotune.cli.options import (
     positive_seconds,
 )
 from autotune.core.bytesize import format_bytes
-from autotune.core.defaults import ENV_DATABASE_URL, EXIT_FAILURE, EXIT_OK, server_database_url
+from autotune.core.defaults import (
+    DEFAULT_DATA_DIR,
+    ENV_DATABASE_URL,
+    EXIT_FAILURE,
+    EXIT_OK,
+    server_database_url,
+)
 from autotune.core.recorder import installed_recorders
 from autotune.core.schemas import Trial, TrialState, TuneResult
 from autotune.core.throughput import speed_label
@@ -96,8 +104,13 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     _record_locally(result, storage_url, err)
     if args.json:
         sys.stdout.write(tune_json(result) + "\n")
+    elif args.export is not None:
+        if result.exports is None:
+            print_tune_result(err, result)
+        else:
+            print_one_export(Console(), err, result.exports, args.export)
     else:
-        print_tune_result(Console(), result)
+        print_tune_result(Console(), result, loop_path=loop_path(result))
         if result.study_name is not None:
             err.print(
                 f"Optuna study [bold]{result.study_name}[/bold]: optuna-dashboard {storage_url}"
@@ -130,9 +143,20 @@ def _record_locally(result: TuneResult, storage_url: str, console: Console) -> N
         console.print(f"recorded as run {run_id} in {storage_url}")
 
 
-def print_tune_result(console: Console, result: TuneResult) -> None:
-    from autotune.core.exports import render_exports
+def loop_path(result: TuneResult, data_dir: Path = DEFAULT_DATA_DIR) -> Path:
+    """Where `tune` writes the plain PyTorch loop of its recommendation: in the data
+    directory, named after the model and the configuration (a rerun overwrites its own)."""
+    rec = result.recommendation
+    shape = "" if rec is None else f"-{rec.micro_batch}x{rec.accumulation_steps}"
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", result.spec.model.label)[:80]
+    return (data_dir / f"train_loop-{name}{shape}.py").resolve()
 
+
+def print_tune_result(
+    console: Console, result: TuneResult, *, loop_path: Path | None = None
+) -> None:
+    """The probe, the measured configurations, the recommendation and every export (verbatim;
+    the plain loop written to `loop_path` when given)."""
     probe = Table(title="Probe: largest micro-batch that fits")
     for column in ("checkpointing", "max", "within headroom", "when accumulating", "trials"):
         probe.add_column(column, justify="right")
@@ -182,15 +206,8 @@ def print_tune_result(console: Console, result: TuneResult) -> None:
         f"{rec.samples_per_s:,.1f} samples/s, peak {format_bytes(rec.peak_bytes)} of "
         f"{format_bytes(rec.capacity_bytes)}"
     )
-    if result.exports is None:
-        return
-    languages = {"hf": "python", "axolotl": "yaml", "deepspeed": "json", "lightning": "python"}
-    for name, text in render_exports(result.exports).items():
-        if name == "pytorch_loop":
-            console.print("[bold]plain PyTorch loop:[/bold] see --json exports.pytorch_loop")
-            continue
-        console.print(f"[bold]{name}[/bold]")
-        console.print(Syntax(text, languages.get(name, "text"), theme="ansi_dark"))
+    if result.exports is not None:
+        print_exports(console, result.exports, loop_path=loop_path)
 
 
 def register(commands: Subcommands) -> None:
@@ -201,7 +218,9 @@ def register(commands: Subcommands) -> None:
     tune.add_argument("spec", help="spec file (YAML or JSON) with training.target_global_batch")
     add_device_args(tune, estimate=True)
     add_trace_arg(tune)
-    tune.add_argument("--json", action="store_true", help="print one JSON object")
+    output = tune.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print one JSON object")
+    add_export_arg(output)
     tune.add_argument("--db", default=None, metavar="URL", help="database URL (Optuna + runs)")
     tune.add_argument("--trials", type=positive_int, default=None, help="measurement budget")
     tune.add_argument("--seed", type=int, default=0, help="sampler seed")
