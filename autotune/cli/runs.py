@@ -30,7 +30,7 @@ from autotune.cli.options import (
     positive_seconds,
 )
 from autotune.core.bytesize import format_bytes, parse_bytes
-from autotune.core.defaults import EXIT_FAILURE, EXIT_OK
+from autotune.core.defaults import EXIT_FAILURE, EXIT_OK, EXIT_TIMEOUT
 from autotune.core.errors import SpecError
 from autotune.core.presets import PRESETS
 from autotune.core.schemas import ModelSpec, Spec
@@ -110,6 +110,14 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         _print_run(out, run)
     if run is not None and run.status in (RunStatus.FAILED, RunStatus.CANCELLED):
         return EXIT_FAILURE
+    if args.wait and (run is None or not run.status.is_finished()):
+        status = run.status if run is not None else submitted.status
+        Console(stderr=True).print(
+            f"autotune submit: run {submitted.id} is still {status.value} after "
+            f"{args.timeout:g} s (--timeout): {args.server}{submitted.url}",
+            soft_wrap=True,
+        )
+        return EXIT_TIMEOUT
     return EXIT_OK
 
 

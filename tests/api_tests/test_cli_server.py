@@ -230,3 +230,14 @@ def test_serve_alone_answers_an_estimate_within_10_s(tmp_path: Path) -> None:
     while _processes_mentioning(str(data_dir)):
         assert time.monotonic() < deadline_s, _processes_mentioning(str(data_dir))
         time.sleep(0.1)
+
+
+def test_submit_wait_that_times_out_exits_124_with_the_run_s_state(
+    live_server: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = ["--server", live_server.url, "--token", CLIENT_TOKEN]
+    argv = ["submit", "gpt2-tiny", "--device", "cpu:4GiB", "--wait", "--timeout", "0.5"]
+    assert main([*argv, *common]) == 124  # as timeout(1): no worker took the run
+    assert "run 1 is still queued after 0.5 s (--timeout)" in capsys.readouterr().err
+    assert main([*argv, "--json", *common]) == 124
+    assert json.loads(capsys.readouterr().out)["status"] == "queued"
