@@ -42,6 +42,16 @@ def parse_spec(data: Any) -> Spec:
         raise SpecError(describe_validation_error(error)) from None
 
 
+def _syntax_error(error: json.JSONDecodeError | yaml.YAMLError) -> str:
+    """Where the file stops parsing (line and column, from 1) and why, on one line."""
+    if isinstance(error, json.JSONDecodeError):
+        return f"line {error.lineno}, column {error.colno}: {error.msg}"
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem_mark is not None:
+        mark = error.problem_mark
+        return f"line {mark.line + 1}, column {mark.column + 1}: {error.problem}"
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
 def load_spec(path: str | Path) -> Spec:
     """Read and validate a YAML or JSON spec file.
 
@@ -56,9 +66,8 @@ def load_spec(path: str | Path) -> Spec:
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as error:
-        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
         kind = path.suffix.lstrip(".") or "YAML"
-        raise SpecError(f"{path}: not valid {kind}: {first_line}") from None
+        raise SpecError(f"{path}: not valid {kind}: {_syntax_error(error)}") from None
     try:
         return parse_spec(data)
     except SpecError as error:
