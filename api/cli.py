@@ -84,6 +84,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         sys.stderr.write(f"autotune serve: {estimates_note}\n")
     if estimates is not None:
         estimates.start()
+    if args.port == 0:
+        sys.stderr.write(f"autotune serve: listening on {args.host}, on a port the system picks\n")
+    else:
+        address = estimate_worker.local_url(args.host, args.port)
+        sys.stderr.write(
+            f"autotune serve: listening on {address} (web pages at {address}/, "
+            f"API docs at {address}/docs)\n"
+        )
     sys.stderr.flush()
     try:
         _run_uvicorn(args, app, settings, url)
@@ -141,8 +149,15 @@ def _run_uvicorn(
 def register(commands: Subcommands) -> None:
     """`autotune serve`."""
     serve = commands.add_parser("serve", help="run the API server")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=port_number, default=8000)
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every "
+        "interface)",
+    )
+    serve.add_argument(
+        "--port", type=port_number, default=8000, help="port to listen on (default 8000)"
+    )
     serve.add_argument(
         "--db",
         default=None,

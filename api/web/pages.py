@@ -37,6 +37,7 @@ from api.web.run_plots import capacity_bytes, latest_attempts, memory_chart, thr
 from autotune.core.bytesize import format_bytes
 from autotune.core.errors import SpecError
 from autotune.core.exports import render_exports
+from autotune.core.exports.titles import EXPORT_TITLES
 from autotune.core.gpus.catalogue import GPUS
 from autotune.core.schemas import checkpointing_label
 from autotune.core.specfile import parse_spec_text
@@ -63,16 +64,6 @@ templates.env.filters["device_label"] = device_label
 templates.env.globals["checkpointing_label"] = checkpointing_label
 
 router = APIRouter(include_in_schema=False)
-
-EXPORT_NAMES = {
-    "hf": "Hugging Face TrainingArguments",
-    "axolotl": "Axolotl",
-    "deepspeed": "DeepSpeed",
-    "deepspeed_notes": "DeepSpeed: what the JSON cannot say",
-    "lightning": "Lightning",
-    "pytorch_loop": "Plain PyTorch loop",
-    "data_parallel": "Data parallel",
-}
 
 
 def _authorize(request: Request, role: Role) -> None:
@@ -258,7 +249,7 @@ def _run_context(context: AppContext, run: Run) -> dict[str, Any]:
         "attempt_count": len(latest_attempts(run)),
         "attempts": run.attempts,
         "trials": trials,
-        "exports": [(key, EXPORT_NAMES.get(key, key), text) for key, text in exports.items()],
+        "exports": [(key, EXPORT_TITLES.get(key, key), text) for key, text in exports.items()],
         "comparison": _comparison(context, run.id) if run.status.is_finished() else None,
         "finished": run.status.is_finished(),
         "poll_ms": POLL_MS,

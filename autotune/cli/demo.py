@@ -182,8 +182,8 @@ def _as_result(run: Run) -> TuneResult | None:
     )
 
 
-def _print_run(console: Console, run: Run, url: str) -> None:
-    from autotune.cli.tune import print_tune_result
+def _print_run(console: Console, run: Run, url: str, data_dir: Path) -> None:
+    from autotune.cli.tune import loop_path, print_tune_result
 
     result = _as_result(run)
     if run.status is RunStatus.SUCCEEDED and result is not None:
@@ -193,7 +193,7 @@ def _print_run(console: Console, run: Run, url: str) -> None:
             # A spec without a target global batch is probed, not tuned.
             print_probe_table(console, result.probe, headroom=run.spec.training.headroom)
         else:
-            print_tune_result(console, result)
+            print_tune_result(console, result, loop_path=loop_path(result, data_dir))
     else:
         console.print(f"[red]run {run.id} {run.status.value}[/red]: {run.error or ''}")
     console.print(f"[bold]Run URL:[/bold] {url}{run.url}")
@@ -291,7 +291,7 @@ def run_demo(argv: Sequence[str] | None = None) -> int:
         if submitted.cached:
             console.print("(an identical run finished before: its result answers at once)")
         run = submitted.run or _follow(client, submitted.id, worker, args.timeout)
-        _print_run(console, run, url)
+        _print_run(console, run, url, data_dir)
         if not stop:
             _wait_until_interrupted(server, console)
         return 0 if run.status is RunStatus.SUCCEEDED else 1

@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
@@ -47,6 +48,13 @@ from autotune.core.plugins import (
 from autotune.core.schemas import ProbeResult, StepOutcome
 
 Handler = Callable[[argparse.Namespace], int]
+
+DESCRIPTION = (
+    "autotune: the largest micro-batch that fits your GPU (with and without gradient "
+    "checkpointing) and the accumulation steps that hit your global batch at the best "
+    "samples/s, with settings to paste. Start with `autotune probe SPEC` or `autotune tune "
+    "SPEC`; `autotune COMMAND --help` for each command."
+)
 
 
 def progress_printer(console: Console) -> Callable[[bool, StepOutcome], None]:
@@ -128,7 +136,7 @@ def _cmd_step(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = CommandParser(prog="autotune", description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="autotune", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what happens")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
 
@@ -143,8 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     step = commands.add_parser("step", help="run one training step at one micro-batch")
     step.add_argument("spec", help="spec file (YAML or JSON)")
-    step.add_argument("--micro-batch", type=positive_int, required=True)
-    step.add_argument("--checkpointing", action="store_true")
+    step.add_argument(
+        "--micro-batch", type=positive_int, required=True, help="samples per forward/backward"
+    )
+    step.add_argument(
+        "--checkpointing", action="store_true", help="with gradient (activation) checkpointing"
+    )
     add_device_args(step)
     step.add_argument("--json", action="store_true", help="print one JSON object")
     step.set_defaults(func=_cmd_step, extra="probe")
@@ -187,6 +199,19 @@ def _add_unavailable_command(commands: Subcommands, plugin: Plugin, error: Excep
     placeholder.set_defaults(func=explain, extra=plugin.extra)
 
 
+# Libraries that speak up on every run about themselves, not about the user's run: torchao
+# (which transformers imports where it is installed) on its CUDA kernels missing on a CPU box,
+# torch's pytree on deprecated registrations. `-v` shows them.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def quiet_third_parties() -> None:
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    # transformers' deprecation notices (FutureWarning) on every config it builds.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers(\.|$)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -194,6 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    if not args.verbose:
+        quiet_third_parties()
     handler: Handler = args.func
     try:
         return handler(args)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NoReturn, TypeAlias
+from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 
 from autotune.core.bytesize import parse_bytes
 from autotune.core.defaults import DEFAULT_SERVER_URL, ENV_SERVER_URL, ENV_TOKEN, EXIT_USAGE
@@ -34,18 +35,37 @@ Subcommands: TypeAlias = "argparse._SubParsersAction[CommandParser]"
 
 
 class CommandParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (and still exit code 2)."""
+    """argparse, but a usage error is one line (and still exit code 2), and a value that
+    starts with a minus and a digit (`--memory -1GiB`) is a value, which its option's type
+    refuses by name, not an unknown option ("expected one argument")."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # argparse reads only plain negative numbers as values; no option of ours is "-<digit>".
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
+# No GPU has less: a smaller size is a unit forgotten (`--memory 1` would be one byte).
+MIN_MEMORY_BYTES = 2**20
+
+
 def memory_size(text: str) -> int:
-    """A memory size such as `2GiB`, `1500MiB` or a byte count (argparse type)."""
+    """A memory size such as `2GiB`, `1500MiB` or a byte count, of at least 1 MiB (argparse
+    type)."""
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"memory size must be positive: {text!r}")
     try:
-        return parse_bytes(text)
+        size_bytes = parse_bytes(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+    if size_bytes < MIN_MEMORY_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is {size_bytes} bytes, less than 1 MiB: give a unit (e.g. 1GiB, 1500MiB)"
+        )
+    return size_bytes
 
 
 def gpu_name(text: str) -> str:

@@ -3,7 +3,8 @@ over HTTP with only the core installed (no torch, no server package).
 
     autotune submit SPEC --server URL [--device cpu:4GiB | "cuda:NAME:80GiB" | --gpu NAME] [--wait]
     autotune runs list [--status S] [--model M] [--device D] --server URL
-    autotune runs show ID --server URL
+    autotune runs show ID [--export hf|axolotl|deepspeed|lightning|pytorch] --server URL
+    autotune runs cancel ID --server URL
 
 Registered through the `autotune.commands` entry points (`register_submit`, `register_runs`).
 Tokens: `--token` or AUTOTUNE_TOKEN; the server URL: `--server` or AUTOTUNE_SERVER.
@@ -21,6 +22,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from autotune.cli.export_text import add_export_arg, print_exports, print_one_export
 from autotune.cli.options import (
     Subcommands,
     add_server_args,
@@ -30,7 +32,7 @@ from autotune.cli.options import (
     positive_seconds,
 )
 from autotune.core.bytesize import format_bytes, parse_bytes
-from autotune.core.defaults import EXIT_FAILURE, EXIT_OK
+from autotune.core.defaults import EXIT_FAILURE, EXIT_OK, EXIT_TIMEOUT
 from autotune.core.errors import SpecError
 from autotune.core.presets import PRESETS
 from autotune.core.schemas import ModelSpec, Spec
@@ -110,6 +112,14 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         _print_run(out, run)
     if run is not None and run.status in (RunStatus.FAILED, RunStatus.CANCELLED):
         return EXIT_FAILURE
+    if args.wait and (run is None or not run.status.is_finished()):
+        status = run.status if run is not None else submitted.status
+        Console(stderr=True).print(
+            f"autotune submit: run {submitted.id} is still {status.value} after "
+            f"{args.timeout:g} s (--timeout): {args.server}{submitted.url}",
+            soft_wrap=True,
+        )
+        return EXIT_TIMEOUT
     return EXIT_OK
 
 
@@ -127,8 +137,10 @@ def _print_page(console: Console, page: RunPage) -> None:
     # Short columns never wrap; long labels (model, device) fold on narrow terminals.
     table.add_column("id", justify="right", no_wrap=True)
     table.add_column("status", no_wrap=True)
-    table.add_column("model", overflow="fold", min_width=5)
-    table.add_column("device", overflow="fold", min_width=5)
+    # Long labels are shortened with an ellipsis on narrow terminals, never folded over lines
+    # (`runs show ID` has them whole).
+    table.add_column("model", no_wrap=True, overflow="ellipsis", min_width=10)
+    table.add_column("device", no_wrap=True, overflow="ellipsis", min_width=10)
     table.add_column("created", no_wrap=True)
     table.add_column("micro x acc", no_wrap=True)
     table.add_column("samples/s", justify="right", no_wrap=True)
@@ -179,6 +191,8 @@ def _print_run(console: Console, run: Run) -> None:
     for name, value in rows:
         table.add_row(name, str(value))
     console.print(table)
+    if run.exports is not None:
+        print_exports(console, run.exports)
 
 
 def _cmd_runs_list(args: argparse.Namespace) -> int:
@@ -202,9 +216,26 @@ def _cmd_runs_show(args: argparse.Namespace) -> int:
         run = client.get_run(args.id)
     if args.json:
         sys.stdout.write(run.model_dump_json() + "\n")
+    elif args.export is not None:
+        if run.exports is None:
+            sys.stderr.write(
+                f"autotune runs show: run {run.id} ({run.status.value}) has no exports\n"
+            )
+            return EXIT_FAILURE
+        print_one_export(Console(), Console(stderr=True), run.exports, args.export)
     else:
         _print_run(Console(), run)
     return 0
+
+
+def _cmd_runs_cancel(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        run = client.cancel_run(args.id)
+    if args.json:
+        sys.stdout.write(run.model_dump_json() + "\n")
+    else:
+        Console().print(f"run {run.id}: {run.status.value}")
+    return EXIT_OK if run.status is RunStatus.CANCELLED else EXIT_FAILURE
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,7 +280,7 @@ def register_submit(commands: Subcommands) -> None:
 
 
 def register_runs(commands: Subcommands) -> None:
-    """`autotune runs list` and `autotune runs show`."""
+    """`autotune runs list`, `autotune runs show` and `autotune runs cancel`."""
     runs = commands.add_parser("runs", help="browse a server's runs")
     runs_commands = runs.add_subparsers(dest="runs_command", required=True)
     listing = runs_commands.add_parser("list", help="runs, newest first")
@@ -260,7 +291,14 @@ def register_runs(commands: Subcommands) -> None:
     listing.add_argument("--offset", type=non_negative_int, default=0)
     _add_client_args(listing)
     listing.set_defaults(func=_cmd_runs_list)
-    show = runs_commands.add_parser("show", help="one run in full")
+    show = runs_commands.add_parser("show", help="one run in full, with its exports")
     show.add_argument("id", type=positive_int)
-    _add_client_args(show)
+    add_server_args(show, token_help="a client token of the server")
+    output = show.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_export_arg(output)
     show.set_defaults(func=_cmd_runs_show)
+    cancel = runs_commands.add_parser("cancel", help="cancel a queued or running run")
+    cancel.add_argument("id", type=positive_int)
+    _add_client_args(cancel)
+    cancel.set_defaults(func=_cmd_runs_cancel)

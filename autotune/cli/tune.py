@@ -13,15 +13,18 @@ server package's, where the `api` extra is installed). Registered through the
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.syntax import Syntax
 from rich.table import Table
 
+from autotune.cli.export_text import add_export_arg, print_exports, print_one_export
 from autotune.cli.options import (
     Subcommands,
     add_device_args,
@@ -32,9 +35,16 @@ from autotune.cli.options import (
     positive_seconds,
 )
 from autotune.core.bytesize import format_bytes
-from autotune.core.defaults import ENV_DATABASE_URL, EXIT_FAILURE, EXIT_OK, server_database_url
+from autotune.core.candidates import indivisible_target
+from autotune.core.defaults import (
+    DEFAULT_DATA_DIR,
+    ENV_DATABASE_URL,
+    EXIT_FAILURE,
+    EXIT_OK,
+    server_database_url,
+)
 from autotune.core.recorder import installed_recorders
-from autotune.core.schemas import Trial, TrialState, TuneResult
+from autotune.core.schemas import Infeasible, Trial, TrialState, TuneResult
 from autotune.core.throughput import speed_label
 
 
@@ -71,13 +81,33 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.spec)
     target_global_batch = spec.training.required_target_global_batch()
+    indivisible = indivisible_target(target_global_batch, spec.training.world_size)
+    if indivisible is not None:
+        # Known before the model is built: no need to probe for it.
+        if args.json:
+            sys.stdout.write(
+                json.dumps(
+                    {"recommendation": None, "infeasible": indivisible.model_dump(mode="json")}
+                )
+                + "\n"
+            )
+        else:
+            print_infeasible(Console(), indivisible)
+        return EXIT_FAILURE
     from autotune.engine.emulation.gpu_speed import timed_on_its_gpu
 
     # On an emulated named GPU, samples/s are that GPU's (roofline), not this CPU's.
     runner = timed_on_its_gpu(open_runner(args, spec))
     info = runner.device_info
-    storage_url = args.db or default_database_url()
     err = Console(stderr=True)
+    # The default database and the plain loop of the human output go to ./data: say so.
+    if args.db is None or (args.export is None and not args.json):
+        err.print(
+            f"data directory: {DEFAULT_DATA_DIR.resolve()} (the Optuna study, the run's record"
+            " and the plain loop; --db URL or $" + ENV_DATABASE_URL + " for another database)",
+            soft_wrap=True,
+        )
+    storage_url = args.db or default_database_url()
     err.print(
         f"tuning [bold]{spec.model.label}[/bold] for global batch "
         f"{target_global_batch} on {info.name} "
@@ -96,11 +126,18 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     _record_locally(result, storage_url, err)
     if args.json:
         sys.stdout.write(tune_json(result) + "\n")
+    elif args.export is not None:
+        if result.exports is None:
+            print_tune_result(err, result)
+        else:
+            print_one_export(Console(), err, result.exports, args.export)
     else:
-        print_tune_result(Console(), result)
+        print_tune_result(Console(), result, loop_path=loop_path(result))
         if result.study_name is not None:
             err.print(
                 f"Optuna study [bold]{result.study_name}[/bold]: optuna-dashboard {storage_url}"
+                " (pip install optuna-dashboard)",
+                soft_wrap=True,
             )
     return EXIT_OK if result.recommendation is not None else EXIT_FAILURE
 
@@ -130,9 +167,20 @@ def _record_locally(result: TuneResult, storage_url: str, console: Console) -> N
         console.print(f"recorded as run {run_id} in {storage_url}")
 
 
-def print_tune_result(console: Console, result: TuneResult) -> None:
-    from autotune.core.exports import render_exports
+def loop_path(result: TuneResult, data_dir: Path = DEFAULT_DATA_DIR) -> Path:
+    """Where `tune` writes the plain PyTorch loop of its recommendation: in the data
+    directory, named after the model and the configuration (a rerun overwrites its own)."""
+    rec = result.recommendation
+    shape = "" if rec is None else f"-{rec.micro_batch}x{rec.accumulation_steps}"
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", result.spec.model.label)[:80]
+    return (data_dir / f"train_loop-{name}{shape}.py").resolve()
 
+
+def print_tune_result(
+    console: Console, result: TuneResult, *, loop_path: Path | None = None
+) -> None:
+    """The probe, the measured configurations (when any), the recommendation and every export
+    (verbatim; the plain loop written to `loop_path` when given)."""
     probe = Table(title="Probe: largest micro-batch that fits")
     for column in ("checkpointing", "max", "within headroom", "when accumulating", "trials"):
         probe.add_column(column, justify="right")
@@ -145,7 +193,32 @@ def print_tune_result(console: Console, result: TuneResult) -> None:
             str(len(mode.attempts)),
         )
     console.print(probe)
+    console.print(
+        "  within headroom: the largest micro-batch that leaves "
+        f"{result.spec.training.headroom:.0%} of the capacity free; when accumulating: the "
+        "same while the gradients of earlier micro-batches are kept (G >= 2), about one more "
+        "copy of the trainable parameters",
+        soft_wrap=True,
+    )
+    if result.trials:
+        print_trials(console, result)
+    rec = result.recommendation
+    if rec is None:
+        assert result.infeasible is not None
+        print_infeasible(console, result.infeasible)
+        return
+    console.print(
+        f"[bold green]Recommendation:[/bold green] micro-batch {rec.micro_batch} x "
+        f"{rec.accumulation_steps} accumulation steps x {rec.world_size} rank(s) = global batch "
+        f"{rec.global_batch}, checkpointing {rec.checkpointing_label}: "
+        f"{rec.samples_per_s:,.1f} samples/s, peak {format_bytes(rec.peak_bytes)} of "
+        f"{format_bytes(rec.capacity_bytes)}"
+    )
+    if result.exports is not None:
+        print_exports(console, result.exports, loop_path=loop_path)
 
+
+def print_trials(console: Console, result: TuneResult) -> None:
     trials = Table(title="Measured configurations")
     samples_per_s = f"samples/s ({speed_label(result.device)})"
     for column in ("micro-batch", "accumulation", "checkpointing", samples_per_s, "peak"):
@@ -160,37 +233,19 @@ def print_tune_result(console: Console, result: TuneResult) -> None:
         )
     console.print(trials)
 
-    rec = result.recommendation
-    if rec is None:
-        assert result.infeasible is not None
-        console.print(f"[red]No configuration hits the target:[/red] {result.infeasible.reason}")
-        nearest = [
-            f"{label} {value}"
-            for label, value in (
-                ("nearest below", result.infeasible.nearest_below),
-                ("nearest above", result.infeasible.nearest_above),
-            )
-            if value is not None
-        ]
-        if nearest:
-            console.print("Achievable global batches: " + ", ".join(nearest))
-        return
-    console.print(
-        f"[bold green]Recommendation:[/bold green] micro-batch {rec.micro_batch} x "
-        f"{rec.accumulation_steps} accumulation steps x {rec.world_size} rank(s) = global batch "
-        f"{rec.global_batch}, checkpointing {rec.checkpointing_label}: "
-        f"{rec.samples_per_s:,.1f} samples/s, peak {format_bytes(rec.peak_bytes)} of "
-        f"{format_bytes(rec.capacity_bytes)}"
-    )
-    if result.exports is None:
-        return
-    languages = {"hf": "python", "axolotl": "yaml", "deepspeed": "json", "lightning": "python"}
-    for name, text in render_exports(result.exports).items():
-        if name == "pytorch_loop":
-            console.print("[bold]plain PyTorch loop:[/bold] see --json exports.pytorch_loop")
-            continue
-        console.print(f"[bold]{name}[/bold]")
-        console.print(Syntax(text, languages.get(name, "text"), theme="ansi_dark"))
+
+def print_infeasible(console: Console, infeasible: Infeasible) -> None:
+    console.print(f"[red]No configuration hits the target:[/red] {infeasible.reason}")
+    nearest = [
+        f"{label} {value}"
+        for label, value in (
+            ("nearest below", infeasible.nearest_below),
+            ("nearest above", infeasible.nearest_above),
+        )
+        if value is not None
+    ]
+    if nearest:
+        console.print("Achievable global batches: " + ", ".join(nearest))
 
 
 def register(commands: Subcommands) -> None:
@@ -201,7 +256,9 @@ def register(commands: Subcommands) -> None:
     tune.add_argument("spec", help="spec file (YAML or JSON) with training.target_global_batch")
     add_device_args(tune, estimate=True)
     add_trace_arg(tune)
-    tune.add_argument("--json", action="store_true", help="print one JSON object")
+    output = tune.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print one JSON object")
+    add_export_arg(output)
     tune.add_argument("--db", default=None, metavar="URL", help="database URL (Optuna + runs)")
     tune.add_argument("--trials", type=positive_int, default=None, help="measurement budget")
     tune.add_argument("--seed", type=int, default=0, help="sampler seed")

@@ -65,6 +65,21 @@ def enumerate_candidates(
     return candidates
 
 
+def indivisible_target(target_global_batch: int, world_size: int) -> Infeasible | None:
+    """The one reason known before anything runs: a target that is no multiple of the ranks,
+    which no micro-batch reaches (the nearest multiples do, once a micro-batch of 1 fits)."""
+    _check_arguments(target_global_batch, world_size)
+    if target_global_batch % world_size == 0:
+        return None
+    below = target_global_batch // world_size * world_size
+    return Infeasible(
+        reason=f"target global batch {target_global_batch} is not divisible by world size "
+        f"{world_size}: every rank must take the same number of samples",
+        nearest_below=below or None,
+        nearest_above=below + world_size,
+    )
+
+
 def explain_infeasible(
     target_global_batch: int, world_size: int, max_micro_batch: Mapping[bool, int]
 ) -> Infeasible:
@@ -92,11 +107,9 @@ def explain_infeasible(
     nearest_below = max(below)
     nearest_above = min(above)
 
-    if target_global_batch % world_size:
-        reason = (
-            f"target global batch {target_global_batch} is not divisible by world size "
-            f"{world_size}: every rank must take the same number of samples"
-        )
+    indivisible = indivisible_target(target_global_batch, world_size)
+    if indivisible is not None:
+        reason = indivisible.reason
     else:
         per_rank_samples = target_global_batch // world_size
         reason = (

@@ -25,6 +25,8 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 # The command line is wrong: the user must change it (bad option, bad spec, missing extra).
 EXIT_USAGE = 2
+# A wait ran out before what it waited for finished (as timeout(1) exits).
+EXIT_TIMEOUT = 124
 EXIT_INTERRUPTED = 130
 
 

@@ -41,6 +41,16 @@ _CLOSES = (yaml.MappingEndEvent, yaml.SequenceEndEvent)
 _LOADER: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
+def _syntax_error(error: json.JSONDecodeError | yaml.YAMLError) -> str:
+    """Where the file stops parsing (line and column, from 1) and why, on one line."""
+    if isinstance(error, json.JSONDecodeError):
+        return f"line {error.lineno}, column {error.colno}: {error.msg}"
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem_mark is not None:
+        mark = error.problem_mark
+        return f"line {mark.line + 1}, column {mark.column + 1}: {error.problem}"
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
 def parse_spec_text(text: str, *, source: str = "spec") -> Any:
     """The data of YAML (or JSON, which is YAML) spec text, within the limits above.
 
@@ -67,8 +77,7 @@ def parse_spec_text(text: str, *, source: str = "spec") -> Any:
                 depth -= 1
         return yaml.load(text, Loader=_LOADER)  # noqa: S506 (a safe loader)
     except yaml.YAMLError as error:
-        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise SpecError(f"{source}: not valid YAML: {first_line}") from None
+        raise SpecError(f"{source}: not valid YAML: {_syntax_error(error)}") from None
     except ValueError as error:  # an integer of more digits than Python converts (4,300)
         raise SpecError(f"{source}: {error}") from None
 
@@ -101,7 +110,9 @@ def load_spec(path: str | Path) -> Spec:
     if path.suffix == ".json":
         try:
             data = json.loads(text)
-        except (json.JSONDecodeError, RecursionError, ValueError) as error:
+        except json.JSONDecodeError as error:
+            raise SpecError(f"{path}: not valid json: {_syntax_error(error)}") from None
+        except (RecursionError, ValueError) as error:
             first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise SpecError(f"{path}: not valid json: {first_line}") from None
     else:

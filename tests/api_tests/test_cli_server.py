@@ -16,10 +16,18 @@ import pytest
 from autotune.cli.main import main
 from autotune.cli.runs import parse_device
 from autotune.core.errors import SpecError
+from autotune.core.exports import render_exports
 from autotune.core.schemas import DeviceKind, Spec
 from autotune.remote.client import ServerClient
 from autotune.remote.protocol import CudaTarget, EmulatedTarget, EstimateTarget, RunStatus
-from tests.api_tests.factories import GIB, emulated_device, tiny_spec, tune_result
+from tests.api_tests.factories import (
+    GIB,
+    emulated,
+    emulated_device,
+    finished_run,
+    tiny_spec,
+    tune_result,
+)
 from tests.conftest import CLIENT_TOKEN, WORKER_TOKEN, LiveServer, free_port, wait_for_health
 
 pytestmark = pytest.mark.slow
@@ -133,6 +141,7 @@ def test_serve_generates_and_prints_tokens(tmp_path: Path) -> None:
     url, process = _serve(tmp_path)
     try:
         output = (tmp_path / "serve.log").read_text()
+        assert f"autotune serve: listening on {url} (web pages at {url}/" in output
         tokens = dict(re.findall(r"generated (client|worker) token: (\S+)", output))
         assert set(tokens) == {"client", "worker"}
         assert httpx2.get(f"{url}/api/v1/runs").status_code == 401
@@ -268,3 +277,50 @@ def test_serve_restarts_its_estimate_worker_and_health_reports_it(tmp_path: Path
         process.terminate()
         process.wait(timeout=30)
     assert "the estimate worker stopped (killed by SIGKILL" in (tmp_path / "serve.log").read_text()
+
+
+def test_submit_wait_that_times_out_exits_124_with_the_run_s_state(
+    live_server: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = ["--server", live_server.url, "--token", CLIENT_TOKEN]
+    argv = ["submit", "gpt2-tiny", "--device", "cpu:4GiB", "--wait", "--timeout", "0.5"]
+    assert main([*argv, *common]) == 124  # as timeout(1): no worker took the run
+    assert "run 1 is still queued after 0.5 s (--timeout)" in capsys.readouterr().err
+    assert main([*argv, "--json", *common]) == 124
+    assert json.loads(capsys.readouterr().out)["status"] == "queued"
+
+
+def test_runs_show_prints_the_exports_and_runs_cancel_cancels(
+    live_server: LiveServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "60")
+    common = ["--server", live_server.url, "--token", CLIENT_TOKEN]
+    with ServerClient(live_server.url, token=CLIENT_TOKEN) as user:
+        with ServerClient(live_server.url, token=WORKER_TOKEN) as worker:
+            run_id = finished_run(user, worker)
+        exports = user.get_run(run_id).exports
+        assert exports is not None
+        long_name = "an-organisation/a-model-with-a-rather-long-name-v2"
+        queued = user.submit_run(
+            Spec.model_validate({"model": {"hf_id": long_name}, "training": {"seq_len": 64}}),
+            emulated(),
+        ).id
+    texts = render_exports(exports)
+
+    assert main(["runs", "show", str(run_id), *common]) == 0
+    shown = capsys.readouterr().out.splitlines()
+    for line in texts["axolotl"].splitlines():
+        assert line in shown  # whole, at 60 columns
+    assert main(["runs", "show", str(run_id), "--export", "hf", *common]) == 0
+    assert capsys.readouterr().out == texts["hf"].rstrip("\n") + "\n"
+
+    assert main(["runs", "list", *common]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "│" in line]
+    # One line per run: the long model name is shortened, never folded onto a second line.
+    assert sum("an-organisa" in row for row in rows) == 1
+    assert not any("-v2" in row for row in rows)
+
+    assert main(["runs", "cancel", str(queued), *common]) == 0
+    assert f"run {queued}: cancelled" in capsys.readouterr().out
+    assert main(["runs", "cancel", str(run_id), *common]) == 1  # finished: nothing to cancel
+    assert "409" in capsys.readouterr().err

@@ -117,6 +117,10 @@ def test_step_json_agrees_with_probe(
     [
         (["probe", "{spec}", "--device", "cpu"], "--memory: required"),
         (["probe", "{spec}", "--device", "cpu", "--memory", "lots"], "not a memory size"),
+        # A forgotten unit is a byte count no GPU has, not a 1-byte GPU.
+        (["probe", "{spec}", "--device", "cpu", "--memory", "1"], "less than 1 MiB: give a unit"),
+        # A negative size is refused by name, not argparse's "expected one argument".
+        (["probe", "{spec}", "--device", "cpu", "--memory", "-1GiB"], "must be positive"),
         (["probe", "{spec}", "--device", "cuda"], "CUDA is not available"),
         (["probe", "{missing}", "--device", "cpu", "--memory", "1GiB"], "cannot read spec file"),
         (["probe", "{bad}", "--device", "cpu", "--memory", "1GiB"], "training.precision"),
@@ -241,3 +245,30 @@ def test_the_allocator_settings_of_the_environment_are_the_emulated_gpu_s(
     assert code == 2
     (line,) = stderr.strip().splitlines()
     assert "PYTORCH_CUDA_ALLOC_CONF" in line and "expandable_segments" in line
+
+
+def test_help_opens_with_what_autotune_does_and_every_option_has_help(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert "largest micro-batch that fits your GPU" in text
+    assert "entry point" not in text  # the module's docstring is for developers
+    with pytest.raises(SystemExit):
+        main(["step", "--help"])
+    step_help = " ".join(capsys.readouterr().out.split())
+    assert "--micro-batch MICRO_BATCH samples per forward/backward" in step_help
+    assert "--checkpointing with gradient (activation) checkpointing" in step_help
+
+
+def test_an_hf_config_run_prints_no_library_noise(tmp_path: Path) -> None:
+    """transformers imports torchao where it is installed, which logs its missing CUDA
+    kernels on every run, as torch's pytree does its deprecations: not the user's business."""
+    spec = Path(__file__).resolve().parents[3] / "examples" / "llama-hf-config.yaml"
+    done = autotune(
+        "step", str(spec), "--micro-batch", "1", "--device", "cpu", "--memory", "1GiB", "--json"
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["fits"] is True
+    assert done.stderr == "", done.stderr

@@ -134,3 +134,14 @@ def test_the_readme_s_fine_tuning_specs_are_valid() -> None:
             }
         )
         assert spec.training.model_dump(exclude_unset=True).keys() >= training.keys()
+
+
+def test_a_syntax_error_names_its_line_and_column(tmp_path: Path) -> None:
+    path = tmp_path / "spec.yaml"
+    path.write_text("model:\n  preset: mlp\ntraining: {seq_len: 64\n")
+    with pytest.raises(SpecError, match=r"spec.yaml: not valid yaml: line 4, column 1: "):
+        load_spec(path)
+    path = tmp_path / "spec.json"
+    path.write_text('{"model": {"preset": "mlp"},\n "training": }')
+    with pytest.raises(SpecError, match=r"spec.json: not valid json: line 2, column 14: "):
+        load_spec(path)

@@ -1,0 +1,60 @@
+"""What `autotune tune` prints (autotune/cli/tune.py): the tables explained, no empty table,
+an indivisible target answered before any trial, where it keeps its files."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from autotune.cli.main import main
+from autotune.cli.tune import print_tune_result
+from autotune.core.schemas import Infeasible
+from tests.api_tests.factories import emulated_device, tiny_spec, tune_result
+
+
+def printed(result: object) -> str:
+    out = io.StringIO()
+    print_tune_result(Console(file=out, width=100), result)  # type: ignore[arg-type]
+    return " ".join(out.getvalue().split())
+
+
+def test_the_probe_table_s_columns_are_explained() -> None:
+    text = printed(tune_result(tiny_spec(), emulated_device()))
+    assert "within headroom: the largest micro-batch that leaves 5% of the capacity free" in text
+    assert "when accumulating: the same while the gradients of earlier micro-batches" in text
+    assert "Measured configurations" in text
+
+
+def test_no_empty_table_of_measured_configurations() -> None:
+    result = tune_result(tiny_spec(), emulated_device()).model_copy(
+        update={
+            "trials": [],
+            "recommendation": None,
+            "exports": None,
+            "infeasible": Infeasible(reason="not even a micro-batch of 1 fits"),
+        }
+    )
+    text = printed(result)
+    assert "Measured configurations" not in text
+    assert "No configuration hits the target: not even a micro-batch of 1 fits" in text
+
+
+def test_an_indivisible_target_is_answered_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        "model: {preset: gpt2-tiny}\ntraining: {seq_len: 32, world_size: 2, "
+        "target_global_batch: 7}\n"
+    )
+    argv = ["tune", str(spec), "--device", "cpu", "--memory", "1GiB"]
+    assert main([*argv, "--db", f"sqlite:///{tmp_path / 'runs.db'}"]) == 1
+    captured = capsys.readouterr()
+    out = " ".join(captured.out.split())
+    assert "not divisible by world size 2" in out
+    assert "nearest below 6, nearest above 8" in out
+    assert "micro-batch" not in captured.err  # no probe ran
+    assert not (tmp_path / "runs.db").exists()
