@@ -23,6 +23,7 @@ from autotune.core.memory.allocator_config import (
     AllocatorConfigError,
     config_from_environ,
 )
+from autotune.core.parallel.topology import box_problem
 
 if TYPE_CHECKING:
     from autotune.core.schemas import Spec
@@ -198,6 +199,9 @@ def open_runner(args: argparse.Namespace, spec: Spec) -> TrialRunner:
     from autotune.engine.runner import InProcessRunner
 
     world_size = spec.training.world_size
+    named = getattr(args, "estimate", None) or getattr(args, "gpu", None)
+    if named is not None and (problem := box_problem(spec.training, find_gpu(named))):
+        raise SpecError(problem)
     if getattr(args, "estimate", None) is None:
         return InProcessRunner(spec, open_device(args, world_size=world_size))
     if args.device not in (None, "cpu"):

@@ -27,6 +27,12 @@ TRANSFORMERS_VERSION_MAX = 64
 PositiveRate = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 DEVICE_NAME_MAX = 200  # autotune_runs.target_name
 _MODEL_TYPE_MAX = MODEL_LABEL_MAX - len("hf:")
+# Topology bounds: far beyond any job, and small enough that world_size stays a small integer.
+MAX_NODES = 100_000
+MAX_GPUS_PER_NODE = 1024
+DEFAULT_INTER_NODE_GBPS = 400.0
+# The topology fields a one-node spec leaves out of its identity (`Spec.identity`).
+_TOPOLOGY_FIELDS = ("nodes", "gpus_per_node", "inter_node_gbps")
 
 
 class FrozenModel(BaseModel):
@@ -231,7 +237,33 @@ class TrainingSpec(FrozenModel):
         "batch size; needs seq_len, and sets target_global_batch = tokens / seq_len (packed "
         "sequences: every sample holds seq_len tokens).",
     )
-    world_size: int = Field(default=1, ge=1, description="Data-parallel ranks.")
+    world_size: int = Field(
+        default=1,
+        ge=1,
+        description="Data-parallel ranks, one per GPU: nodes x gpus_per_node. Given alone, "
+        "that many GPUs of one node (hybrid sharding alone: one node per shard group).",
+    )
+    nodes: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_NODES,
+        description="Machines the ranks span; None: one (hybrid sharding: world_size / "
+        "shard_group_size, a node per shard group).",
+    )
+    gpus_per_node: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_GPUS_PER_NODE,
+        description="GPUs (ranks) on each node; world_size = nodes x gpus_per_node.",
+    )
+    inter_node_gbps: float = Field(
+        default=DEFAULT_INTER_NODE_GBPS,
+        gt=0,
+        le=100_000,
+        description="Network bandwidth out of each node, in Gb/s, for communication between "
+        "nodes (default 400: one 400 Gb/s NIC per node, e.g. one InfiniBand NDR port); "
+        "read only when the ranks span several nodes.",
+    )
     sharding: Sharding = Field(
         default=Sharding.NONE,
         description="none (DDP) | zero1 | zero2 | zero3 (= FSDP full shard) | hybrid (full "
@@ -249,6 +281,29 @@ class TrainingSpec(FrozenModel):
 
     @model_validator(mode="before")
     @classmethod
+    def _world_from_topology(cls, data: Any) -> Any:
+        """nodes x gpus_per_node sets world_size (a world_size given as well must agree, which
+        `_check_topology` says); nodes with world_size alone set gpus_per_node when they divide
+        it; a hybrid spec given as nodes x gpus_per_node shards within each node unless it
+        says otherwise."""
+        if not isinstance(data, dict):
+            return data
+        nodes, per_node = data.get("nodes"), data.get("gpus_per_node")
+        world = data.get("world_size")
+        update: dict[str, Any] = {}
+        if type(per_node) is int and world is None and (nodes is None or type(nodes) is int):
+            update["world_size"] = (nodes or 1) * per_node
+        elif per_node is None and type(nodes) is int and type(world) is int and nodes > 0:
+            if world % nodes == 0 and world >= nodes:
+                update["gpus_per_node"] = world // nodes
+        hybrid = data.get("sharding") in (Sharding.HYBRID, Sharding.HYBRID.value)
+        given_per_node = update.get("gpus_per_node", per_node)
+        if hybrid and data.get("shard_group_size") is None and type(given_per_node) is int:
+            update["shard_group_size"] = given_per_node
+        return {**data, **update} if update else data
+
+    @model_validator(mode="before")
+    @classmethod
     def _samples_from_tokens(cls, data: Any) -> Any:
         """A token target is stored with the sample target it stands for, so that everything
         downstream (candidates, checks, exports) reads one `target_global_batch`; `_shape`
@@ -262,6 +317,7 @@ class TrainingSpec(FrozenModel):
 
     @model_validator(mode="after")
     def _shape(self) -> TrainingSpec:
+        self._check_topology()
         self._check_sharding()
         if self.weights is WeightsDtype.BF16 and self.precision is not Precision.BF16:
             raise ValueError(
@@ -277,6 +333,48 @@ class TrainingSpec(FrozenModel):
         ):
             raise ValueError("input_shape: every dimension must be >= 1")
         return self
+
+    @property
+    def node_count(self) -> int:
+        """Nodes the ranks span: `nodes`, else one, or for hybrid sharding one node per shard
+        group (the way hybrid specs said it before `nodes` existed)."""
+        if self.nodes is not None:
+            return self.nodes
+        if self.sharding is Sharding.HYBRID and self.shard_group_size is not None:
+            return self.world_size // self.shard_group_size
+        return 1
+
+    @property
+    def ranks_per_node(self) -> int:
+        """GPUs (ranks) on each node."""
+        return self.world_size // self.node_count
+
+    def _check_topology(self) -> None:
+        nodes, per_node = self.nodes, self.gpus_per_node
+        if nodes is not None and per_node is None and nodes > 1:
+            raise ValueError(
+                f"training.gpus_per_node: needed with nodes {nodes} (world_size "
+                f"{self.world_size} is not nodes x a whole number of GPUs)"
+            )
+        if per_node is not None and (nodes or 1) * per_node != self.world_size:
+            raise ValueError(
+                f"training.world_size: {self.world_size}, but nodes x gpus_per_node is "
+                f"{nodes or 1} x {per_node} = {(nodes or 1) * per_node}; give one of the two"
+            )
+        said = self.nodes is not None or self.shard_group_size is not None
+        if self.sharding is Sharding.HYBRID and said and self.node_count < 2:
+            raise ValueError(
+                "training.sharding: hybrid shards within a node and replicates across nodes; "
+                "on one node it is zero3 (set nodes and gpus_per_node, or use zero3)"
+            )
+        group = self.shard_group_size
+        if self.sharding is Sharding.HYBRID and group is not None and self.nodes is not None:
+            per_node = self.ranks_per_node
+            if self.world_size % group == 0 and per_node % group and group % per_node:
+                raise ValueError(
+                    f"training.shard_group_size: {group} neither divides nor is a multiple of "
+                    f"gpus_per_node {per_node}: a shard group would straddle nodes unevenly"
+                )
 
     def _check_sharding(self) -> None:
         if self.sharding is not Sharding.NONE and self.world_size < 2:
@@ -337,6 +435,22 @@ class Spec(FrozenModel):
 
     model: ModelSpec
     training: TrainingSpec = TrainingSpec()
+
+    def identity(self) -> dict[str, Any]:
+        """The spec as a fingerprint reads it (JSON, defaults filled in), without the topology
+        fields a spec written before they existed could not hold: on one node all of them
+        (`world_size` says it all: `nodes: 1, gpus_per_node: 8` and `world_size: 8` are one
+        spec), else those left unset, and the default network of a hybrid spec that gives no
+        nodes. So stored specs keep their fingerprints, and their cached results answer."""
+        dumped = self.model_dump(mode="json")
+        training, fields = self.training, dumped["training"]
+        for name in _TOPOLOGY_FIELDS:
+            if training.node_count == 1 or fields[name] is None:
+                fields.pop(name)
+        default_network = training.inter_node_gbps == DEFAULT_INTER_NODE_GBPS
+        if training.nodes is None and default_network:
+            fields.pop("inter_node_gbps", None)
+        return dumped
 
     @model_validator(mode="after")
     def _inputs_match_model(self) -> Spec:

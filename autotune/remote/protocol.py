@@ -36,6 +36,7 @@ from autotune.core.memory.allocator_config import (
     canonical_conf,
     parse_alloc_conf,
 )
+from autotune.core.parallel.topology import box_problem
 from autotune.core.schemas import (
     ALLOCATOR_CONF_MAX,
     DEVICE_NAME_MAX,
@@ -277,7 +278,7 @@ def fingerprint(spec: Spec, target: AnyTarget, autotune_version: str) -> str:
     """
     canonical = json.dumps(
         {
-            "spec": spec.model_dump(mode="json"),
+            "spec": spec.identity(),
             "device": target.identity(),
             "autotune": autotune_version,
         },
@@ -349,6 +350,13 @@ class RunCreate(_Storable):
 
     spec: Spec
     device: DeviceTarget
+
+    @model_validator(mode="after")
+    def _node_is_a_real_box(self) -> RunCreate:
+        gpu = getattr(self.device, "gpu", None)
+        if gpu is not None and (problem := box_problem(self.spec.training, find_gpu(gpu))):
+            raise ValueError(f"spec.{problem}")
+        return self
 
 
 class AttemptRecord(FrozenModel):

@@ -412,3 +412,34 @@ def test_openapi_documents_every_route(http: TestClient) -> None:
     }
     submit = paths["/api/v1/runs"]["post"]["responses"]
     assert {"200", "202", "401", "403", "422"} <= set(submit)
+
+
+@pytest.mark.parametrize(
+    ("training", "device", "field"),
+    [
+        ({"world_size": 16}, {"kind": "estimate", "gpu": "H100 80GB"}, "training.world_size"),
+        (
+            {"nodes": 2, "gpus_per_node": 12},
+            {"kind": "emulated", "gpu": "RTX 4090"},
+            "training.gpus_per_node",
+        ),
+        (
+            {"nodes": 1, "gpus_per_node": 8, "sharding": "hybrid", "shard_group_size": 4},
+            {"kind": "estimate", "gpu": "H100 80GB"},
+            "training.sharding",
+        ),
+        (
+            {"nodes": 2, "gpus_per_node": 8, "sharding": "hybrid", "shard_group_size": 3},
+            {"kind": "estimate", "gpu": "H100 80GB"},
+            "training.shard_group_size",
+        ),
+    ],
+)
+def test_a_topology_no_box_holds_is_422_naming_the_field(
+    http: TestClient, training: dict[str, object], device: dict[str, object], field: str
+) -> None:
+    body = {"spec": {"model": {"preset": "gpt2-tiny"}, "training": training}, "device": device}
+    response = http.post("/api/v1/runs", json=body, headers=AUTH)
+    assert response.status_code == 422
+    (problem,) = response.json()["detail"]
+    assert field in problem["msg"]

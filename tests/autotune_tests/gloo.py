@@ -23,7 +23,17 @@ def run_gloo_rank(rank: int, body: Callable[..., None], workdir: str, *args: Any
 
     The body's locals (and with them every object holding the group) are gone when it returns.
     """
-    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=2)
+    run_gloo_ranks(rank, 2, body, workdir, *args)
+
+
+def run_gloo_ranks(
+    rank: int, world_size: int, body: Callable[..., None], workdir: str, *args: Any
+) -> None:
+    """`run_gloo_rank` for `world_size` ranks: `torch.multiprocessing.spawn(run_gloo_ranks,
+    args=(world_size, body, workdir, ...), nprocs=world_size)`."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world_size
+    )
     try:
         body(rank, workdir, *args)
         gc.collect()  # FSDP and DDP modules sit in reference cycles

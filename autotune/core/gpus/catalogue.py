@@ -1,5 +1,6 @@
 """The catalogue of named GPUs: memory as CUDA reports it on the card, compute capability,
-memory bandwidth and dense peak throughput per dtype, each figure with its source.
+memory bandwidth, dense peak throughput per dtype, the link between GPUs of one node and the
+most GPUs a real box holds, each figure with its source.
 
 Torch-free: the API validates GPU names against it, the emulated device takes its capacity from
 it (with `autotune.core.gpus.cuda_reserve`), and a roofline estimate can take its peaks from it.
@@ -19,6 +20,28 @@ _TERA = 10**12
 _GIGA = 10**9
 
 Interconnect = Literal["nvlink", "pcie"]
+
+
+@dataclass(frozen=True)
+class IntraNodeLink:
+    """How one GPU reaches the other GPUs of its node: NVLink (through NVSwitch on the 8- and
+    16-GPU boards) or PCIe. `bandwidth_bytes_per_s` is the datasheet's per-GPU figure, both
+    directions together, as NVIDIA prints it; a collective's bus bandwidth is per direction
+    (`autotune.core.parallel.topology` halves it)."""
+
+    kind: Interconnect
+    generation: str  # "NVLink 4" or "PCIe 4.0 x16"
+    bandwidth_bytes_per_s: float
+    source: str
+
+
+@dataclass(frozen=True)
+class LargestBox:
+    """The most GPUs of this card one real server holds (`training.gpus_per_node` above it is
+    refused), and the server that holds them."""
+
+    gpus: int
+    source: str
 
 
 @dataclass(frozen=True)
@@ -54,8 +77,13 @@ class Gpu:
     sm_count: int
     memory_bandwidth_bytes_per_s: float
     peak: PeakFlops
-    interconnect: Interconnect
+    link: IntraNodeLink
+    largest_box: LargestBox
     datasheet: str
+
+    @property
+    def interconnect(self) -> Interconnect:
+        return self.link.kind
 
     @property
     def generation(self) -> str:
@@ -90,6 +118,33 @@ _A100_DATASHEET = (
     "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"
 )
 
+
+def _nvlink(generation: int, gb_per_s: float, source: str) -> IntraNodeLink:
+    return IntraNodeLink("nvlink", f"NVLink {generation}", gb_per_s * _GIGA, source)
+
+
+def _pcie(generation: str, gb_per_s: float, source: str) -> IntraNodeLink:
+    return IntraNodeLink("pcie", f"PCIe {generation} x16", gb_per_s * _GIGA, source)
+
+
+def _box(gpus: int, source: str) -> LargestBox:
+    return LargestBox(gpus, source)
+
+
+_V100_LINK = _nvlink(2, 300, "NVIDIA V100 datasheet, SXM2 column: NVLink 300 GB/s")
+_A100_LINK = _nvlink(3, 600, "NVIDIA A100 datasheet, SXM column: NVLink 600 GB/s")
+_A100_BOX = _box(
+    16, "NVIDIA A100 datasheet, server options: HGX A100 with 4, 8 or 16 GPUs, DGX A100 with 8"
+)
+# Supermicro SYS-322GB-NR, a 3U PCIe server: 18 single-slot or 10 dual-slot GPUs (The Register,
+# 'Supermicro crams 18 GPUs into a 3U box', October 2024, naming the L4 and the L40S for it).
+_SINGLE_SLOT_BOX = _box(
+    18, "Supermicro SYS-322GB-NR: 18 single-slot PCIe GPUs (The Register, October 2024)"
+)
+_DUAL_SLOT_BOX = _box(
+    10, "Supermicro SYS-322GB-NR: 10 dual-slot PCIe GPUs (The Register, October 2024)"
+)
+
 GPUS: tuple[Gpu, ...] = (
     Gpu(
         name="T4",
@@ -104,7 +159,12 @@ GPUS: tuple[Gpu, ...] = (
         sm_count=40,
         memory_bandwidth_bytes_per_s=320 * _GIGA,
         peak=PeakFlops(8.1 * _TERA, None, None, 65 * _TERA),
-        interconnect="pcie",
+        link=_pcie("3.0", 32, "T4 datasheet: PCIe Gen3 x16, interconnect bandwidth 32 GB/s"),
+        largest_box=_box(
+            20,
+            "Supermicro's 20-slot PCIe 3.0 x16 T4 server shown at SC18 (AnandTech, 'Scaling "
+            "Inference with NVIDIA's T4: A Supermicro Solution with 320 PCIe Lanes')",
+        ),
         datasheet="NVIDIA T4 datasheet: nvidia.com/content/dam/en-zz/Solutions/Data-Center/"
         "tesla-t4/t4-tensor-core-datasheet-951643.pdf",
     ),
@@ -120,7 +180,11 @@ GPUS: tuple[Gpu, ...] = (
         sm_count=80,
         memory_bandwidth_bytes_per_s=900 * _GIGA,
         peak=_V100_PEAK,
-        interconnect="nvlink",
+        link=_V100_LINK,
+        largest_box=_box(
+            8,
+            "NVIDIA DGX-1 with V100: 8 SXM2 GPUs (the 16-GPU DGX-2 shipped 32 GB cards)",
+        ),
         datasheet=_V100_DATASHEET,
     ),
     Gpu(
@@ -136,7 +200,8 @@ GPUS: tuple[Gpu, ...] = (
         sm_count=80,
         memory_bandwidth_bytes_per_s=900 * _GIGA,
         peak=_V100_PEAK,
-        interconnect="nvlink",
+        link=_V100_LINK,
+        largest_box=_box(16, "NVIDIA DGX-2 datasheet: 16 V100 32GB on NVSwitch"),
         datasheet=_V100_DATASHEET,
     ),
     Gpu(
@@ -151,7 +216,12 @@ GPUS: tuple[Gpu, ...] = (
         sm_count=80,
         memory_bandwidth_bytes_per_s=600 * _GIGA,
         peak=PeakFlops(35 * _TERA, 35 * _TERA, 70 * _TERA, 70 * _TERA),
-        interconnect="pcie",
+        link=_pcie(
+            "4.0",
+            64,
+            "NVIDIA A10 datasheet (the A10G is its AWS variant): PCIe Gen4 64 GB/s, no NVLink",
+        ),
+        largest_box=_box(8, "AWS EC2 G5 instance types: g5.48xlarge has 8 A10G"),
         datasheet="no NVIDIA datasheet (an AWS-only part): Baseten, 'NVIDIA A10 vs A10G for ML "
         "model inference' (baseten.co/blog/nvidia-a10-vs-a10g-for-ml-model-inference); the "
         "tensor figures are the least certain of the catalogue",
@@ -168,7 +238,8 @@ GPUS: tuple[Gpu, ...] = (
         sm_count=58,
         memory_bandwidth_bytes_per_s=300 * _GIGA,
         peak=PeakFlops(30.3 * _TERA, 60 * _TERA, 121 * _TERA, 121 * _TERA),
-        interconnect="pcie",
+        link=_pcie("4.0", 64, "NVIDIA L4 datasheet: PCIe Gen4 x16 64 GB/s, no NVLink"),
+        largest_box=_SINGLE_SLOT_BOX,
         datasheet="NVIDIA L4 datasheet (tensor figures given with sparsity, halved here): "
         "nvidia.com/en-us/data-center/l4/",
     ),
@@ -184,7 +255,12 @@ GPUS: tuple[Gpu, ...] = (
         sm_count=142,
         memory_bandwidth_bytes_per_s=864 * _GIGA,
         peak=PeakFlops(91.6 * _TERA, 183 * _TERA, 362.05 * _TERA, 362.05 * _TERA),
-        interconnect="pcie",
+        link=_pcie(
+            "4.0",
+            64,
+            "NVIDIA L40S datasheet: PCIe Gen4 x16 64 GB/s bidirectional, no NVLink",
+        ),
+        largest_box=_DUAL_SLOT_BOX,
         datasheet="NVIDIA L40S datasheet: nvidia.com/en-us/data-center/l40s/",
     ),
     Gpu(
@@ -200,7 +276,13 @@ GPUS: tuple[Gpu, ...] = (
         sm_count=82,
         memory_bandwidth_bytes_per_s=936 * _GIGA,
         peak=PeakFlops(35.6 * _TERA, 35.6 * _TERA, 71 * _TERA, 71 * _TERA),
-        interconnect="pcie",
+        link=_pcie(
+            "4.0",
+            64,
+            "GA102 whitepaper: PCIe 4.0 x16 (64 GB/s both directions); its NVLink bridge joins "
+            "pairs only, so more than two cards talk over PCIe",
+        ),
+        largest_box=_DUAL_SLOT_BOX,
         datasheet="NVIDIA Ampere GA102 GPU architecture whitepaper, RTX 3090 column (fp16 and "
         "bf16 with fp32 accumulate): nvidia.com/content/PDF/"
         "nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf",
@@ -217,7 +299,12 @@ GPUS: tuple[Gpu, ...] = (
         sm_count=128,
         memory_bandwidth_bytes_per_s=1008 * _GIGA,
         peak=PeakFlops(82.6 * _TERA, 82.6 * _TERA, 165.2 * _TERA, 165.2 * _TERA),
-        interconnect="pcie",
+        link=_pcie(
+            "4.0",
+            64,
+            "Ada whitepaper: PCIe 4.0 x16 (64 GB/s both directions), no NVLink connector",
+        ),
+        largest_box=_DUAL_SLOT_BOX,
         datasheet="NVIDIA Ada GPU architecture whitepaper, RTX 4090 column (fp16 and bf16 with "
         "fp32 accumulate): images.nvidia.com/aem-dam/Solutions/geforce/ada/"
         "nvidia-ada-gpu-architecture.pdf",
@@ -234,7 +321,8 @@ GPUS: tuple[Gpu, ...] = (
         sm_count=108,
         memory_bandwidth_bytes_per_s=1555 * _GIGA,
         peak=_A100_PEAK,
-        interconnect="nvlink",
+        link=_A100_LINK,
+        largest_box=_A100_BOX,
         datasheet=_A100_DATASHEET,
     ),
     Gpu(
@@ -250,7 +338,8 @@ GPUS: tuple[Gpu, ...] = (
         sm_count=108,
         memory_bandwidth_bytes_per_s=2039 * _GIGA,
         peak=_A100_PEAK,
-        interconnect="nvlink",
+        link=_A100_LINK,
+        largest_box=_A100_BOX,
         datasheet=_A100_DATASHEET,
     ),
     Gpu(
@@ -272,7 +361,11 @@ GPUS: tuple[Gpu, ...] = (
         sm_count=132,
         memory_bandwidth_bytes_per_s=3.35 * _TERA,
         peak=_HOPPER_PEAK,
-        interconnect="nvlink",
+        link=_nvlink(4, 900, "NVIDIA H100 datasheet, SXM column: NVLink 900 GB/s"),
+        largest_box=_box(
+            8,
+            "NVIDIA H100 datasheet, server options: HGX H100 with 4 or 8 GPUs, DGX H100 with 8",
+        ),
         datasheet="NVIDIA H100 datasheet, SXM column (tensor figures given with sparsity, "
         "halved here): resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet",
     ),
@@ -288,7 +381,8 @@ GPUS: tuple[Gpu, ...] = (
         sm_count=132,
         memory_bandwidth_bytes_per_s=4.8 * _TERA,
         peak=_HOPPER_PEAK,
-        interconnect="nvlink",
+        link=_nvlink(4, 900, "NVIDIA H200 datasheet, SXM column: NVLink 900 GB/s"),
+        largest_box=_box(8, "NVIDIA H200 datasheet, server options: HGX H200 with 4 or 8 GPUs"),
         datasheet="NVIDIA H200 datasheet, SXM column (tensor figures given with sparsity, "
         "halved here): nvidia.com/en-us/data-center/h200/",
     ),

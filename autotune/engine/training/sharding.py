@@ -37,6 +37,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import _disable_current_modes
 
+from autotune.core.parallel.layouts import ModelParameters, ParameterShape, ShardUnit
 from autotune.core.schemas import Sharding, TrainingSpec
 
 _FAKE_BACKEND = "fake"
@@ -70,6 +71,32 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     """The model's blocks: the entries of its largest `nn.ModuleList` (none: no blocks)."""
     lists = [list(m) for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     return max(lists, key=len) if lists else []
+
+
+def _shape(param: torch.Tensor) -> ParameterShape:
+    # A DTensor's shape and numel are its global ones: what FSDP2 gathers.
+    return ParameterShape(
+        dim0=param.shape[0] if param.dim() else 1,
+        numel=param.numel(),
+        element_size=param.element_size(),
+        trainable=param.requires_grad,
+    )
+
+
+def model_parameters(model: nn.Module) -> ModelParameters:
+    """`model`'s parameters as FSDP2's units hold them (`shard_model`: one per block, then the
+    root with the rest) and its buffers' bytes, for `autotune.core.parallel.layouts`; the same
+    whether the model is sharded yet or not."""
+    in_blocks: set[int] = set()
+    units = []
+    for block in blocks(model):
+        params = [p for p in block.parameters() if id(p) not in in_blocks]
+        in_blocks.update(id(p) for p in params)
+        units.append(ShardUnit(tuple(_shape(p) for p in params)))
+    root = [p for p in model.parameters() if id(p) not in in_blocks]
+    units.append(ShardUnit(tuple(_shape(p) for p in root)))
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    return ModelParameters(units=tuple(units), buffer_bytes=buffer_bytes)
 
 
 def shard_model(model: nn.Module, training: TrainingSpec, device: torch.device) -> nn.Module:

@@ -175,18 +175,30 @@ def test_probe_estimate_answers_for_a_named_gpu_without_running_the_step(tmp_pat
 
 
 @pytest.mark.parametrize(
-    ("extra", "message"),
+    ("training", "extra", "message"),
     [
-        (["--estimate", "B200"], "unknown GPU"),
-        (["--estimate", "T4", "--memory", "1GiB"], "not allowed with argument"),
-        (["--estimate", "T4", "--device", "cuda"], "--estimate: traces the step without a device"),
+        ("{}", ["--estimate", "B200"], "unknown GPU"),
+        ("{}", ["--estimate", "T4", "--memory", "1GiB"], "not allowed with argument"),
+        ("{}", ["--estimate", "T4", "--device", "cuda"], "--estimate: traces the step without"),
+        # A node no real box of the card holds (world_size alone is one node).
+        ("{world_size: 16}", ["--estimate", "H100 80GB"], "training.world_size: 16 H100 80GB"),
+        ("{nodes: 2, gpus_per_node: 12}", ["--gpu", "RTX 4090"], "training.gpus_per_node: 12"),
+        (
+            "{nodes: 1, gpus_per_node: 8, sharding: hybrid, shard_group_size: 4}",
+            ["--estimate", "H100 80GB"],
+            "training.sharding: hybrid shards within a node",
+        ),
     ],
 )
 def test_a_bad_estimate_is_one_line_and_exit_2(
-    tmp_path: Path, extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    training: str,
+    extra: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     spec = tmp_path / "spec.yaml"
-    spec.write_text("model: {preset: mlp}\n")
+    spec.write_text(f"model: {{preset: mlp}}\ntraining: {training}\n")
     code, stderr = in_process(["probe", str(spec), *extra], capsys)
     assert code == 2
     assert message in stderr and len(stderr.strip().splitlines()) == 1
