@@ -213,6 +213,10 @@ class TrialRow(TableBase):
     step_time_spread: Mapped[float | None]
     timed_steps: Mapped[int]
     peak_bytes: Mapped[int | None]
+    # An estimate's split of its step with several ranks (revision 0012).
+    compute_time_s: Mapped[float | None]
+    communication_time_s: Mapped[float | None]
+    exposed_communication_s: Mapped[float | None]
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime]
 

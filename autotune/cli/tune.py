@@ -53,6 +53,22 @@ def default_database_url() -> str:
     return os.environ.get(ENV_DATABASE_URL) or server_database_url()
 
 
+def communication_split(trial: Trial) -> str:
+    """An estimate's step with several ranks: its compute, its communication, and the part of
+    that no compute hides, e.g. "compute 1.20 s + exposed 0.31 s of 2.05 s communication"."""
+    if trial.compute_time_s is None or trial.communication_time_s is None:
+        return "-"
+    exposed_s = trial.exposed_communication_s or 0.0
+    return (
+        f"compute {_seconds(trial.compute_time_s)} + exposed {_seconds(exposed_s)} of "
+        f"{_seconds(trial.communication_time_s)} communication"
+    )
+
+
+def _seconds(value_s: float) -> str:
+    return f"{value_s:.3g} s" if value_s >= 0.1 else f"{value_s * 1e3:.3g} ms"
+
+
 def trial_printer(console: Console, speed: str | None = None) -> Callable[[Trial], None]:
     """Prints each trial as it finishes; `speed` says where samples/s come from
     (`speed_label`), when the device is known."""
@@ -65,8 +81,10 @@ def trial_printer(console: Console, speed: str | None = None) -> Callable[[Trial
         )
         if trial.state is TrialState.COMPLETE and trial.samples_per_s is not None:
             spread = f" ±{trial.step_time_spread / 2:.0%}" if trial.step_time_spread else ""
+            split = f", {communication_split(trial)}" if trial.compute_time_s is not None else ""
             console.print(
                 f"{head}  [green]{trial.samples_per_s:,.1f} samples/s[/green]{spread}{source}"
+                f"{split}"
             )
         else:
             console.print(f"{head}  [red]{trial.state.value}[/red]")
@@ -221,16 +239,22 @@ def print_tune_result(
 def print_trials(console: Console, result: TuneResult) -> None:
     trials = Table(title="Measured configurations")
     samples_per_s = f"samples/s ({speed_label(result.device)})"
-    for column in ("micro-batch", "accumulation", "checkpointing", samples_per_s, "peak"):
+    split = any(trial.compute_time_s is not None for trial in result.trials)
+    columns = ["micro-batch", "accumulation", "checkpointing", samples_per_s, "peak"]
+    # With several ranks (estimated): the step is compute + exposed communication.
+    for column in columns + (["compute", "comm.", "exposed"] if split else []):
         trials.add_column(column, justify="right")
     for trial in sorted(result.trials, key=lambda t: -(t.samples_per_s or 0.0)):
-        trials.add_row(
+        cells = [
             str(trial.micro_batch),
             str(trial.accumulation_steps),
             trial.checkpointing_label,
             f"{trial.samples_per_s:,.1f}" if trial.samples_per_s else trial.state.value,
             format_bytes(trial.peak_bytes) if trial.peak_bytes else "-",
-        )
+        ]
+        parts = (trial.compute_time_s, trial.communication_time_s, trial.exposed_communication_s)
+        times = ["-" if part is None else _seconds(part) for part in parts]
+        trials.add_row(*cells, *(times if split else []))
     console.print(trials)
 
 

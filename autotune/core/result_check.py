@@ -21,7 +21,8 @@ Each invariant is written next to the code that guarantees it:
 * the trials (`study.run_study`, `throughput.measure_throughput`): increasing numbers, distinct
   candidates, each an exact candidate of `candidates.enumerate_candidates` under the probe's
   limits; a complete trial has finite positive samples/s equal to micro x accumulation / step
-  time and a peak within capacity; an out-of-memory trial has no throughput;
+  time and a peak within capacity (an estimate's step: its compute plus its exposed
+  communication, exposed at most all of it); an out-of-memory trial has no throughput;
 * the answer (`tuner._recommend`): a recommendation iff some trial completed, equal to the
   fastest trial of the pool it is chosen from, for the spec's world size, hitting the target,
   with exports that say the same; otherwise an explanation, and no candidate left unmeasured.
@@ -293,6 +294,23 @@ class _Check:
                 self.fail(f"{at}.samples_per_s", "is not micro x accumulation / step_time_s")
         if trial.peak_bytes is None or not 0 <= trial.peak_bytes <= self.capacity_bytes:
             self.fail(f"{at}.peak_bytes", "a complete trial's peak must be in [0, capacity]")
+        self._communication(at, trial)
+
+    def _communication(self, at: str, trial: Trial) -> None:
+        """An estimate's split of its step: compute plus exposed communication, exposed no more
+        than all of it."""
+        parts = (trial.compute_time_s, trial.communication_time_s, trial.exposed_communication_s)
+        if all(part is None for part in parts):
+            return
+        compute_s, communication_s, exposed_s = parts
+        if compute_s is None or communication_s is None or exposed_s is None:
+            self.fail(f"{at}.compute_time_s", "compute, communication and exposed go together")
+            return
+        if exposed_s > communication_s * (1 + 1e-9):
+            self.fail(f"{at}.exposed_communication_s", "more than the communication_time_s")
+        step_s = trial.step_time_s or 0.0
+        if not math.isclose(step_s, compute_s + exposed_s, rel_tol=1e-6):
+            self.fail(f"{at}.step_time_s", "is not compute_time_s + exposed_communication_s")
 
     def _pool(self) -> list[Trial]:
         """What `tuner._recommend` chooses from: complete trials within the headroom budget,

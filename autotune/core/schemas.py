@@ -690,6 +690,25 @@ class Trial(FrozenModel):
     )
     timed_steps: int = Field(default=0, ge=0)
     peak_bytes: int | None = Field(default=None, ge=0)
+    compute_time_s: float | None = Field(
+        default=None,
+        ge=0,
+        allow_inf_nan=False,
+        description="Estimated with several ranks: the optimizer step's compute (roofline).",
+    )
+    communication_time_s: float | None = Field(
+        default=None,
+        ge=0,
+        allow_inf_nan=False,
+        description="Estimated with several ranks: all the step's collectives, hidden or not.",
+    )
+    exposed_communication_s: float | None = Field(
+        default=None,
+        ge=0,
+        allow_inf_nan=False,
+        description="The part of communication_time_s no compute hides: step_time_s = "
+        "compute_time_s + exposed_communication_s.",
+    )
     error: str | None = None
 
     @property

@@ -46,6 +46,11 @@ class Measurement:
     step_time_spread: float
     timed_steps: int
     peak_bytes: int | None
+    # Estimated for world_size > 1 (`autotune.core.parallel.overlap`): the step's compute, its
+    # communication, and the part of that no compute hides (step_time_s = compute + exposed).
+    compute_time_s: float | None = None
+    communication_time_s: float | None = None
+    exposed_communication_s: float | None = None
 
 
 def measure_throughput(

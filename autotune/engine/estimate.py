@@ -39,6 +39,9 @@ from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.gpus.cuda_reserve import GpuBudget, budget_for
 from autotune.core.gpus.roofline import MathDtype, RooflineAssumptions, op_time_s
 from autotune.core.memory.allocator_config import AllocatorConfig
+from autotune.core.parallel.layouts import layout_transfers
+from autotune.core.parallel.overlap import OverlapAssumptions, StepTimes, step_times
+from autotune.core.parallel.topology import Topology, topology_for
 from autotune.core.schemas import (
     DeviceInfo,
     DeviceKind,
@@ -51,6 +54,7 @@ from autotune.core.schemas import (
 from autotune.core.throughput import Measurement
 from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.runner import InProcessRunner
+from autotune.engine.training.sharding import model_parameters
 
 _aten = torch.ops.aten
 
@@ -197,12 +201,18 @@ _TRACED_ACCUMULATION = 5
 
 
 def estimate_info(
-    emulated: DeviceInfo, gpu: GpuBudget | None, assumptions: RooflineAssumptions
+    emulated: DeviceInfo,
+    gpu: GpuBudget | None,
+    assumptions: RooflineAssumptions,
+    communication: str | None = None,
 ) -> DeviceInfo:
     """The device an estimate reports: the emulated GPU's `emulated` info, marked as traced, with
-    the roofline's assumptions when there is a named `gpu` to be fast or slow."""
+    the roofline's assumptions when there is a named `gpu` to be fast or slow, and how
+    `communication` between ranks is estimated when there are several."""
     name = gpu.gpu.name if gpu is not None else emulated.name.removeprefix("emulated ")
     speed = [assumptions.describe(gpu.gpu)] if gpu is not None else []
+    if gpu is not None and communication is not None:
+        speed.append(communication)
     return emulated.model_copy(
         update={
             "kind": DeviceKind.ESTIMATE,
@@ -258,10 +268,38 @@ class EstimateRunner:
                 spec, device, allowed_factory_prefixes=allowed_factory_prefixes
             )
         self.spec = spec
+        self.overlap = OverlapAssumptions()
+        self.topology: Topology | None = (
+            topology_for(spec.training, gpu.gpu)
+            if gpu is not None and spec.training.world_size > 1
+            else None
+        )
+
+    @property
+    def communication_assumption(self) -> str | None:
+        """How the step's communication is estimated; None with one rank (there is none)."""
+        return None if self.topology is None else self.overlap.describe(self.topology)
 
     @property
     def device_info(self) -> DeviceInfo:
-        return estimate_info(self._runner.device_info, self.gpu, self.assumptions)
+        return estimate_info(
+            self._runner.device_info, self.gpu, self.assumptions, self.communication_assumption
+        )
+
+    def communication(self, compute_s: float, accumulation_steps: int) -> StepTimes | None:
+        """The step's communication beside `compute_s` of compute, as the spec's layout issues
+        it on its topology (`autotune.core.parallel`); None with one rank."""
+        if self.topology is None:
+            return None
+        model = model_parameters(self._runner.step.model)
+        transfers = layout_transfers(self.spec.training, model, self.topology)
+        return step_times(
+            transfers,
+            self.topology,
+            compute_s=compute_s,
+            accumulation_steps=accumulation_steps,
+            assumptions=self.overlap,
+        )
 
     @property
     def supports_checkpointing(self) -> bool:
@@ -371,14 +409,17 @@ class EstimateRunner:
         peak_bytes: int,
         checkpointed_blocks: int | None = None,
     ) -> Measurement:
-        """A configuration's throughput by the roofline of its step (`step_time_s`), with the
-        peak a trial of it reached (traced here, or run on the emulated GPU)."""
-        step_time_s = self.step_time_s(
+        """A configuration's throughput by the roofline of its step (`step_time_s`), plus with
+        several ranks the communication no compute hides (`communication`), with the peak a
+        trial of it reached (traced here, or run on the emulated GPU)."""
+        compute_s = self.step_time_s(
             micro_batch,
             accumulation_steps,
             checkpointing=checkpointing,
             checkpointed_blocks=checkpointed_blocks,
         )
+        communication = self.communication(compute_s, accumulation_steps)
+        step_time_s = compute_s if communication is None else communication.step_time_s
         samples = micro_batch * accumulation_steps
         tokens = self.tokens_per_sample
         return Measurement(
@@ -388,6 +429,9 @@ class EstimateRunner:
             step_time_spread=0.0,
             timed_steps=0,
             peak_bytes=peak_bytes,
+            compute_time_s=None if communication is None else communication.compute_s,
+            communication_time_s=None if communication is None else communication.communication_s,
+            exposed_communication_s=None if communication is None else communication.exposed_s,
         )
 
 

@@ -54,8 +54,10 @@ class RooflineTimedRunner:
             f"samples/s are not this host's: {self.assumptions.describe(self.gpu)} (the step "
             "traced on fake tensors); the emulated step runs on the CPU for its memory only"
         )
+        communication = self.estimate.communication_assumption
+        lines = [speed] if communication is None else [speed, communication]
         return info.model_copy(
-            update={"assumptions": [*info.assumptions, speed], "speed": SpeedSource.ROOFLINE}
+            update={"assumptions": [*info.assumptions, *lines], "speed": SpeedSource.ROOFLINE}
         )
 
     @property

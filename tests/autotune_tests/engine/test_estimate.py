@@ -194,6 +194,33 @@ def test_a_long_accumulation_is_timed_from_two_and_three_micro_steps(world_size:
         assert eight_s == pytest.approx(two_s + 6 * middle_s, rel=1e-9)
 
 
+@pytest.mark.parametrize("sharding", ["none", "zero3"])
+def test_several_ranks_add_the_communication_compute_does_not_hide(sharding: str) -> None:
+    """With world_size > 1 a trial's samples/s come from its compute plus the exposed part of
+    the layout's communication (autotune.core.parallel), and the trial says all three."""
+    spec = _spec("llama-tiny", world_size=8, sharding=sharding)
+    runner = EstimateRunner(spec, gpu=budget_for(find_gpu("H100 80GB"), 8))
+    assert runner.warm_up().fits
+    measurement = runner.measure(4, 2, checkpointing=False, target_seconds=1.0)
+    assert measurement is not None
+    compute_s = runner.step_time_s(4, 2)
+    assert measurement.compute_time_s == pytest.approx(compute_s)
+    assert measurement.communication_time_s is not None
+    assert measurement.exposed_communication_s is not None
+    assert 0 < measurement.exposed_communication_s <= measurement.communication_time_s
+    assert measurement.step_time_s == pytest.approx(
+        compute_s + measurement.exposed_communication_s
+    )
+    assert measurement.samples_per_s == pytest.approx(8 / measurement.step_time_s)
+    assert any("NCCL's ring/tree model" in line for line in runner.device_info.assumptions)
+    # One rank moves nothing: its trials carry no split and its step is its compute.
+    alone = EstimateRunner(_spec("llama-tiny"), gpu=budget_for(find_gpu("H100 80GB")))
+    assert alone.warm_up().fits
+    single = alone.measure(4, 2, checkpointing=False, target_seconds=1.0)
+    assert single is not None and single.compute_time_s is None
+    assert single.step_time_s == pytest.approx(alone.step_time_s(4, 2))
+
+
 def test_a_speed_needs_a_named_card() -> None:
     runner = EstimateRunner(_spec("mlp"), capacity_bytes=HUGE_BYTES)
     with pytest.raises(SpecError, match="named GPU"):

@@ -185,9 +185,16 @@ def test_priority_and_budget() -> None:
     assert default_trial_budget(40) == 10
 
 
-def test_cli_tune_json(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("world_size", "device"),
+    [(1, ["--device", "cpu", "--memory", "64MiB"]), (2, ["--estimate", "H100 80GB"])],
+)
+def test_cli_tune_json(tmp_path: Path, world_size: int, device: list[str]) -> None:
     spec_path = tmp_path / "spec.yaml"
-    spec_path.write_text("model: {preset: mlp}\ntraining: {target_global_batch: 16}\n")
+    spec_path.write_text(
+        "model: {preset: mlp}\n"
+        f"training: {{target_global_batch: 16, world_size: {world_size}}}\n"
+    )
     done = subprocess.run(
         [
             sys.executable,
@@ -195,10 +202,7 @@ def test_cli_tune_json(tmp_path: Path) -> None:
             "autotune.cli.main",
             "tune",
             str(spec_path),
-            "--device",
-            "cpu",
-            "--memory",
-            "64MiB",
+            *device,
             "--json",
             "--db",
             sqlite_url(tmp_path),
@@ -217,6 +221,17 @@ def test_cli_tune_json(tmp_path: Path) -> None:
     rec = document["recommendation"]
     assert rec["micro_batch"] * rec["accumulation_steps"] * rec["world_size"] == 16
     assert "trial" in done.stderr  # progress on stderr
+    complete = [t for t in document["trials"] if t["state"] == "complete"]
+    assert complete
+    for trial in complete:
+        if world_size == 1:  # one rank, no communication
+            assert trial["compute_time_s"] is None and trial["exposed_communication_s"] is None
+            continue
+        # Several ranks: the step is the compute plus what of the communication stays exposed.
+        exposed_s = trial["exposed_communication_s"]
+        assert 0 < exposed_s <= trial["communication_time_s"]
+        assert trial["step_time_s"] == pytest.approx(trial["compute_time_s"] + exposed_s)
+    assert ("communication" in done.stderr) is (world_size > 1)
 
 
 def test_cli_tune_needs_a_target(tmp_path: Path) -> None:

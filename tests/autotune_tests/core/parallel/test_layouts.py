@@ -21,8 +21,6 @@ from autotune.core.parallel.topology import topology_for
 from autotune.core.schemas import TrainingSpec
 
 
-
-
 def _llama_8b_like(element_size: int = 4) -> ModelParameters:
     """32 blocks of 218M parameters (4096 wide, 14336 MLP) and a 1.05B-parameter root: about
     8B, fp32 master weights by default."""
