@@ -450,8 +450,8 @@ class Worker:
         if device.device_name == ESTIMATE_DEVICE:
             try:
                 return self._estimate_runner(claim, device, self._estimate_interrupt(keeper))
-            except (FactoryRefused, SpecError, ModelBuildError):
-                raise
+            except (FactoryRefused, SpecError, ModelBuildError, WorkerShutdown, LeaseLost):
+                raise  # the spec's own errors, or a stop that interrupted the build
             except Exception as error:  # whatever building the user's model raised
                 raise ModelBuildError(f"{type(error).__name__}: {error}") from error
         return ChildProcessRunner(

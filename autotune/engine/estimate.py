@@ -257,8 +257,7 @@ class EstimateRunner:
         self._mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.gpu = gpu
         self.assumptions = assumptions or RooflineAssumptions()
-        # Building a large model on fake tensors takes seconds too: interruptible as well.
-        with self._mode, self._checked():
+        with self._mode:
             device = EmulatedDevice(capacity_bytes, gpu=gpu, allocator_config=allocator_config)
             # The snapshot that undoes an out-of-memory inside the optimizer step is fake too:
             # it costs nothing, and it keeps the state a trial starts from the emulated GPU's.

@@ -14,8 +14,9 @@ from typing import Any
 from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.schemas import Spec
 from autotune.engine.estimate import estimate_device
+from autotune.engine.runner import TrialRunner
 from autotune.remote.client import ServerClient
-from autotune.remote.protocol import EstimateTarget, RunStatus
+from autotune.remote.protocol import Claim, EstimateTarget, RunStatus
 from probes.inventory import ESTIMATE_DEVICE, WorkerDevice
 from probes.worker import RunOutcome, Worker, WorkerConfig
 
@@ -35,7 +36,18 @@ SLOW_SPEC = {
 }
 
 
-def _worker(client: ServerClient, tmp_path: Path, **config: Any) -> Worker:
+class _Observed(Worker):
+    """The worker, noting when each run's model is built (nothing else changes)."""
+
+    built: list[int]
+
+    def _estimate_runner(self, claim: Claim, *args: Any) -> TrialRunner:
+        runner = super()._estimate_runner(claim, *args)
+        self.built.append(claim.run_id)
+        return runner
+
+
+def _worker(client: ServerClient, tmp_path: Path, **config: Any) -> _Observed:
     gpu = find_gpu("T4").name
     device = WorkerDevice(estimate_device(gpu), ESTIMATE_DEVICE, None, gpu)
     settings = WorkerConfig(
@@ -44,7 +56,9 @@ def _worker(client: ServerClient, tmp_path: Path, **config: Any) -> Worker:
         shutdown_grace_s=0.0,
         **config,
     )
-    return Worker(client, [device], settings)
+    worker = _Observed(client, [device], settings)
+    worker.built = []
+    return worker
 
 
 def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
@@ -54,12 +68,14 @@ def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
     return thread, results
 
 
-def _wait_until_running(user: ServerClient, run_id: int, timeout_s: float = 60) -> None:
-    deadline_s = time.monotonic() + timeout_s
-    while user.get_run(run_id).status is not RunStatus.RUNNING:
+def _wait_until_tracing(user: ServerClient, run_id: int, built: list[int]) -> None:
+    """Until the run's model is built and its first step is being traced (a stop is checked
+    inside traces, not while transformers builds the model)."""
+    deadline_s = time.monotonic() + 120
+    while run_id not in built:
         assert time.monotonic() < deadline_s
         time.sleep(0.05)
-    time.sleep(1.0)  # inside the trace
+    time.sleep(0.5)
 
 
 def test_a_huge_accumulation_is_traced_as_a_few_micro_steps(
@@ -117,9 +133,9 @@ def test_a_cancel_stops_an_estimate_within_seconds(
             run_id = user.submit_run(Spec.model_validate(SLOW_SPEC), EstimateTarget(gpu="T4")).id
             estimates = _worker(worker, tmp_path)
             thread, outcome = _in_thread(estimates.run_once)
-            _wait_until_running(user, run_id)
+            _wait_until_tracing(user, run_id, estimates.built)
             user.cancel_run(run_id)
-            thread.join(20)
+            thread.join(60)
             assert outcome == [RunOutcome.LOST]
     finally:
         app.state.context.db.dispose()
@@ -131,8 +147,8 @@ def test_a_shutdown_releases_an_estimate_within_seconds(
     run_id = user.submit_run(Spec.model_validate(SLOW_SPEC), EstimateTarget(gpu="T4")).id
     estimates = _worker(worker, tmp_path)
     thread, outcome = _in_thread(estimates.run_once)
-    _wait_until_running(user, run_id)
+    _wait_until_tracing(user, run_id, estimates.built)
     estimates.request_stop()  # what SIGTERM does; the grace here is 0 s
-    thread.join(20)
+    thread.join(60)
     assert outcome == [RunOutcome.RELEASED]
     assert user.get_run(run_id).status is RunStatus.QUEUED
