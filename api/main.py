@@ -19,6 +19,7 @@ import autotune
 from api.deps import AppContext
 from api.errors import register_error_handlers
 from api.routes import health, runs, worker
+from api.security_headers import SecurityHeaders
 from api.settings import Settings
 from api.store.db import Database, migrate
 from api.store.runcache import FinishedRunCache
@@ -82,6 +83,7 @@ def create_app(
         estimate_worker=estimate_worker,
     )
     register_error_handlers(app)
+    app.add_middleware(SecurityHeaders)
     app.include_router(health.router)
     app.include_router(runs.router, prefix=API_PREFIX)
     app.include_router(worker.router, prefix=API_PREFIX)

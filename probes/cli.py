@@ -30,6 +30,7 @@ from autotune.cli.options import (
     Subcommands,
     add_device_args,
     add_server_args,
+    memory_size,
     non_negative_seconds,
     positive_seconds,
 )
@@ -77,6 +78,8 @@ def _serve(args: argparse.Namespace, early_signals: list[int]) -> int:
         start_method=args.start_method,
         allowed_factories=tuple(args.allow_factory),
         trace_fit=not args.no_trace,
+        estimate_time_limit_s=args.estimate_time_limit,
+        estimate_memory_limit_bytes=args.estimate_memory_limit,
     )
     with (
         ServerClient(args.server, token=args.token) as client,
@@ -179,4 +182,20 @@ def register(commands: Subcommands) -> None:
         "spec: a factory is code that whoever submitted the spec asks this machine to run",
     )
     worker.add_argument("--no-trace", action="store_true", help=NO_TRACE_HELP)
+    worker.add_argument(
+        "--estimate-time-limit",
+        type=positive_seconds,
+        default=300.0,
+        metavar="S",
+        help="--device estimate: a run that traces longer fails, saying so (default 300); "
+        "cancel and shutdown stop a trace within seconds either way",
+    )
+    worker.add_argument(
+        "--estimate-memory-limit",
+        type=memory_size,
+        default=4 * 2**30,
+        metavar="SIZE",
+        help="--device estimate: a run that grows the worker's memory by more fails, saying "
+        "so (default 4GiB)",
+    )
     worker.set_defaults(func=_cmd_worker)

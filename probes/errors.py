@@ -7,6 +7,8 @@
                        user's model, a CUDA error); carries the child's type name and traceback
   + WorkerShutdown     the worker was told to stop (SIGTERM, Ctrl-C) and the run did not finish
                        within the grace period
+* SpecError
+  + EstimateLimitExceeded  an estimate ran past the worker's time or memory limit per run
 
 Errors the child raises that autotune defines (SpecError, ModelBuildError, DeviceError, ...)
 are re-raised in the parent as themselves.
@@ -14,7 +16,7 @@ are re-raised in the parent as themselves.
 
 from __future__ import annotations
 
-from autotune.core.errors import AutotuneError
+from autotune.core.errors import AutotuneError, SpecError
 
 
 class TrialCrashed(AutotuneError):
@@ -64,6 +66,12 @@ class TrialError(AutotuneError):
         self.error_type = error_type
         self.child_message = message
         self.child_traceback = child_traceback
+
+
+class EstimateLimitExceeded(SpecError):
+    """An estimate took longer, or grew the worker by more memory, than one run may: the spec
+    asks too much of an estimate (any worker would stop it), so the run fails, saying which
+    limit and how to raise it."""
 
 
 class WorkerShutdown(AutotuneError):

@@ -43,9 +43,11 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from types import FrameType
 from typing import TypeVar
 
+from autotune.core.bytesize import format_bytes
 from autotune.core.errors import FactoryRefused, ModelBuildError, SpecError
 from autotune.core.factoryaccess import check_factory_allowed
 from autotune.core.schemas import StepOutcome, Trial, TrialState, TuneResult
@@ -61,7 +63,7 @@ from autotune.remote.client import (
     ServerUnavailable,
 )
 from autotune.remote.protocol import Claim
-from probes.errors import TrialCrashed, TrialError, WorkerShutdown
+from probes.errors import EstimateLimitExceeded, TrialCrashed, TrialError, WorkerShutdown
 from probes.inventory import ESTIMATE_DEVICE, WorkerDevice
 from probes.isolation import DEFAULT_TIMEOUT_S, ChildProcessRunner, StartMethod
 
@@ -99,6 +101,10 @@ class WorkerConfig:
     allowed_factories: tuple[str, ...] = ()
     # Trace each mode's first fit points instead of running them (`autotune.engine.fit_points`).
     trace_fit: bool = True
+    # Per estimate run (traced in this process): its time, and how much it may grow this
+    # process's resident memory; past either it fails (`EstimateLimitExceeded`).
+    estimate_time_limit_s: float = 300.0
+    estimate_memory_limit_bytes: int = 4 * 2**30
 
 
 class _LeaseKeeper:
@@ -443,9 +449,9 @@ class Worker:
         """
         if device.device_name == ESTIMATE_DEVICE:
             try:
-                return self._estimate_runner(claim, device)
-            except (FactoryRefused, SpecError, ModelBuildError):
-                raise
+                return self._estimate_runner(claim, device, self._estimate_interrupt(keeper))
+            except (FactoryRefused, SpecError, ModelBuildError, WorkerShutdown, LeaseLost):
+                raise  # the spec's own errors, or a stop that interrupted the build
             except Exception as error:  # whatever building the user's model raised
                 raise ModelBuildError(f"{type(error).__name__}: {error}") from error
         return ChildProcessRunner(
@@ -460,7 +466,32 @@ class Worker:
             trace_fit=self.config.trace_fit,
         )
 
-    def _estimate_runner(self, claim: Claim, device: WorkerDevice) -> TrialRunner:
+    def _estimate_interrupt(self, keeper: _LeaseKeeper) -> Callable[[], None]:
+        """What an estimate's trace checks every few dozen operations: a lost lease (a cancel),
+        a shutdown past its grace, and the run's time and memory limits."""
+        config = self.config
+        deadline_s = time.monotonic() + config.estimate_time_limit_s
+        rss_limit_bytes = _resident_bytes() + config.estimate_memory_limit_bytes
+
+        def check() -> None:
+            self._interrupt(keeper)
+            if time.monotonic() > deadline_s:
+                raise EstimateLimitExceeded(
+                    f"the estimate ran past its time limit of {config.estimate_time_limit_s:g} s "
+                    "per run (the worker's --estimate-time-limit)"
+                )
+            if _resident_bytes() > rss_limit_bytes:
+                raise EstimateLimitExceeded(
+                    "the estimate grew the worker's memory by more than its limit of "
+                    f"{format_bytes(config.estimate_memory_limit_bytes)} per run (the "
+                    "worker's --estimate-memory-limit)"
+                )
+
+        return check
+
+    def _estimate_runner(
+        self, claim: Claim, device: WorkerDevice, interrupt: Callable[[], None]
+    ) -> TrialRunner:
         from autotune.core.gpus.catalogue import find_gpu
         from autotune.core.gpus.cuda_reserve import budget_for
         from autotune.core.memory.allocator_config import config_from_environ
@@ -473,6 +504,7 @@ class Worker:
             # This worker's environment, as its inventory reported it.
             allocator_config=config_from_environ(os.environ),
             allowed_factory_prefixes=list(self.config.allowed_factories),
+            interrupt=interrupt,
         )
 
     def _tune(
@@ -606,6 +638,17 @@ class Worker:
                 logger.warning("server unreachable (%s); retrying in %.0f s", error, delay_s)
                 time.sleep(delay_s)
                 delay_s = min(delay_s * 2, 10.0)
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory now (Linux: /proc; elsewhere its peak, a bound)."""
+    try:
+        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def _summary(result: TuneResult) -> str:

@@ -16,6 +16,7 @@ CPU's flash kernel, whose FLOP formulas are torch's SDPA formulas, in a pass of 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -126,6 +127,23 @@ class _KernelTimes(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return out
 
 
+class _Interruptible(TorchDispatchMode):
+    """Calls `check` every `_CHECK_EVERY_OPS` operations of a trace: a trace of a large model
+    takes minutes, and a cancel, a shutdown or a limit must stop it within seconds (`check`
+    raises to stop)."""
+
+    def __init__(self, check: Callable[[], None]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.check = check
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        if self.ops % _CHECK_EVERY_OPS == 0:
+            self.check()
+        return func(*args, **(kwargs or {}))
+
+
 class _FusedAttentionForSpeed(TorchFunctionMode):
     # Dropout sends the CPU's attention down the math path (s x s matrices the GPU's kernels
     # never write); the fused kernels apply it on chip, so the speed pass runs without it.
@@ -198,6 +216,7 @@ def check_traceable(spec: Spec) -> None:
 
 # Up to this many micro-steps, tracing them all is no dearer than extrapolating (2 + 3).
 _TRACED_ACCUMULATION = 5
+_CHECK_EVERY_OPS = 64
 
 
 def estimate_info(
@@ -252,11 +271,14 @@ class EstimateRunner:
         allocator_config: AllocatorConfig | None = None,
         assumptions: RooflineAssumptions | None = None,
         allowed_factory_prefixes: list[str] | None = None,
+        interrupt: Callable[[], None] | None = None,
     ) -> None:
         """The emulated GPU to estimate for: a named `gpu` (memory and speed) or a bare
         `capacity_bytes` (memory only: a speed needs the card's peaks), with the caching
-        allocator's settings (torch's defaults when None)."""
+        allocator's settings (torch's defaults when None). `interrupt` is called often while
+        tracing (every few dozen operations) and raises to stop the estimate."""
         check_traceable(spec)
+        self._interrupt = interrupt
         self._mode = _TraceMode(allow_non_fake_inputs=True)
         self.gpu = gpu
         self.assumptions = assumptions or RooflineAssumptions()
@@ -313,8 +335,11 @@ class EstimateRunner:
     def num_blocks(self) -> int | None:
         return self._runner.num_blocks
 
+    def _checked(self) -> contextlib.AbstractContextManager[object]:
+        return _Interruptible(self._interrupt) if self._interrupt else contextlib.nullcontext()
+
     def warm_up(self, *, checkpointing: bool = False) -> StepOutcome:
-        with self._mode, _sequences_not_packed():
+        with self._mode, _sequences_not_packed(), self._checked():
             return self._runner.warm_up(checkpointing=checkpointing)
 
     def trial(
@@ -325,10 +350,14 @@ class EstimateRunner:
         checkpointing: bool = False,
         checkpointed_blocks: int | None = None,
     ) -> StepOutcome:
-        with self._mode, _sequences_not_packed():
+        """The traced step. A long accumulation is traced as `_TRACED_ACCUMULATION` micro-steps:
+        the middle ones allocate nothing the first did not (gradients accumulate in place), so
+        the peak of more is the peak of these, and `accumulation_steps` of 2^40 costs what 5
+        do (each traced micro-step of a large model costs seconds, and its records memory)."""
+        with self._mode, _sequences_not_packed(), self._checked():
             return self._runner.trial(
                 micro_batch,
-                accumulation_steps,
+                min(accumulation_steps, _TRACED_ACCUMULATION),
                 checkpointing=checkpointing,
                 checkpointed_blocks=checkpointed_blocks,
             )
@@ -369,7 +398,8 @@ class EstimateRunner:
             raise SpecError("estimate: a speed needs a named GPU (--estimate NAME), not a size")
         times = _KernelTimes(self.gpu, self.assumptions, bool(self.spec.training.tf32))
         with self._mode, _sequences_not_packed(), _FusedAttentionForSpeed(), times:
-            step.run(micro_batch, accumulation_steps)
+            with self._checked():
+                step.run(micro_batch, accumulation_steps)
         return times
 
     def measure(

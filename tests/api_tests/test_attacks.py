@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from html import escape
+from pathlib import Path
 from typing import Any
 
 import httpx2
@@ -29,7 +30,14 @@ from tests.api_tests.factories import (
     trial,
     tune_result,
 )
-from tests.conftest import CLIENT_TOKEN, WORKER_TOKEN, FakeClock, LiveServer
+from tests.conftest import (
+    CLIENT_TOKEN,
+    WORKER_TOKEN,
+    FakeClock,
+    LiveServer,
+    start_server,
+    stop_server,
+)
 
 pytestmark = pytest.mark.usefixtures("db_url")
 WORKER = {"Authorization": f"Bearer {WORKER_TOKEN}"}
@@ -481,3 +489,48 @@ def test_forms_from_this_server_work(
     response = _submit_mlp(http, headers)
     assert response.status_code == 303
     assert user.list_runs().total == 1
+
+
+# -- item 7: proxies, Host, security headers -------------------------------------------------
+
+
+def test_a_forged_host_is_not_reflected_into_asset_urls(http: TestClient) -> None:
+    page = http.get("/token", headers={"Host": "evil.example"})
+    assert page.status_code == 200
+    assert "evil.example" not in page.text
+    assert 'href="/static/autotune.css"' in page.text
+    assert 'src="/static/autotune.js"' in page.text
+
+
+@pytest.mark.parametrize("path", ["/token", "/health", "/api/v1/runs", "/static/autotune.js"])
+def test_every_response_carries_the_security_headers(http: TestClient, path: str) -> None:
+    headers = http.get(path).headers
+    assert headers["x-frame-options"] == "DENY"
+    assert headers["x-content-type-options"] == "nosniff"
+    policy = headers["content-security-policy"]
+    assert "frame-ancestors 'none'" in policy and "script-src 'self'" in policy
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("trusted", "secure"), [("", False), ("*", True)])
+def test_behind_a_tls_proxy_the_cookie_is_secure_once_the_proxy_is_trusted(
+    tmp_path: Path, trusted: str, secure: bool
+) -> None:
+    """The README's proxy set-up: FORWARDED_ALLOW_IPS names the proxy (here the test, which
+    sends what a TLS proxy sends); without it the server cannot know the browser used https."""
+    server = start_server(
+        f"sqlite:///{tmp_path / 'server.db'}",
+        tmp_path / "server.log",
+        extra_env={"FORWARDED_ALLOW_IPS": trusted},
+    )
+    try:
+        host = server.url.removeprefix("http://")
+        response = httpx2.post(
+            f"{server.url}/token",
+            data={"token": CLIENT_TOKEN},
+            headers={"X-Forwarded-Proto": "https", "Origin": f"https://{host}"},
+        )
+        assert response.status_code == 303
+        assert ("secure" in response.headers["set-cookie"].lower()) is secure
+    finally:
+        stop_server(server)

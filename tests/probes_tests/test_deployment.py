@@ -468,6 +468,8 @@ def test_server_settings_from_compose_land_in_the_data_volume(
     server = load_compose()["services"]["server"]
     env = service_env(server)
     settings_names = {f"AUTOTUNE_{field.upper()}" for field in Settings.model_fields}
+    # uvicorn's own setting (the trusted proxies): the only one that is not autotune's.
+    assert env.pop("FORWARDED_ALLOW_IPS") == "127.0.0.1,::1"
     assert set(env) <= settings_names, set(env) - settings_names
     use_only_env(env, monkeypatch)
     settings = Settings()  # read from the environment, as `autotune serve` in the container

@@ -1,0 +1,154 @@
+"""Estimate runs are bounded and stoppable (issue 25, item 2): a long accumulation is traced
+as a few micro-steps, a run past the worker's time or memory limit fails saying so, and a
+cancel or a shutdown stops a trace within seconds. The worker runs in this process against the
+in-process app (real SQLite or PostgreSQL store)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from autotune.core.gpus.catalogue import find_gpu
+from autotune.core.schemas import Spec
+from autotune.engine.estimate import estimate_device
+from autotune.engine.runner import TrialRunner
+from autotune.remote.client import ServerClient
+from autotune.remote.protocol import Claim, EstimateTarget, RunStatus
+from probes.inventory import ESTIMATE_DEVICE, WorkerDevice
+from probes.worker import RunOutcome, Worker, WorkerConfig
+
+# Traces for tens of seconds (60 layers): long enough to stop in the middle.
+SLOW_SPEC = {
+    "model": {
+        "hf_config": {
+            "model_type": "llama",
+            "num_hidden_layers": 60,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "intermediate_size": 128,
+            "vocab_size": 256,
+        }
+    },
+    "training": {"seq_len": 16, "target_global_batch": 64},
+}
+
+
+class _Observed(Worker):
+    """The worker, noting when each run's model is built (nothing else changes)."""
+
+    built: list[int]
+
+    def _estimate_runner(self, claim: Claim, *args: Any) -> TrialRunner:
+        runner = super()._estimate_runner(claim, *args)
+        self.built.append(claim.run_id)
+        return runner
+
+
+def _worker(client: ServerClient, tmp_path: Path, **config: Any) -> _Observed:
+    gpu = find_gpu("T4").name
+    device = WorkerDevice(estimate_device(gpu), ESTIMATE_DEVICE, None, gpu)
+    settings = WorkerConfig(
+        worker_id="estimates",
+        storage_url=f"sqlite:///{tmp_path / 'optuna.db'}",
+        shutdown_grace_s=0.0,
+        **config,
+    )
+    worker = _Observed(client, [device], settings)
+    worker.built = []
+    return worker
+
+
+def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    results: list[Any] = []
+    thread = threading.Thread(target=lambda: results.append(call()), daemon=True)
+    thread.start()
+    return thread, results
+
+
+def _wait_until_tracing(user: ServerClient, run_id: int, built: list[int]) -> None:
+    """Until the run's model is built and its first step is being traced (a stop is checked
+    inside traces, not while transformers builds the model)."""
+    deadline_s = time.monotonic() + 120
+    while run_id not in built:
+        assert time.monotonic() < deadline_s
+        time.sleep(0.05)
+    time.sleep(0.5)
+
+
+def test_a_huge_accumulation_is_traced_as_a_few_micro_steps(
+    user: ServerClient, worker: ServerClient, tmp_path: Path
+) -> None:
+    """target_global_batch 2^40 on an mlp grew the worker by gigabytes for minutes."""
+    spec = Spec.model_validate(
+        {"model": {"preset": "mlp"}, "training": {"target_global_batch": 2**40}}
+    )
+    run_id = user.submit_run(spec, EstimateTarget(gpu="T4")).id
+    estimates = _worker(worker, tmp_path, estimate_time_limit_s=120.0)
+    assert estimates.run_once() is RunOutcome.SUCCEEDED
+    run = user.get_run(run_id)
+    assert run.recommendation is not None
+    assert run.recommendation.global_batch == 2**40
+
+
+def test_an_estimate_past_its_time_limit_fails_saying_so(
+    user: ServerClient, worker: ServerClient, tmp_path: Path
+) -> None:
+    run_id = user.submit_run(Spec.model_validate(SLOW_SPEC), EstimateTarget(gpu="T4")).id
+    estimates = _worker(worker, tmp_path, estimate_time_limit_s=1.0)
+    started_s = time.monotonic()
+    assert estimates.run_once() is RunOutcome.FAILED
+    assert time.monotonic() - started_s < 30  # the build and trace take minutes
+    run = user.get_run(run_id)
+    assert run.status is RunStatus.FAILED and run.claim_count == 1
+    assert "ran past its time limit of 1 s per run" in (run.error or ""), run.error
+
+
+def test_an_estimate_past_its_memory_limit_fails_saying_so(
+    user: ServerClient, worker: ServerClient, tmp_path: Path
+) -> None:
+    run_id = user.submit_run(Spec.model_validate(SLOW_SPEC), EstimateTarget(gpu="T4")).id
+    estimates = _worker(worker, tmp_path, estimate_memory_limit_bytes=1)
+    assert estimates.run_once() is RunOutcome.FAILED
+    run = user.get_run(run_id)
+    assert "grew the worker's memory by more than its limit of 1 B" in (run.error or ""), run.error
+
+
+def test_a_cancel_stops_an_estimate_within_seconds(
+    settings_factory: Callable[..., Any], clock: Any, tmp_path: Path
+) -> None:
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+    from tests.conftest import CLIENT_TOKEN, WORKER_TOKEN
+
+    # A short lease: the heartbeat that learns of the cancel comes every second.
+    app = create_app(settings_factory(lease_s=3.0), clock=clock)
+    try:
+        with TestClient(app) as http:
+            user = ServerClient(http=http, token=CLIENT_TOKEN, retries=0)
+            worker = ServerClient(http=http, token=WORKER_TOKEN, retries=0)
+            run_id = user.submit_run(Spec.model_validate(SLOW_SPEC), EstimateTarget(gpu="T4")).id
+            estimates = _worker(worker, tmp_path)
+            thread, outcome = _in_thread(estimates.run_once)
+            _wait_until_tracing(user, run_id, estimates.built)
+            user.cancel_run(run_id)
+            thread.join(60)
+            assert outcome == [RunOutcome.LOST]
+    finally:
+        app.state.context.db.dispose()
+
+
+def test_a_shutdown_releases_an_estimate_within_seconds(
+    user: ServerClient, worker: ServerClient, tmp_path: Path
+) -> None:
+    run_id = user.submit_run(Spec.model_validate(SLOW_SPEC), EstimateTarget(gpu="T4")).id
+    estimates = _worker(worker, tmp_path)
+    thread, outcome = _in_thread(estimates.run_once)
+    _wait_until_tracing(user, run_id, estimates.built)
+    estimates.request_stop()  # what SIGTERM does; the grace here is 0 s
+    thread.join(60)
+    assert outcome == [RunOutcome.RELEASED]
+    assert user.get_run(run_id).status is RunStatus.QUEUED
