@@ -138,6 +138,8 @@ class RecommendationRow(TableBase):
     checkpointing: Mapped[bool]
     checkpointed_blocks: Mapped[int | None]
     num_blocks: Mapped[int | None]
+    # Micro-batches below the chosen one that run out in its mode (JSON; null before 0009).
+    runs_out_below: Mapped[list[Any] | None]
     world_size: Mapped[int]
     global_batch: Mapped[int]
     samples_per_s: Mapped[float]
@@ -163,6 +165,8 @@ class ModeRow(TableBase):
     accumulating_micro_batch: Mapped[int | None]
     # The protocol's TracedFit, as JSON: read whole with the mode, never queried.
     traced: Mapped[dict[str, Any] | None]
+    # Micro-batches below the max that run out (a JSON list; null before revision 0009).
+    runs_out_below: Mapped[list[Any] | None]
 
 
 class AttemptRow(TableBase):

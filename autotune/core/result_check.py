@@ -127,8 +127,21 @@ class _Check:
                 self.fail(f"{at}.micro_batch", f"above the spec's cap {cap}")
             if attempt.fits and attempt.micro_batch > mode.max_micro_batch:
                 self.fail(f"{at}.fits", "a fitting micro-batch above max_micro_batch")
-            if not attempt.fits and attempt.micro_batch <= mode.max_micro_batch:
-                self.fail(f"{at}.fits", "an out-of-memory micro-batch at or below the max")
+            if not attempt.fits and attempt.micro_batch == mode.max_micro_batch:
+                self.fail(f"{at}.fits", "an out-of-memory micro-batch at the max")
+            dips = mode.runs_out_below
+            if (
+                not attempt.fits
+                and attempt.micro_batch < mode.max_micro_batch
+                and attempt.micro_batch not in dips
+            ):
+                # Memory is not monotone in b: a size below the max may run out, and is said.
+                self.fail(
+                    f"{at}.fits",
+                    "an out-of-memory micro-batch below the max not listed in runs_out_below",
+                )
+            if attempt.fits and attempt.micro_batch in dips:
+                self.fail(f"{at}.fits", "a fitting micro-batch listed in runs_out_below")
             if attempt.fits and attempt.peak_bytes > self.capacity_bytes:
                 self.fail(f"{at}.peak_bytes", "a fitting step above the device's capacity")
             if attempt.fits and attempt.oom_phase is not None:
@@ -137,6 +150,9 @@ class _Check:
             if allocated is not None and allocated > attempt.peak_bytes:
                 # Allocated blocks live in reserved segments: torch's own invariant.
                 self.fail(f"{at}.peak_allocated_bytes", "above the peak reserved (peak_bytes)")
+        dips = mode.runs_out_below
+        if dips != sorted(set(dips)) or any(not 1 <= b < mode.max_micro_batch for b in dips):
+            self.fail(f"{field}.runs_out_below", "not increasing sizes in [1, max_micro_batch)")
         top = mode.max_micro_batch
         if top >= 1 and verdicts.get(top) is not True:
             self.fail(f"{field}.max_micro_batch", "no attempt at the max that fits")

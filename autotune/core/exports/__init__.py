@@ -67,6 +67,7 @@ def build_exports(
         pytorch_loop=pytorch_loop(run),
         training=run.training,
         token_model=token_model,
+        runs_out_below=list(run.runs_out_below),
     )
 
 
@@ -86,6 +87,7 @@ def _measured(exports: Exports) -> MeasuredRun:
         num_blocks=exports.num_blocks,
         training=exports.training,
         token_model=exports.token_model,
+        runs_out_below=tuple(exports.runs_out_below),
     )
 
 
