@@ -14,7 +14,7 @@ the time an estimate takes and where the step first runs out.
 Part 3, a published figure: the activation memory of Llama-3.1-8B at sequence 32768 measured by
 stas00/ml-engineering, against the traced step's.
 
-    .venv/bin/python bench/estimator.py [--quick]
+    .venv/bin/python bench/estimator.py [--quick | --large-only | --presets NAME ...]
 
 Writes bench/results/estimator.{json,md}.
 """
@@ -400,12 +400,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--large-only", action="store_true", help="keep the committed zoo rows, redo part 2"
     )
+    parser.add_argument(
+        "--presets",
+        nargs="+",
+        choices=sorted(PRESETS),
+        help="redo the zoo rows of these presets only, keeping the other committed rows and parts",
+    )
     args = parser.parse_args(argv)
     presets = ["cnn", "gpt2-tiny", "llama-tiny", "mlp"] if args.quick else sorted(PRESETS)
     rows: list[dict[str, Any]] = []
     if args.large_only:
         rows = json.loads((RESULTS / "estimator.json").read_text())["zoo"]
         presets = []
+    if args.presets:
+        committed = json.loads((RESULTS / "estimator.json").read_text())
+        kept = [row for row in committed["zoo"] if row["preset"] not in args.presets]
+        for name in args.presets:
+            for capacity_bytes in capacities(preset_spec(name)):
+                kept.append(zoo_row(name, capacity_bytes))
+                print(json.dumps(kept[-1]), flush=True)
+        kept.sort(key=lambda row: (row["preset"], row["capacity_bytes"]))
+        _write(kept, committed["large"], committed["published"])
+        return 0 if all(row["exact"] for row in kept) else 1
     for name in presets:
         for capacity_bytes in capacities(preset_spec(name)):
             rows.append(zoo_row(name, capacity_bytes))

@@ -138,6 +138,8 @@ class RecommendationRow(TableBase):
     checkpointing: Mapped[bool]
     checkpointed_blocks: Mapped[int | None]
     num_blocks: Mapped[int | None]
+    # Micro-batches below the chosen one that run out in its mode (JSON; null before 0009).
+    runs_out_below: Mapped[list[Any] | None]
     world_size: Mapped[int]
     global_batch: Mapped[int]
     samples_per_s: Mapped[float]
@@ -163,6 +165,8 @@ class ModeRow(TableBase):
     accumulating_micro_batch: Mapped[int | None]
     # The protocol's TracedFit, as JSON: read whole with the mode, never queried.
     traced: Mapped[dict[str, Any] | None]
+    # Micro-batches below the max that run out (a JSON list; null before revision 0009).
+    runs_out_below: Mapped[list[Any] | None]
 
 
 class AttemptRow(TableBase):
@@ -213,7 +217,7 @@ class TrialRow(TableBase):
     step_time_spread: Mapped[float | None]
     timed_steps: Mapped[int]
     peak_bytes: Mapped[int | None]
-    # An estimate's split of its step with several ranks (revision 0012).
+    # An estimate's split of its step with several ranks (revision 0010).
     compute_time_s: Mapped[float | None]
     communication_time_s: Mapped[float | None]
     exposed_communication_s: Mapped[float | None]

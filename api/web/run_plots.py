@@ -64,6 +64,28 @@ def traced_points(run: Run) -> dict[bool, list[tuple[int, int]]]:
     }
 
 
+def _dip_marks(
+    run: Run, checkpointing: bool, name: str, css: str, capacity: int, scale: float, unit: str
+) -> list[Point]:
+    """The sizes below a mode's max that run out (`ModeProbe.runs_out_below`: memory is not
+    monotone in the micro-batch), marked as dips at the capacity line, which they cross."""
+    mode = next((m for m in run.modes if m.checkpointing == checkpointing), None)
+    if mode is None:
+        return []
+    return [
+        Point(
+            x=b,
+            y=capacity / scale,
+            title=f"{name}, micro-batch {b}: runs out, below {mode.max_micro_batch}, which fits "
+            "(a dip: keep every batch at the chosen size)",
+            marker="cross",
+            data={"mode": css, "dip": "true", "micro-batch": str(b)},
+            label="dip",
+        )
+        for b in mode.runs_out_below
+    ]
+
+
 def memory_chart(run: Run) -> Chart:
     attempts = latest_attempts(run)
     traced = traced_points(run)
@@ -94,6 +116,7 @@ def memory_chart(run: Run) -> Chart:
             )
             for b, peak, fits in mode
         ]
+        points += _dip_marks(run, checkpointing, name, css, capacity, scale, unit)
         series.append(Series(name=f"{name} (fits)", css_class=css, points=points))
         fit = _least_squares([(b, peak) for b, peak, fits in mode if fits] + predicted)
         if fit is not None:

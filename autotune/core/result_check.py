@@ -189,8 +189,24 @@ class _Check:
             self.attempt(at, attempt)
             if attempt.fits and attempt.micro_batch > mode.max_micro_batch:
                 self.fail(f"{at}.fits", "a fitting micro-batch above max_micro_batch")
-            if not attempt.fits and attempt.micro_batch <= mode.max_micro_batch:
-                self.fail(f"{at}.fits", "an out-of-memory micro-batch at or below the max")
+            if not attempt.fits and attempt.micro_batch == mode.max_micro_batch:
+                self.fail(f"{at}.fits", "an out-of-memory micro-batch at the max")
+            dips = mode.runs_out_below
+            if (
+                not attempt.fits
+                and attempt.micro_batch < mode.max_micro_batch
+                and attempt.micro_batch not in dips
+            ):
+                # Memory is not monotone in b: a size below the max may run out, and is said.
+                self.fail(
+                    f"{at}.fits",
+                    "an out-of-memory micro-batch below the max not listed in runs_out_below",
+                )
+            if attempt.fits and attempt.micro_batch in dips:
+                self.fail(f"{at}.fits", "a fitting micro-batch listed in runs_out_below")
+        dips = mode.runs_out_below
+        if dips != sorted(set(dips)) or any(not 1 <= b < mode.max_micro_batch for b in dips):
+            self.fail(f"{field}.runs_out_below", "not increasing sizes in [1, max_micro_batch)")
         top = mode.max_micro_batch
         if top >= 1 and verdicts.get(top) is not True:
             self.fail(f"{field}.max_micro_batch", "no attempt at the max that fits")

@@ -10,7 +10,7 @@ import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from autotune.core.errors import SpecError, shown
 from autotune.core.hubid import HUB_ID_MAX, hub_id_problem
@@ -609,6 +609,15 @@ class StepOutcome(FrozenModel):
     allocations: tuple[int, ...] | None = Field(default=None, exclude=True, repr=False)
 
 
+def _none_is_empty(value: object) -> object:
+    # Stored before revision 0009: null.
+    return [] if value is None else value
+
+
+# Micro-batch sizes a result lists (`runs_out_below`), read as empty where the store has null.
+MicroBatches = Annotated[list[int], BeforeValidator(_none_is_empty)]
+
+
 class TracedFit(FrozenModel):
     """The step traced without running it (fake tensors on a model of the probe's device)
     before the real trials: its fit points and the largest micro-batch they predicted. Next to
@@ -636,6 +645,14 @@ class ModeProbe(FrozenModel):
     traced: TracedFit | None = Field(
         default=None,
         description="The trace that gave the search its first fit, when the step was traced.",
+    )
+    runs_out_below: MicroBatches = Field(
+        default_factory=list,
+        max_length=4096,
+        description="Micro-batches below max_micro_batch that run out (memory is not monotone "
+        "in the micro-batch: the allocator's cache): seen in a trial, or predicted by the "
+        "allocation replay that agreed with every trial. A short last batch of such a size "
+        "runs out too.",
     )
 
 
@@ -732,6 +749,14 @@ class Recommendation(FrozenModel):
     )
     world_size: int = Field(ge=1)
     global_batch: int = Field(ge=1)
+    runs_out_below: MicroBatches = Field(
+        default_factory=list,
+        max_length=4096,
+        description="Micro-batches below micro_batch that run out in its checkpointing mode "
+        "(memory is not monotone in the micro-batch): every batch must keep micro_batch "
+        "samples, a short last batch included.",
+    )
+
     samples_per_s: PositiveRate
     tokens_per_s: PositiveRate | None = None
     peak_bytes: int = Field(ge=0)
@@ -771,6 +796,12 @@ class Exports(FrozenModel):
         description="Partial checkpointing: the first this many blocks are checkpointed.",
     )
     num_blocks: int | None = Field(default=None, ge=1, description="Blocks the model has.")
+    runs_out_below: MicroBatches = Field(
+        default_factory=list,
+        max_length=4096,
+        description="Micro-batches below the exported one that run out: every text says to "
+        "keep each batch at the exported size.",
+    )
     tokens_per_sample: int | None = Field(
         default=None,
         description="Set for a token target (training.target_global_tokens): the packed "

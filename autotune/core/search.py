@@ -36,6 +36,17 @@ Algorithm (the memory model and the proof: docs/design.md#search, docs/design.md
    the miss points; doubling from the largest fitting size when there was no prediction), then
    bisect between the tightest known bounds once both sides are seen.
 
+5. Past a dip: a step's reserved memory is not monotone in b (the allocator's cache, split by
+   one size's tensors, serves the next size's differently), so the bracket's failing end may be
+   a dip with larger sizes that fit above it. Each allocation model the search has (the traced
+   one, the one fitted on real trials) replays every size above the bracket, top down
+   (`AllocationModel.largest_fitting`); the largest size one predicts to fit is tried, and if it
+   fits the bracket opens again from it (its next size first, as step 4). A size that runs out
+   there is the model's miss: the next one down is tried, 2 misses at most. The search stops
+   when the size above the answer runs out and no model predicts a larger one
+   (docs/design.md#memory-that-is-not-monotone). Predictions in steps 0 and 2 take the largest
+   size predicted to fit too, not the first predicted to run out.
+
 Call budget: ceil(log2(cap)) + 2. Every fallback call is clamped into the window where both
 outcomes still leave a bisection that ends within the budget, so a search without a model never
 exceeds it. A prediction is a bet the budget has no room for (the two fit points already use its
@@ -46,7 +57,8 @@ which keeps room to look right next to a near miss first. Worst case: ceil(log2(
 in 4, a right traced one in 2.
 
 Invariants: no size is tried twice or above the cap, and the answer is certified: it fitted and
-the next size did not, unless it is the cap.
+the next size did not, unless it is the cap, and no model the trials left predicts a larger size
+to fit. Sizes below the answer seen running out are reported (`SearchResult.runs_out_below`).
 """
 
 from __future__ import annotations
@@ -69,6 +81,8 @@ UNBOUNDED_MICRO_BATCH = sys.maxsize
 
 # Predictions after the first one; each miss can cost 2 calls beyond the budget.
 _MAX_REFITS = 1
+# Sizes above a dip that a model predicted to fit and that ran out, before the search stops.
+_MAX_MISSES_PAST_DIPS = 2
 
 
 @dataclass(frozen=True)
@@ -166,6 +180,8 @@ class SearchResult:
     allocation_model: AllocationModel | None  # fitted on the same pair, when both recorded one
     capped: bool  # max_micro_batch == cap and cap fits
     traced_prediction: int | None = None  # what the traced fit points predicted, if given
+    # Sizes below the answer that ran out in a trial: memory is not monotone in b there.
+    runs_out_below: tuple[int, ...] = ()
 
 
 class _Gallop(Enum):
@@ -190,6 +206,7 @@ class _Search:
         allocator_config: AllocatorConfig | None,
     ):
         self._fits = fits
+        self.cap = cap
         self.capacity_bytes = capacity_bytes
         self.allocator_config = allocator_config
         self.lo = 0  # largest size seen fitting (0: none yet)
@@ -227,6 +244,29 @@ class _Search:
             observation.peak_bytes,
         )
         return observation
+
+    def tried(self, micro_batch: int) -> bool:
+        return any(attempt.micro_batch == micro_batch for attempt in self.attempts)
+
+    def try_past_dip(self, micro_batch: int) -> bool:
+        """Try a size above the closed bracket's failing end; if it fits, the bracket opens
+        again from it, up to the smallest size seen failing above it (else it stays)."""
+        if not self.done or not self.hi < micro_batch <= self.cap or self.tried(micro_batch):
+            raise AssertionError(f"search bug: {micro_batch} past the dip at {self.hi}")
+        lo, hi = self.lo, self.hi
+        self.lo, self.hi = micro_batch - 1, micro_batch + 1  # `trial` checks the bracket
+        if not self.trial(micro_batch).fits:
+            self.lo, self.hi = lo, hi
+            return False
+        self.hi = min(
+            (a.micro_batch for a in self.attempts if not a.fits and a.micro_batch > micro_batch),
+            default=self.cap + 1,
+        )
+        # A new bracket with a budget of its own; its next size first, as after a prediction
+        # that fitted.
+        self.budget_calls = len(self.attempts) + _ceil_log2(self.hi - self.lo) + 2
+        self.gallop, self.step = _Gallop.UP, 1
+        return True
 
     def try_fit_points(self, first: int) -> None:
         """Try `first` and, if it fits with a series and a model is possible, `first + 1`."""
@@ -303,9 +343,10 @@ class _Search:
         """The largest b the model predicts to fit (the live-bytes budget scaled by `evidence`,
         the traces the model came from, when there is no allocation model)."""
         if self.allocation_model is not None:
-            return self.allocation_model.max_micro_batch(
-                capacity_bytes, self.allocator_config, low=self.lo, high=self.hi
+            largest = self.allocation_model.largest_fitting(
+                capacity_bytes, self.allocator_config, above=self.lo, high=self.hi
             )
+            return self.lo if largest is None else largest
         return model.max_micro_batch(live_budget_bytes(capacity_bytes, evidence))
 
     def follow_prediction(self, predicted: int) -> None:
@@ -367,6 +408,44 @@ class _Search:
             self.gallop = _Gallop.BISECT
 
 
+def _look_past_dips(search: _Search, models: Sequence[AllocationModel]) -> None:
+    """Step 5: while a model predicts a size above the closed bracket to fit, try the largest
+    such size; close the bracket it opens (its next size first). Stops at the cap, when no
+    model predicts a larger size, or after `_MAX_MISSES_PAST_DIPS` predictions ran out."""
+    if search.capacity_bytes is None or not models:
+        return
+    capacity_bytes = search.capacity_bytes
+    misses = 0
+    # Per model, the sizes below which it is still asked: a miss rules its prediction out.
+    highs = [search.cap + 1] * len(models)
+    while search.done and search.lo < search.cap and misses < _MAX_MISSES_PAST_DIPS:
+        predictions: list[tuple[int, int]] = []
+        for index, model in enumerate(models):
+            predicted = model.largest_fitting(
+                capacity_bytes, search.allocator_config, above=search.hi, high=highs[index]
+            )
+            while predicted is not None and search.tried(predicted):
+                # A size seen running out already (a gallop went past the dip): the next one.
+                highs[index] = predicted
+                predicted = model.largest_fitting(
+                    capacity_bytes, search.allocator_config, above=search.hi, high=predicted
+                )
+            if predicted is not None:
+                predictions.append((predicted, index))
+        if not predictions:
+            return
+        target = max(predictions)[0]
+        logger.info("past the dip at %d, a model predicts %d fits", search.hi, target)
+        if search.try_past_dip(target):
+            while not search.done:
+                search.gallop_or_bisect()
+        else:
+            misses += 1
+            for predicted, index in predictions:
+                if predicted == target:
+                    highs[index] = target
+
+
 def find_max_micro_batch(
     fits: Callable[[int], StepOutcome],
     *,
@@ -417,8 +496,12 @@ def find_max_micro_batch(
     search = _Search(fits, cap, capacity_bytes, allocator_config)
 
     traced_prediction: int | None = None
+    dip_models: list[AllocationModel] = []
     if capacity_bytes is not None and traced:
         model = search.fit_traced(traced)
+        if search.allocation_model is not None:
+            # Kept past a miss: it may still know where the step fits above a dip.
+            dip_models.append(search.allocation_model)
         if model is not None:
             traced_prediction = min(search.predict(model, capacity_bytes, traced), cap)
             logger.info("the traced step predicts %d", traced_prediction)
@@ -442,6 +525,9 @@ def find_max_micro_batch(
             search.follow_prediction(search.predict(model, capacity_bytes, search.attempts))
     while not search.done:
         search.gallop_or_bisect()
+    if search.allocation_model is not None and search.allocation_model not in dip_models:
+        dip_models.append(search.allocation_model)
+    _look_past_dips(search, dip_models)
 
     logger.info("max micro-batch %d after %d trials", search.lo, len(search.attempts))
     return SearchResult(
@@ -451,7 +537,31 @@ def find_max_micro_batch(
         allocation_model=search.allocation_model,
         capped=search.lo == cap,
         traced_prediction=traced_prediction,
+        runs_out_below=_runs_out_below(search, dip_models),
     )
+
+
+def _runs_out_below(search: _Search, models: Sequence[AllocationModel]) -> tuple[int, ...]:
+    """Sizes below the answer that ran out in a trial, and those the first model agreeing with
+    every trial's verdict (at b >= 2, where the op sequence is the fitted one) predicts to run
+    out: the dips a person must keep every batch out of."""
+    answer = search.lo
+    runs_out = {a.micro_batch for a in search.attempts if not a.fits and a.micro_batch < answer}
+    capacity_bytes = search.capacity_bytes
+    if capacity_bytes is None:
+        return tuple(sorted(runs_out))
+    config = search.allocator_config
+    for model in models:
+        if all(
+            model.replay(a.micro_batch, capacity_bytes, config).fits == a.fits
+            for a in search.attempts
+            if a.micro_batch >= 2
+        ):
+            runs_out.update(
+                b for b in range(2, answer) if not model.replay(b, capacity_bytes, config).fits
+            )
+            break
+    return tuple(sorted(runs_out))
 
 
 def fewest_fitting(fits: Callable[[int], bool], *, failing: int, fitting: int) -> int:

@@ -68,13 +68,16 @@ def recommended_micro_batch(
     if replayed is not None and _replay_agrees(
         replayed, search, capacity_bytes, allocator_config, tolerance=100
     ):
-        return replayed.max_micro_batch(
+        # The largest within the budget, not the first size past it: memory is not monotone
+        # in b (docs/design.md#memory-that-is-not-monotone).
+        largest = replayed.largest_fitting(
             capacity_bytes,
             allocator_config,
-            low=0,
+            above=0,
             high=search.max_micro_batch + 1,
             budget_bytes=budget_bytes,
         )
+        return largest or 0
     model = search.peak_model
     if model is not None and _model_agrees(model, search):
         live_budget = live_budget_bytes(budget_bytes, search.attempts)
@@ -234,6 +237,7 @@ def probe_mode(
         recommended_micro_batch=recommended,
         capped=search.capped,
         attempts=[_stored(attempt) for attempt in attempts],
+        runs_out_below=list(search.runs_out_below),
         traced=(
             TracedFit(
                 predicted_max_micro_batch=search.traced_prediction,

@@ -184,6 +184,8 @@ def tune_session(
     recommendation = _recommend(
         trials, spec, capacity_bytes=device_info.capacity_bytes, num_blocks=session.num_blocks
     )
+    if recommendation is not None:
+        recommendation = _with_dips(recommendation, probe_result)
     if recommendation is None:
         # Every measured candidate ran out of memory with its accumulation steps.
         return _checked(
@@ -390,6 +392,18 @@ def _recommend(
         peak_bytes=best.peak_bytes,
         capacity_bytes=capacity_bytes,
     )
+
+
+def _with_dips(recommendation: Recommendation, probe_result: ProbeResult) -> Recommendation:
+    """The recommendation with the sizes below its micro-batch that run out in its mode, which
+    every export then says to keep batches out of (docs/design.md#memory-that-is-not-monotone)."""
+    mode = next(
+        (m for m in probe_result.modes if m.checkpointing == recommendation.checkpointing), None
+    )
+    if mode is None:
+        return recommendation
+    below = [b for b in mode.runs_out_below if b < recommendation.micro_batch]
+    return recommendation.model_copy(update={"runs_out_below": below})
 
 
 def _installed_transformers_version() -> str | None:

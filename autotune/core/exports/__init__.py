@@ -68,6 +68,7 @@ def build_exports(
         training=run.training,
         token_model=token_model,
         transformers_version=transformers_version,
+        runs_out_below=list(run.runs_out_below),
     )
 
 
@@ -87,6 +88,7 @@ def _measured(exports: Exports) -> MeasuredRun:
         num_blocks=exports.num_blocks,
         training=exports.training,
         token_model=exports.token_model,
+        runs_out_below=tuple(exports.runs_out_below),
     )
 
 

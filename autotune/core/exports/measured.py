@@ -61,6 +61,7 @@ class MeasuredRun:
     num_blocks: int | None
     training: TrainingSpec
     token_model: bool
+    runs_out_below: tuple[int, ...] = ()  # smaller micro-batches that run out
 
     @classmethod
     def of(
@@ -85,6 +86,7 @@ class MeasuredRun:
             num_blocks=rec.num_blocks if partial is not None else None,
             training=training or TrainingSpec(),
             token_model=token_model,
+            runs_out_below=tuple(rec.runs_out_below),
         )
 
     @property

@@ -4,7 +4,8 @@ step of a token target, and the notes on how the measured ranks shared their sta
 One place for a note that concerns every consumer: `shared_notes` is the head of every text
 (each consumer prefixes it with its comment syntax; the DeepSpeed JSON, which has none, gets it
 in its notes text; the plain loop's docstring states all but the batch line, which it words
-itself). A setting every consumer needs (an environment variable, say) belongs here.
+itself). A setting every consumer needs (an environment variable, say) belongs here, as does
+keeping every batch at the measured size when smaller sizes run out.
 """
 
 from __future__ import annotations
@@ -25,7 +26,20 @@ def shared_notes(run: MeasuredRun) -> list[str]:
             f"= {run.global_batch * tokens} tokens per optimizer step: packed samples of "
             f"{tokens} tokens each"
         )
+    if run.runs_out_below:
+        lines += [
+            f"micro-batches {_sizes(run.runs_out_below)} run out where {run.micro_batch} fits",
+            "(the allocator's cache is split differently at each size): keep every batch at",
+            f"{run.micro_batch}, the last one too: drop_last=True in the DataLoader",
+            "(dataloader_drop_last / drop_last in the configs), or pack samples",
+        ]
     return lines
+
+
+def _sizes(sizes: tuple[int, ...]) -> str:
+    """ "10", "10 and 13", "4, 10 and 13"."""
+    words = [str(size) for size in sizes]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} and {words[-1]}"
 
 
 def comment(lines: list[str], marker: str = "#") -> str:

@@ -149,25 +149,49 @@ class AllocationModel:
         """The predicted step at `micro_batch` on a device of `capacity_bytes`."""
         return replay_encoded(self.trace(micro_batch), capacity_bytes, config)
 
-    def max_micro_batch(
+    def live_peak_bytes(self, micro_batch: int) -> int:
+        """The most bytes the predicted trace at `micro_batch` holds at once (as requested,
+        before the allocator rounds or caches): a lower bound of what it reserves."""
+        sizes: list[int] = []
+        live = peak = 0
+        for event in self.trace(micro_batch):
+            if event >= 0:
+                sizes.append(event)
+                live += event
+                peak = max(peak, live)
+            else:
+                sizes.append(0)
+                live -= sizes[-event - 1]
+        return peak
+
+    def largest_fitting(
         self,
         capacity_bytes: int,
         config: AllocatorConfig | None = None,
         *,
-        low: int,
+        above: int,
         high: int,
         budget_bytes: int | None = None,
-    ) -> int:
-        """The largest b in [low, high) whose predicted step fits on `capacity_bytes` (and
-        reserves at most `budget_bytes` there, if given), by bisection, taking `low` as fitting
-        (a step's memory is monotone in b, the search's assumption too); `low` itself when none
-        above it does."""
-        while high - low > 1:
-            middle = (low + high) // 2
-            predicted = self.replay(middle, capacity_bytes, config)
-            within = budget_bytes is None or predicted.stats.peak_reserved_bytes <= budget_bytes
-            if predicted.fits and within:
-                low = middle
-            else:
-                high = middle
-        return low
+    ) -> int | None:
+        """The largest b in (`above`, `high`) whose predicted step fits on `capacity_bytes` (and
+        reserves at most `budget_bytes` there, if given), or None. Every size is replayed, from
+        the top down, since the allocator's caching makes a step's memory non-monotone in b
+        (some sizes run out where larger ones fit: docs/design.md#memory-that-is-not-monotone).
+        Sizes whose requested bytes alone exceed the limit are skipped without a replay: when no
+        allocation shrinks with b, those are a top range, found by bisection."""
+        limit_bytes = capacity_bytes if budget_bytes is None else min(capacity_bytes, budget_bytes)
+        top = high
+        if all(delta >= 0 for delta in self.delta_bytes):
+            low = above
+            while top - low > 1:
+                middle = (low + top) // 2
+                if self.live_peak_bytes(middle) <= limit_bytes:
+                    low = middle
+                else:
+                    top = middle
+            top = low + 1
+        for micro_batch in range(top - 1, above, -1):
+            predicted = self.replay(micro_batch, capacity_bytes, config)
+            if predicted.fits and predicted.stats.peak_reserved_bytes <= limit_bytes:
+                return micro_batch
+        return None

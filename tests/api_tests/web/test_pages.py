@@ -118,6 +118,29 @@ def test_a_run_page_shows_the_recommendation_exports_plots_and_tables(
     assert "preset: gpt2-tiny" in html
 
 
+def test_a_run_page_marks_the_sizes_that_run_out_below_the_max_as_dips(
+    http: TestClient, user: ServerClient, worker: ServerClient
+) -> None:
+    spec = tiny_spec(64)
+    run_id = user.submit_run(spec, emulated()).id
+    claim = worker.claim("w1", [emulated_device()])
+    assert claim is not None
+    result = tune_result(spec, emulated_device())
+    plain, checkpointed = result.probe.modes
+    dipped = checkpointed.model_copy(update={"runs_out_below": [10, 13]})
+    probe = result.probe.model_copy(update={"modes": [plain, dipped]})
+    worker.submit_result(run_id, claim.lease_id, result.model_copy(update={"probe": probe}))
+    assert user.get_run(run_id).modes[1].runs_out_below == [10, 13]
+    html = _signed_in(http).get(f"/runs/{run_id}").text
+    memory = html[html.index('id="memory-plot"') : html.index('id="throughput-plot"')]
+    dips = re.findall(
+        r'class="point cross ckpt"[^>]*data-dip="true" data-micro-batch="(\d+)"', memory
+    )
+    assert dips == ["10", "13"]
+    assert "micro-batch 10: runs out, below 16, which fits" in memory
+    assert memory.count(">dip</text>") == 2
+
+
 def test_a_run_page_sets_the_estimate_beside_the_measurement(
     http: TestClient, user: ServerClient, worker: ServerClient
 ) -> None:

@@ -156,9 +156,23 @@ BROKEN: list[tuple[str, Callable[[Data], object], str]] = [
         "probe.modes[1].attempts[2].fits",
     ),
     (
-        "an out-of-memory size below the max",
+        "an out-of-memory size below the max, not listed as a dip",
         lambda d: _attempts(d, 0)[0].update(fits=False),
         "probe.modes[0].attempts[0].fits",
+    ),
+    (
+        "a fitting size listed as a dip",
+        lambda d: d["probe"]["modes"][0].update(
+            runs_out_below=[_attempts(d, 0)[0]["micro_batch"]]
+        ),
+        "probe.modes[0].attempts[0].fits",
+    ),
+    (
+        "a dip at the max",
+        lambda d: d["probe"]["modes"][0].update(
+            runs_out_below=[d["probe"]["modes"][0]["max_micro_batch"]]
+        ),
+        "probe.modes[0].runs_out_below",
     ),
     (
         "a fitting attempt above capacity",
@@ -328,6 +342,15 @@ def test_impossible_numbers_are_refused_by_the_schema(
     mutate(data)
     with pytest.raises(ValidationError, match=re.escape(field)):
         TuneResult.model_validate(data)
+
+
+def test_a_size_below_the_max_that_runs_out_passes_when_listed_as_a_dip() -> None:
+    data = _valid().model_dump(mode="json")
+    first = _attempts(data, 0)[0]
+    assert first["micro_batch"] < data["probe"]["modes"][0]["max_micro_batch"]
+    first.update(fits=False, peak_bytes=CAPACITY + 1)
+    data["probe"]["modes"][0]["runs_out_below"] = [first["micro_batch"]]
+    assert check_result(tiny_spec(), TuneResult.model_validate(data)) == []
 
 
 def test_a_spec_without_target_is_answered_by_the_probe_alone() -> None:

@@ -19,7 +19,7 @@ from fractions import Fraction
 
 import pytest
 
-from autotune.core.memory.allocation_trace import replay_encoded
+from autotune.core.memory.allocation_trace import AllocationModel, replay_encoded
 from autotune.core.memory.allocator_config import AllocatorConfig, parse_alloc_conf
 from autotune.core.search import (
     PeakModel,
@@ -884,14 +884,16 @@ class AllocatorDevice:
         *,
         record_allocations: bool = True,
         config: AllocatorConfig | None = None,
+        trace: Callable[[int], tuple[int, ...]] = layered_allocations,
     ) -> None:
         self.capacity_bytes = capacity_bytes
         self.record_allocations = record_allocations
         self.config = config
+        self.trace = trace
         self.calls: list[int] = []
 
     def outcome(self, micro_batch: int) -> StepOutcome:
-        trace = layered_allocations(micro_batch)
+        trace = self.trace(micro_batch)
         replayed = replay_encoded(trace, self.capacity_bytes, self.config)
         return StepOutcome(
             micro_batch=micro_batch,
@@ -968,6 +970,120 @@ def test_the_search_replays_with_the_device_s_allocator_settings() -> None:
         )
         assert result.max_micro_batch == device.brute_force_max(256)
         assert device.calls == [2, 3, result.max_micro_batch, result.max_micro_batch + 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Past a dip: reserved memory that is not monotone in b
+# (docs/design.md#memory-that-is-not-monotone).
+
+
+def split_cache_allocations(micro_batch: int) -> tuple[int, ...]:
+    """Two tensors, the first freed, then a larger one: it fits in the first's cached block at
+    some sizes and needs a segment of its own at others, so some sizes run out on 24 MiB where
+    larger ones fit."""
+    b = micro_batch
+    return (256 * KiB * b, 256 * KiB * b, -1, MiB + 256 * KiB * b)
+
+
+def runs_out_below(device: AllocatorDevice, answer: int) -> tuple[int, ...]:
+    return tuple(b for b in range(2, answer) if not device.outcome(b).fits)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["fit-run", "fit-traced"])
+def test_the_answer_is_the_largest_size_that_fits_past_a_dip(traced: bool) -> None:
+    device = AllocatorDevice(24 * MiB, trace=split_cache_allocations)
+    largest = device.brute_force_max(64)
+    dips = runs_out_below(device, largest)
+    assert largest == 44 and dips  # the first size to run out is far below the largest
+    points = [device.outcome(2), device.outcome(3)] if traced else []
+    result = find_max_micro_batch(
+        device.fits, cap=64, capacity_bytes=device.capacity_bytes, traced=points
+    )
+    assert result.max_micro_batch == largest
+    assert result.runs_out_below == dips
+    assert device.calls[-2:] == [largest, largest + 1]
+    assert len(device.calls) == (2 if traced else 4)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_past_dips_the_answer_is_the_largest_size_that_fits_on_random_steps(seed: int) -> None:
+    # Random steps of a few tensors on the allocator model, where the replay is exact.
+    rng = random.Random(seed)
+    events: list[tuple[int, int] | int] = []
+    live: list[int] = []
+    for position in range(rng.randint(4, 7)):
+        if live and rng.random() < 0.35:
+            events.append(-(live.pop(rng.randrange(len(live))) + 1))
+        else:
+            fixed = rng.choice([0, 512 * KiB, MiB, 3 * MiB])
+            events.append((fixed, rng.choice([64 * KiB, 256 * KiB, 512 * KiB, MiB, 2 * MiB])))
+            live.append(position)
+
+    def trace(b: int) -> tuple[int, ...]:
+        return tuple(e if isinstance(e, int) else e[0] + b * e[1] for e in events)
+
+    for capacity_mib in (24, 40):
+        device = AllocatorDevice(capacity_mib * MiB, trace=trace)
+        if not (device.outcome(2).fits and device.outcome(3).fits):
+            continue  # no fit points: no model, nothing predicted past a dip
+        result = find_max_micro_batch(device.fits, cap=64, capacity_bytes=device.capacity_bytes)
+        assert result.max_micro_batch == device.brute_force_max(64)
+        assert result.runs_out_below == runs_out_below(device, result.max_micro_batch)
+
+
+def _hidden_failures(device: AllocatorDevice, sizes: range) -> None:
+    """`sizes` run out for a reason the trace cannot see (on a card: memory the dispatcher never
+    sees), so the model's predictions there miss."""
+    replayed = device.outcome
+
+    def outcome(micro_batch: int) -> StepOutcome:
+        real = replayed(micro_batch)
+        if micro_batch in sizes:
+            return StepOutcome(micro_batch=micro_batch, fits=False, peak_bytes=real.peak_bytes)
+        return real
+
+    device.outcome = outcome  # type: ignore[method-assign]
+
+
+def test_past_a_dip_a_prediction_that_runs_out_is_a_miss_and_the_next_one_down_is_tried() -> None:
+    device = AllocatorDevice(24 * MiB, trace=split_cache_allocations)
+    _hidden_failures(device, range(44, 45))
+    result = find_max_micro_batch(device.fits, cap=64, capacity_bytes=device.capacity_bytes)
+    assert result.max_micro_batch == device.brute_force_max(64) == 43
+    assert device.calls == [2, 3, 44, 43]  # 44 ran out: 43 is certified from both sides
+
+
+@pytest.mark.parametrize(
+    ("hidden", "answer", "past_the_dip"),
+    [(range(41, 45), 40, [42, 40]), (range(40, 45), 25, [42, 40])],
+    ids=["one-miss", "two-misses"],
+)
+def test_past_a_dip_predictions_that_miss_are_tried_twice_at_most(
+    hidden: range, answer: int, past_the_dip: list[int]
+) -> None:
+    device = AllocatorDevice(24 * MiB, trace=split_cache_allocations)
+    _hidden_failures(device, hidden)
+    result = find_max_micro_batch(device.fits, cap=64, capacity_bytes=device.capacity_bytes)
+    assert result.max_micro_batch == device.brute_force_max(64) == answer
+    # The first prediction (44) missed and the fallback closed the bracket at 25 / 26; past
+    # that dip the model's largest untried predictions, until one fits or two have missed.
+    assert device.calls[:3] == [2, 3, 44] and device.calls[-2:] == past_the_dip
+    assert device.calls[-3] == 26 or device.calls[-3] == 25
+    assert len(device.calls) == len(set(device.calls))
+    # The model disagreed with trials: only sizes seen running out are listed.
+    assert result.runs_out_below == tuple(
+        b for b in sorted(device.calls) if b < answer and not device.outcome(b).fits
+    )
+
+
+def test_allocation_model_largest_fitting_scans_past_dips() -> None:
+    model = AllocationModel.fit(2, split_cache_allocations(2), 3, split_cache_allocations(3))
+    assert model is not None
+    fits = [b for b in range(2, 65) if replay_encoded(split_cache_allocations(b), 24 * MiB).fits]
+    assert model.largest_fitting(24 * MiB, above=1, high=65) == max(fits) == 44
+    below = max(b for b in fits if b < 44 and b + 1 not in fits)
+    assert model.largest_fitting(24 * MiB, above=1, high=below + 1) == below
+    assert model.largest_fitting(24 * MiB, above=44, high=65) is None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -126,6 +126,23 @@ def test_one_rank_says_nothing_about_ddp() -> None:
     assert not [name for name, text in texts.items() if "bucket_view" in text]
 
 
+def test_every_export_says_to_keep_batches_out_of_the_sizes_that_run_out() -> None:
+    rec = _rec(18, 2).model_copy(update={"runs_out_below": [10, 13]})
+    texts = render_exports(_exports(rec))
+    for name, text in texts.items():
+        if name in ("data_parallel", "deepspeed"):
+            continue  # several ranks only; the JSON's notes are in deepspeed_notes
+        assert "micro-batches 10 and 13 run out where 18 fits" in text, name
+        assert "keep every batch at" in text and "drop_last=True" in text, name
+    compile(texts["hf"], "<hf>", "exec")
+    compile(texts["pytorch_loop"], "<loop>", "exec")
+    yaml.safe_load(texts["axolotl"])
+    # Without dips nothing is said.
+    assert not any(
+        "run out where" in text for text in render_exports(_exports(_rec(18, 2))).values()
+    )
+
+
 def test_every_export_on_several_ranks_says_how_ddp_was_measured() -> None:
     exports = _exports(_rec(8, 4, world=2))
     texts = render_exports(exports)

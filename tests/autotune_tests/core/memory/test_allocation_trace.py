@@ -73,17 +73,17 @@ def test_an_allocation_model_finds_where_reserved_memory_runs_out() -> None:
     assert model is not None
     capacity_bytes = 60 * MIB
     answer = max(b for b in range(1, 64) if replay_encoded(_trace(b), capacity_bytes).fits)
-    assert model.max_micro_batch(capacity_bytes, low=0, high=64) == answer
+    assert model.largest_fitting(capacity_bytes, above=0, high=64) == answer
     # Within a budget: the peak reserved with the whole capacity there, not a smaller card.
     budget_bytes = 40 * MIB
     replays = {b: replay_encoded(_trace(b), capacity_bytes) for b in range(1, 64)}
     within = max(
         b for b, r in replays.items() if r.fits and r.stats.peak_reserved_bytes <= budget_bytes
     )
-    found = model.max_micro_batch(capacity_bytes, low=0, high=64, budget_bytes=budget_bytes)
+    found = model.largest_fitting(capacity_bytes, above=0, high=64, budget_bytes=budget_bytes)
     assert found == within < answer
-    # The low end is taken as fitting, the high end as not.
-    assert model.max_micro_batch(capacity_bytes, low=answer + 5, high=answer + 6) == answer + 5
+    # Only sizes strictly between the two ends: none there fits.
+    assert model.largest_fitting(capacity_bytes, above=answer, high=answer + 6) is None
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """Trials: an estimate's compute, communication and exposed communication with several ranks.
 
-Revision ID: 0012
-Revises: 0008
+Revision ID: 0010
+Revises: 0009
 Create Date: 2026-11-26
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0012"
-down_revision: str | None = "0008"
+revision: str = "0010"
+down_revision: str | None = "0009"
 branch_labels: str | None = None
 depends_on: str | None = None
 
