@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from autotune.core.memory.optimizer_states import FSDP2_SHARDINGS, EightBitAdamW, eight_bit_adamw
 from autotune.core.schemas import (
     OptimizerName,
     Precision,
@@ -26,25 +27,6 @@ OUTPUT_HEAD = "lm_head"
 # DeepSpeed's ZeRO stage for each sharding; hybrid is stage 3 over all ranks there (DeepSpeed
 # 0.19 removed MiCS, its only way to shard within groups: the DeepSpeed text says so).
 ZERO_STAGES = {Sharding.ZERO1: 1, Sharding.ZERO2: 2, Sharding.ZERO3: 3, Sharding.HYBRID: 3}
-FSDP2_SHARDINGS = (Sharding.ZERO2, Sharding.ZERO3, Sharding.HYBRID)
-
-
-@dataclass(frozen=True)
-class EightBitAdamW:
-    """One library's 8-bit AdamW, as a script builds it."""
-
-    library: str  # the distribution to install
-    class_path: str  # importable as module.Class
-    hf_optim: str  # transformers' `TrainingArguments.optim` that builds this class
-
-
-# `optimizer: adamw8bit` is measured as bitsandbytes' AdamW8bit on whole parameters, and as
-# torchao's under FSDP2 (bitsandbytes' does not support DTensors; Axolotl refuses the pair):
-# the engine's choice (autotune.engine.training.adamw_8bit), which the exports follow.
-BITSANDBYTES_ADAMW_8BIT = EightBitAdamW(
-    "bitsandbytes", "bitsandbytes.optim.AdamW8bit", "adamw_bnb_8bit"
-)
-TORCHAO_ADAMW_8BIT = EightBitAdamW("torchao", "torchao.optim.AdamW8bit", "adamw_torch_8bit")
 
 
 @dataclass(frozen=True)
@@ -113,7 +95,7 @@ class MeasuredRun:
     @property
     def eight_bit_adamw(self) -> EightBitAdamW:
         """The 8-bit AdamW measured for `optimizer: adamw8bit` with this sharding."""
-        return TORCHAO_ADAMW_8BIT if self.fsdp2 else BITSANDBYTES_ADAMW_8BIT
+        return eight_bit_adamw(self.sharding)
 
     @property
     def shard_group_size(self) -> int:

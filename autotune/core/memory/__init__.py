@@ -1,2 +1,2 @@
 """The memory model, torch-free: the CUDA caching allocator's policy, its settings and blocks,
-traces replayed through it, kernels' scratch, and DDP's gradient buckets."""
+traces replayed through it, kernels' scratch, DDP's gradient buckets, and 8-bit AdamW's states."""

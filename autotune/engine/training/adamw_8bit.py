@@ -1,19 +1,16 @@
-"""AdamW with 8-bit block-wise states: the memory of bitsandbytes' `AdamW8bit`, which cannot run
-on this CPU-only build, as an explicit allowance (docs/design.md#weights-and-optimizer-states).
+"""AdamW with 8-bit block-wise states: the memory of bitsandbytes' `AdamW8bit` (whole
+parameters) or torchao's (FSDP2's sharded ones), which cannot run on this CPU-only build, as an
+explicit allowance (docs/design.md#weights-and-optimizer-states).
 
-What a rank holds is what bitsandbytes 0.4x's `Optimizer2State.init_state` allocates for
-`AdamW8bit` with its defaults (`optim_bits=8`, `min_8bit_size=4096`, block-wise):
-
-* a parameter of fewer than 4096 elements keeps two fp32 states (8 bytes per element);
-* any other keeps two uint8 states (2 bytes per element) and two fp32 `absmax` vectors, one
-  value per block of 256 elements;
-* two 256-entry fp32 quantisation maps shared by all parameters (2 KiB).
+Which library is measured when, and the states each keeps, is
+`autotune.core.memory.optimizer_states`; this optimizer allocates those states on a parameter,
+or on a rank's shard of a DTensor parameter as torchao does.
 
 The update is AdamW over dequantised states, requantised by block absmax through a power-law
-map (bitsandbytes uses its dynamic quantisation map: the same bytes, other values). bitsandbytes
-does it in one fused kernel with no temporaries; this one works on chunks of `CHUNK_ELEMENTS`
+map (the libraries use their dynamic quantisation maps: the same bytes, other values). They do
+it in one fused kernel with no temporaries; this one works on chunks of `CHUNK_ELEMENTS`
 elements, whose fp32 temporaries (about 8 MiB during the optimizer step) are the allowance's
-only excess over the real library. It reads no tensor value on the host, so the estimate
+only excess over the real libraries. It reads no tensor value on the host, so the estimate
 traces it on fake tensors, where only a parameter's first and last chunks are traced: every
 chunk allocates and frees the same temporaries, so the peak is the same, and the 30 000 chunks
 of an 8B model would take minutes of tracing.
@@ -26,17 +23,17 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.tensor import DTensor
 
-MIN_8BIT_ELEMENTS = 4096  # bitsandbytes' min_8bit_size
-BLOCK_ELEMENTS = 256  # bitsandbytes' block-wise quantisation block
-QMAP_ENTRIES = 256
+from autotune.core.memory.optimizer_states import (
+    BLOCK_ELEMENTS,
+    QMAP_ENTRIES,
+    Library,
+    is_8bit,
+)
+
 # A multiple of the block; 2^18 fp32 elements are 1 MiB per temporary.
 CHUNK_ELEMENTS = 2**18
-ADAMW_8BIT_ASSUMPTION = (
-    "adamw8bit: bitsandbytes' AdamW8bit state sizes (uint8 moments, fp32 absmax per 256 "
-    "elements, fp32 under 4096 elements), allocated by autotune's stand-in; the library "
-    "itself did not run"
-)
 _SIGNED_LEVELS = 127.0
 _UNSIGNED_LEVELS = 255.0
 # Codes are companded (value = code^power): small moments keep resolution, as bitsandbytes'
@@ -45,17 +42,23 @@ _SIGNED_POWER = 2.0
 _UNSIGNED_POWER = 4.0
 
 
-def state_bytes(numel: int) -> int:
-    """Optimizer-state bytes `AdamW8bit` keeps for one parameter of `numel` elements (the shared
-    quantisation maps aside)."""
-    if numel < MIN_8BIT_ELEMENTS:
-        return 2 * 4 * numel
-    blocks = -(-numel // BLOCK_ELEMENTS)
-    return 2 * numel + 2 * 4 * blocks
+def assumption(library: Library) -> str:
+    """What a result measured with this allowance states."""
+    if library is Library.BITSANDBYTES:
+        sizes = "uint8 moments, fp32 absmax per 256 elements, fp32 under 4096 elements"
+    else:
+        sizes = (
+            "per rank's shard: uint8 moments, an fp32 scale per 256 elements and a 256-entry "
+            "map each; in the parameter's dtype under 4096 elements or off the 256 blocks"
+        )
+    return (
+        f"adamw8bit: {library}'s AdamW8bit state sizes ({sizes}), allocated by autotune's "
+        "stand-in; the library itself did not run"
+    )
 
 
 class AdamW8bit(torch.optim.Optimizer):
-    """AdamW keeping bitsandbytes' `AdamW8bit` state tensors (see the module docstring)."""
+    """AdamW keeping `library`'s `AdamW8bit` state tensors (see the module docstring)."""
 
     def __init__(
         self,
@@ -64,10 +67,13 @@ class AdamW8bit(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        *,
+        library: Library = Library.BITSANDBYTES,
     ) -> None:
         super().__init__(
             params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         )
+        self.library = library
         self._qmaps: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -86,27 +92,29 @@ class AdamW8bit(torch.optim.Optimizer):
 
     def _maps(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._qmaps is None or self._qmaps[0].device != device:
-            # bitsandbytes' signed and unsigned dynamic maps: 256 fp32 values each.
-            self._qmaps = (
-                torch.linspace(-1.0, 1.0, QMAP_ENTRIES, device=device),
-                torch.linspace(0.0, 1.0, QMAP_ENTRIES, device=device),
-            )
+            self._qmaps = _qmaps(device)
         return self._qmaps
 
     def _init_state(self, param: torch.Tensor) -> dict[str, Any]:
         state: dict[str, Any] = self.state[param]
         state["step"] = 0
-        if param.numel() < MIN_8BIT_ELEMENTS:
-            state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
-            state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
+        local = _local(param)  # a rank's shard of a DTensor, as torchao keeps its states
+        if not is_8bit(local.numel(), self.library):
+            # bitsandbytes keeps fp32 states, torchao states of the parameter's dtype.
+            dtype = torch.float32 if self.library is Library.BITSANDBYTES else local.dtype
+            state["exp_avg"] = torch.zeros_like(local, dtype=dtype)
+            state["exp_avg_sq"] = torch.zeros_like(local, dtype=dtype)
             return state
-        blocks = -(-param.numel() // BLOCK_ELEMENTS)
-        self._maps(param.device)
+        blocks = -(-local.numel() // BLOCK_ELEMENTS)
         # Signed state stored with an offset of 128: uint8 as bitsandbytes stores it.
-        state["state1"] = torch.full_like(param, 128, dtype=torch.uint8)
-        state["state2"] = torch.zeros_like(param, dtype=torch.uint8)
-        state["absmax1"] = torch.zeros(blocks, dtype=torch.float32, device=param.device)
-        state["absmax2"] = torch.zeros(blocks, dtype=torch.float32, device=param.device)
+        state["state1"] = torch.full_like(local, 128, dtype=torch.uint8)
+        state["state2"] = torch.zeros_like(local, dtype=torch.uint8)
+        state["absmax1"] = torch.zeros(blocks, dtype=torch.float32, device=local.device)
+        state["absmax2"] = torch.zeros(blocks, dtype=torch.float32, device=local.device)
+        if self.library is Library.BITSANDBYTES:
+            self._maps(local.device)  # shared by all parameters
+        else:  # each of torchao's states holds its own map
+            state["qmap1"], state["qmap2"] = _qmaps(local.device)
         return state
 
     @torch.no_grad()
@@ -127,18 +135,20 @@ class AdamW8bit(torch.optim.Optimizer):
     def _update_fp32(
         self, param: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
     ) -> None:
-        grad = param.grad
-        assert grad is not None
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        assert param.grad is not None
+        local, grad = _local(param), _local(param.grad)
+        exp_avg, exp_avg_sq = state["exp_avg"].float(), state["exp_avg_sq"].float()
         update = _adamw_update(exp_avg, exp_avg_sq, grad.float(), state["step"], group)
-        _apply(param.view(-1), update.view(-1), param.view(-1).float(), group)
+        if exp_avg is not state["exp_avg"]:  # states of a bf16 parameter (torchao's)
+            state["exp_avg"].copy_(exp_avg)
+            state["exp_avg_sq"].copy_(exp_avg_sq)
+        _apply(local.view(-1), update.view(-1), local.view(-1).float(), group)
 
     def _update_8bit(
         self, param: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
     ) -> None:
-        grad = param.grad
-        assert grad is not None
-        flat_param, flat_grad = param.view(-1), grad.view(-1)
+        assert param.grad is not None
+        flat_param, flat_grad = _local(param).view(-1), _local(param.grad).view(-1)
         state1, state2 = state["state1"].view(-1), state["state2"].view(-1)
         numel = flat_param.numel()
         starts = range(0, numel, CHUNK_ELEMENTS)
@@ -157,6 +167,23 @@ class AdamW8bit(torch.optim.Optimizer):
             _apply(flat_param[start:end], update, flat_param[start:end].float(), group)
             _quantise(exp_avg, state1[start:end], absmax1, signed=True)
             _quantise(exp_avg_sq, state2[start:end], absmax2, signed=False)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (a view: updating it updates the parameter), else the
+    tensor."""
+    if isinstance(tensor, DTensor):
+        local: torch.Tensor = tensor.to_local()
+        return local
+    return tensor
+
+
+def _qmaps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The signed and unsigned quantisation maps: 256 fp32 values each."""
+    return (
+        torch.linspace(-1.0, 1.0, QMAP_ENTRIES, device=device),
+        torch.linspace(0.0, 1.0, QMAP_ENTRIES, device=device),
+    )
 
 
 def _adamw_update(

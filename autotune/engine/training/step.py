@@ -22,9 +22,10 @@ from torch.amp.grad_scaler import _refresh_per_optimizer_state
 from torch.utils._python_dispatch import _disable_current_modes
 
 from autotune.core.errors import SpecError
+from autotune.core.memory.optimizer_states import FSDP2_SHARDINGS, Library, eight_bit_adamw
 from autotune.core.schemas import OptimizerName, Precision, Sharding, TrainingSpec, WeightsDtype
 from autotune.engine.emulation.autocast import cuda_autocast_policy
-from autotune.engine.training.adamw_8bit import ADAMW_8BIT_ASSUMPTION, AdamW8bit
+from autotune.engine.training.adamw_8bit import AdamW8bit, assumption
 from autotune.engine.training.adapters import adapter_parameter_ids, apply_lora
 from autotune.engine.training.data_parallel import EmulatedReducer
 from autotune.engine.training.sharding import assumption as sharding_assumption
@@ -117,19 +118,16 @@ class TrainingStep:
             self.model = cast_weights(
                 self.model, torch.bfloat16, keep=adapter_parameter_ids(self.model)
             )
-        sharded = training.sharding in (Sharding.ZERO2, Sharding.ZERO3, Sharding.HYBRID)
+        sharded = training.sharding in FSDP2_SHARDINGS
         if sharded:
             self.model = shard_model(self.model, training, device)
         elif training.sharding is Sharding.ZERO1:
             process_group(training.world_size)
-        self.optimizer = _build_optimizer(
-            self.model, training.optimizer, zero1=training.sharding is Sharding.ZERO1
-        )
+        self.optimizer = _build_optimizer(self.model, training.optimizer, training.sharding)
         # What holds this rank's optimizer state: ZeRO-1's local optimizer, else the optimizer.
         self._local_optimizer: torch.optim.Optimizer = getattr(
             self.optimizer, "optim", self.optimizer
         )
-        allowance = isinstance(self._local_optimizer, AdamW8bit)
         self._autocast_dtype = _AUTOCAST_DTYPES.get(training.precision)
         self.scaler = (
             torch.amp.GradScaler(device.type) if training.precision is Precision.FP16 else None
@@ -152,8 +150,8 @@ class TrainingStep:
         )
         if training.sharding is not Sharding.NONE:
             self.assumptions += (sharding_assumption(training),)
-        if allowance:
-            self.assumptions += (ADAMW_8BIT_ASSUMPTION,)
+        if isinstance(self._local_optimizer, AdamW8bit):
+            self.assumptions += (assumption(self._local_optimizer.library),)
 
     @property
     def checkpointing(self) -> bool:
@@ -302,18 +300,18 @@ class TrainingStep:
 
 
 def _build_optimizer(
-    model: nn.Module, name: OptimizerName, *, zero1: bool = False
+    model: nn.Module, name: OptimizerName, sharding: Sharding = Sharding.NONE
 ) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer_class, kwargs = _optimizer_class(name, params)
+    optimizer_class, kwargs = _optimizer_class(name, params, sharding)
     kwargs["lr"] = _LEARNING_RATES[name]
-    if zero1:
+    if sharding is Sharding.ZERO1:
         return zero1_optimizer(params, optimizer_class, **kwargs)
     return optimizer_class(params, **kwargs)
 
 
 def _optimizer_class(
-    name: OptimizerName, params: list[nn.Parameter]
+    name: OptimizerName, params: list[nn.Parameter], sharding: Sharding
 ) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """The class and keyword arguments (but the learning rate) to build `name` with, as a CUDA
     run builds it (`foreach=True`)."""
@@ -323,21 +321,24 @@ def _optimizer_class(
         return torch.optim.SGD, {"momentum": 0.9, "foreach": True}
     if name is OptimizerName.ADAFACTOR:
         return torch.optim.Adafactor, {"foreach": True}
-    return _adamw_8bit_class(params), {}
+    library = eight_bit_adamw(sharding).library
+    return _adamw_8bit_class(params, library)
 
 
-def _adamw_8bit_class(params: list[nn.Parameter]) -> type[torch.optim.Optimizer]:
-    """bitsandbytes' own AdamW8bit where it runs (a CUDA device with the library installed),
-    else the allowance that allocates its states (`autotune.engine.training.adamw_8bit`)."""
+def _adamw_8bit_class(
+    params: list[nn.Parameter], library: Library
+) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """`library`'s own AdamW8bit where it runs (a CUDA device with the library installed), else
+    the allowance that allocates its states (`autotune.engine.training.adamw_8bit`)."""
     if params and params[0].device.type == "cuda":
         try:
-            bitsandbytes = importlib.import_module("bitsandbytes")
+            module = importlib.import_module(f"{library}.optim")
         except ImportError:
             pass
         else:
-            optimizer_class: type[torch.optim.Optimizer] = bitsandbytes.optim.AdamW8bit
-            return optimizer_class
-    return AdamW8bit
+            optimizer_class: type[torch.optim.Optimizer] = module.AdamW8bit
+            return optimizer_class, {}
+    return AdamW8bit, {"library": library}
 
 
 def _autocast(

@@ -97,7 +97,7 @@ def test_every_trial_is_the_emulated_gpus_to_the_byte(name: str) -> None:
 def test_saved_modules_beside_adapters_trace_as_on_the_emulated_gpu(weights: str) -> None:
     """peft deep-copies `modules_to_save`; the copies' fake tensors trace in the estimate's own
     mode (a deep-copied mode frees its tensors' storages twice: the process crashed, see
-    tests/autotune_tests/cli/test_saved_modules.py), and their trials peak as the emulated
+    tests/autotune_tests/cli/test_main.py), and their trials peak as the emulated
     GPU's."""
     lora = {"r": 4, "alpha": 8.0, "modules_to_save": ["embed_tokens", "lm_head"]}
     training = {"seq_len": SEQ_LEN, "precision": "bf16", "weights": weights, "lora": lora}

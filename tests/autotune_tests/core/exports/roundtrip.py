@@ -77,6 +77,8 @@ CASES: dict[str, Case] = {
         {"lora": {**_LORA, "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]}}
     ),
     "adamw8bit": Case({"optimizer": "adamw8bit"}),
+    # torchao's AdamW8bit on FSDP2's shards (bitsandbytes' does not support them).
+    "adamw8bit-zero3": Case({"optimizer": "adamw8bit", "world_size": 2, "sharding": "zero3"}),
     "sgd": Case({"optimizer": "sgd"}),
     "adafactor": Case({"optimizer": "adafactor"}),
     "ddp": Case({"world_size": 2}),

@@ -43,6 +43,7 @@ CANNOT_EXPRESS: dict[tuple[str, str], tuple[dict[str, Any], str]] = {
     ("deepspeed", "bf16-weights"): ({"autocast": None}, "cannot be expressed"),
     # A client optimizer: the notes name it, the JSON cannot.
     ("deepspeed", "adamw8bit"): ({"optimizer": None}, "bitsandbytes.optim.AdamW8bit"),
+    ("deepspeed", "adamw8bit-zero3"): ({"optimizer": None}, "torchao.optim.AdamW8bit"),
     # MiCS is gone: ZeRO-3 over all ranks.
     ("deepspeed", "hybrid"): ({}, "Hybrid sharding (groups of 2) cannot be expressed"),
 }
@@ -80,7 +81,7 @@ def _all_text(exports: Exports, consumer: str) -> str:
 
 
 NAMES = list(CASES)
-SHARDED = {"zero1", "zero2", "zero3", "hybrid"}
+SHARDED = {"zero1", "zero2", "zero3", "hybrid", "adamw8bit-zero3"}
 
 
 # ---------------------------------------------------------------------------------------------
