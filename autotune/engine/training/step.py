@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from autotune.core.errors import SpecError
 from autotune.core.schemas import OptimizerName, Precision, Sharding, TrainingSpec, WeightsDtype
 from autotune.engine.emulation.autocast import cuda_autocast_policy
+from autotune.engine.emulation.tracker import MemoryHolders
 from autotune.engine.training.adamw_8bit import ADAMW_8BIT_ASSUMPTION, AdamW8bit
 from autotune.engine.training.adapters import adapter_parameter_ids, apply_lora
 from autotune.engine.training.data_parallel import EmulatedReducer
@@ -236,6 +237,22 @@ class TrainingStep:
         would keep the old buckets alive beside the new ones."""
         if self.reducer is not None:
             self.reducer.rebuild_if_due()
+
+    def memory_holders(self) -> MemoryHolders:
+        """The weights, gradients and optimizer state as they are now, for an out-of-memory's
+        detail."""
+        parameters = list(self.model.parameters())
+        state = [
+            value
+            for values in self._local_optimizer.state.values()
+            for value in values.values()
+            if isinstance(value, torch.Tensor)
+        ]
+        return MemoryHolders(
+            weights=[*parameters, *self.model.buffers()],
+            gradients=[p.grad for p in parameters if p.grad is not None],
+            optimizer_state=state,
+        )
 
     def resident_tensors(self) -> list[torch.Tensor]:
         """Tensors that live across steps: parameters, buffers, gradients, optimizer state, the
