@@ -79,6 +79,7 @@ bench: env
 	$(PY) bench/api_load.py
 	$(PY) bench/long_poll.py
 	$(PY) bench/pages.py
+	$(PY) bench/first_hour.py
 	$(PY) bench/fidelity.py grid
 	$(PY) bench/fidelity.py published
 	$(PY) bench/finetune.py

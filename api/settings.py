@@ -52,6 +52,12 @@ class Settings(BaseSettings):
         default=3.0, gt=0, description="GET /health answers 503 if the database takes longer."
     )
     max_wait_s: float = Field(default=300.0, ge=0, description="Cap on ?wait= long polls.")
+    offer_window_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="A queued run whose device no worker offered within this many seconds "
+        "says so (the run, the submit answer, the run page).",
+    )
     wait_poll_s: float = Field(
         default=0.1,
         gt=0,

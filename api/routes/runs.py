@@ -74,10 +74,22 @@ def _json(body: bytes, status_code: int = 200) -> Response:
     return Response(body, status_code=status_code, media_type="application/json")
 
 
-def _submitted(run_id: int, status: RunStatus, cached: bool, run_body: bytes | None) -> bytes:
+def _submitted(
+    run_id: int,
+    status: RunStatus,
+    cached: bool,
+    run_body: bytes | None,
+    notice: str | None = None,
+) -> bytes:
     """A `Submitted` body around an already serialised run (no second serialisation)."""
     head = json.dumps(
-        {"id": run_id, "status": status.value, "url": run_url(run_id), "cached": cached}
+        {
+            "id": run_id,
+            "status": status.value,
+            "url": run_url(run_id),
+            "cached": cached,
+            "notice": notice,
+        }
     )
     return head[:-1].encode() + b', "run": ' + (run_body or b"null") + b"}"
 
@@ -113,7 +125,8 @@ async def submit_run(request: RunCreate, context: ContextDep, wait: WaitSeconds 
     elif wait > 0:
         finished = await _wait_for(context, run_id, wait)
     if finished is None:
-        return _json(_submitted(run_id, status, False, None), status_code=202)
+        notice = await run_in_threadpool(runreads.device_notice, context, request.device)
+        return _json(_submitted(run_id, status, False, None, notice), status_code=202)
     return _json(_submitted(run_id, finished[0], cached, finished[1]))
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from datetime import datetime
 
 from api.deps import AppContext
-from api.store import leases, runstore
+from api.store import leases, offers, runstore
 from api.store.runcache import CachedRun
-from autotune.remote.protocol import Run, RunPage, RunStatus
+from autotune.remote.protocol import DeviceTarget, Run, RunPage, RunStatus
 
 
 def _expire_if_lapsed(
@@ -27,13 +27,24 @@ def _expire_if_lapsed(
 
 
 def fresh_run(context: AppContext, run_id: int) -> Run:
-    """Read a run, first requeueing it if its lease has expired (expiry is checked on read)."""
+    """Read a run, first requeueing it if its lease has expired (expiry is checked on read);
+    a queued one says when no worker has offered its device lately."""
     with context.db.read() as session:
         run = runstore.get_run(session, run_id=run_id)
     if _expire_if_lapsed(context, run_id, run.status, run.lease_expires_at):
         with context.db.read() as session:
             run = runstore.get_run(session, run_id=run_id)
+    if run.status is RunStatus.QUEUED:
+        run = run.model_copy(update={"notice": device_notice(context, run.device)})
     return run
+
+
+def device_notice(context: AppContext, target: DeviceTarget) -> str | None:
+    """`offers.offer_notice` for `target` now."""
+    with context.db.read() as session:
+        return offers.offer_notice(
+            session, target, now=context.clock(), window_s=context.settings.offer_window_s
+        )
 
 
 def progress(context: AppContext, run_id: int) -> runstore.Progress:

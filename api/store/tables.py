@@ -190,6 +190,8 @@ class AttemptRow(TableBase):
     num_alloc_retries: Mapped[int | None]
     phase_peak_bytes: Mapped[dict[str, Any]]
     oom_phase: Mapped[str | None] = mapped_column(String(16))
+    # The protocol's OomDetail, as JSON: read whole with the attempt, never queried.
+    oom: Mapped[dict[str, Any] | None]
     created_at: Mapped[datetime]
 
 

@@ -31,7 +31,7 @@ from starlette.concurrency import run_in_threadpool
 from api import comparison, submissions
 from api.deps import AppContext, Role, check_token, context_of, is_known_token
 from api.errors import ApiError, Forbidden, InvalidToken, NoComparison, RunNotFound
-from api.store import runreads, runstore
+from api.store import offers, runreads, runstore
 from api.web.charts import render_svg
 from api.web.run_plots import capacity_bytes, latest_attempts, memory_chart, throughput_chart
 from autotune.core.bytesize import format_bytes
@@ -39,7 +39,7 @@ from autotune.core.errors import SpecError
 from autotune.core.exports import render_exports
 from autotune.core.exports.titles import EXPORT_TITLES
 from autotune.core.gpus.catalogue import GPUS
-from autotune.core.schemas import checkpointing_label
+from autotune.core.schemas import DeviceInfo, DeviceKind, checkpointing_label
 from autotune.core.specfile import parse_spec_text
 from autotune.remote.protocol import MAX_INT, Run, RunCreate, RunStatus, fingerprint
 
@@ -294,18 +294,65 @@ def run_progress(request: Request, run_ref: str) -> Response:
     )
 
 
+def _offered(context: AppContext) -> list[DeviceInfo]:
+    with context.db.read() as session:
+        return offers.offered_devices(
+            session, now=context.clock(), window_s=context.settings.offer_window_s
+        )
+
+
 def _submit_form(
-    request: Request, form: dict[str, str], errors: list[str], status_code: int = 200
+    request: Request,
+    form: dict[str, str],
+    errors: list[str],
+    status_code: int = 200,
+    offered: list[DeviceInfo] | None = None,
 ) -> HTMLResponse:
+    context = context_of(request)
+    devices = _offered(context) if offered is None else offered
     return templates.TemplateResponse(
         request,
         "submit.html",
-        {"form": form, "errors": errors, "gpus": sorted(gpu.name for gpu in GPUS)},
+        {
+            "form": form,
+            "errors": errors,
+            "gpus": sorted(gpu.name for gpu in GPUS),
+            "offered": list(dict.fromkeys(_offer_label(d) for d in devices)),
+            "offer_minutes": max(1, round(context.settings.offer_window_s / 60)),
+        },
         status_code=status_code,
     )
 
 
 _DEFAULT_FORM = {"spec": "", "kind": "emulated", "memory": "24GiB", "gpu": "", "name": ""}
+
+
+def _offer_label(device: DeviceInfo) -> str:
+    if device.kind is DeviceKind.ESTIMATE:
+        return f"estimates for {device.gpu}"
+    if device.kind is DeviceKind.EMULATED:
+        return f"emulated {device.gpu or format_bytes(device.capacity_bytes)}"
+    return f"{device.name} ({format_bytes(device.total_memory_bytes)})"
+
+
+def _form_for(device: DeviceInfo) -> dict[str, str]:
+    """The form's target fields for a device a worker offers, so that the default is one a
+    worker takes (not 24 GiB that no worker may have)."""
+    if device.kind is DeviceKind.ESTIMATE:
+        return {"kind": "estimate", "gpu": device.gpu or "", "memory": "", "name": ""}
+    if device.kind is DeviceKind.EMULATED and device.gpu is not None:
+        return {"kind": "emulated", "gpu": device.gpu, "memory": "", "name": ""}
+    if device.kind is DeviceKind.EMULATED:
+        return {"kind": "emulated", "gpu": "", "memory": str(device.capacity_bytes), "name": ""}
+    memory = str(device.total_memory_bytes)
+    return {"kind": "cuda", "gpu": "", "memory": memory, "name": device.name}
+
+
+def _default_form(offered: list[DeviceInfo]) -> dict[str, str]:
+    """The newest offered device that measures (an estimate only when nothing else is)."""
+    measuring = [d for d in offered if d.kind is not DeviceKind.ESTIMATE]
+    chosen = (measuring or offered)[:1]
+    return {**_DEFAULT_FORM, **(_form_for(chosen[0]) if chosen else {})}
 
 
 @router.get("/submit", response_class=HTMLResponse)
@@ -314,7 +361,8 @@ def submit_page(request: Request) -> Response:
         _authorize(request, Role.CLIENT)
     except ApiError as error:
         return _token_page(request, error, next_url="/submit")
-    return _submit_form(request, dict(_DEFAULT_FORM), [])
+    offered = _offered(context_of(request))
+    return _submit_form(request, _default_form(offered), [], offered=offered)
 
 
 def _target(form: dict[str, str]) -> dict[str, Any]:

@@ -196,6 +196,6 @@ def throughput_chart(run: Run) -> Chart:
         description=f"{len(trials)} measured trials; each point's accumulation steps make "
         "up the target global batch.",
         x_label="micro-batch (samples)",
-        y_label="throughput (samples/s)",
+        y_label=f"throughput (samples/s, {run.speed_label})",
         series=series,
     )

@@ -33,6 +33,7 @@ from typing import IO
 from rich.console import Console
 
 from autotune.cli.options import memory_size
+from autotune.cli.progress import Progress, follow_run
 from autotune.core.bytesize import format_bytes, parse_bytes
 from autotune.core.defaults import DEFAULT_DATA_DIR
 from autotune.core.schemas import ProbeResult, TuneResult
@@ -43,7 +44,6 @@ EXAMPLE_SPEC = Path(__file__).resolve().parents[2] / "examples" / "gpt2-tiny.yam
 DEMO_MEMORY = "1GiB"
 STARTUP_TIMEOUT_S = 60.0
 STOP_GRACE_S = 30.0  # the worker's own shutdown grace is 10 s, plus reporting the release
-POLL_S = 1.0
 
 
 @dataclass
@@ -134,36 +134,16 @@ def _device(memory: str) -> tuple[list[str], EmulatedTarget | CudaTarget, str]:
 
 def _follow(client: ServerClient, run_id: int, worker: _Child, timeout_s: float) -> Run:
     """Print the run's attempts and trials as they arrive, until it finishes."""
-    from autotune.cli.main import progress_printer
-    from autotune.cli.tune import trial_printer
+    progress = Progress(Console(stderr=True))
 
-    err = Console(stderr=True)
-    show_attempt, show_trial = progress_printer(err), trial_printer(err)
-    seen: set[tuple[str, int, int]] = set()
-    status: RunStatus | None = None
-    deadline_s = time.monotonic() + timeout_s
-    while True:
-        run = client.get_run(run_id, wait_s=POLL_S)
-        for record in run.attempts:
-            key = ("attempt", record.claim_number, record.sequence)
-            if key not in seen:
-                seen.add(key)
-                show_attempt(record.checkpointing, record.attempt)
-        for trial_record in run.trials:
-            key = ("trial", trial_record.claim_number, trial_record.trial.number)
-            if key not in seen:
-                seen.add(key)
-                show_trial(trial_record.trial)
-        if run.status is not status:
-            status = run.status
-            on = f" on {run.worker_id}" if run.worker_id else ""
-            err.print(f"run {run.id}: {status.value}{on}")
-        if run.status.is_finished():
-            return run
+    def worker_alive() -> None:
         if worker.process.poll() is not None:
             raise RuntimeError(f"the worker exited:\n{worker.tail()}")
-        if time.monotonic() > deadline_s:
-            raise RuntimeError(f"run {run_id} did not finish within {timeout_s:g} s")
+
+    run = follow_run(client, run_id, progress, timeout_s=timeout_s, still_working=worker_alive)
+    if not run.status.is_finished():
+        raise RuntimeError(f"run {run_id} did not finish within {timeout_s:g} s")
+    return run
 
 
 def _as_result(run: Run) -> TuneResult | None:

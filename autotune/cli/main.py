@@ -35,6 +35,7 @@ from autotune.cli.options import (
     open_runner,
     positive_int,
 )
+from autotune.cli.progress import Progress
 from autotune.core.bytesize import format_bytes
 from autotune.core.defaults import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE
 from autotune.core.errors import AutotuneError, DeviceError, ModelBuildError, SpecError
@@ -57,21 +58,6 @@ DESCRIPTION = (
 )
 
 
-def progress_printer(console: Console) -> Callable[[bool, StepOutcome], None]:
-    def show(checkpointing: bool, attempt: StepOutcome) -> None:
-        verdict = "[green]fits[/green]" if attempt.fits else "[red]OOM[/red] "
-        where = f" in {attempt.oom_phase.value}" if attempt.oom_phase else ""
-        mode = "on " if checkpointing else "off"
-        allocated = attempt.peak_allocated_bytes
-        held = "" if allocated is None else f" ({format_bytes(allocated)} allocated)"
-        console.print(
-            f"  checkpointing {mode}  micro-batch {attempt.micro_batch:>5}"
-            f"  {verdict}  peak {format_bytes(attempt.peak_bytes)} reserved{held}{where}"
-        )
-
-    return show
-
-
 def _cmd_probe(args: argparse.Namespace) -> int:
     from autotune.core.specfile import load_spec
     from autotune.engine.probe import probe_session
@@ -84,9 +70,16 @@ def _cmd_probe(args: argparse.Namespace) -> int:
         f"probing [bold]{spec.model.label}[/bold] on {info.name} "
         f"(capacity {format_bytes(info.capacity_bytes)})"
     )
-    result = probe_session(
-        runner, on_attempt=progress_printer(err), tracer=fit_tracer(args, runner)
-    )
+    progress = Progress(err)
+    try:
+        result = probe_session(
+            progress.runner(runner),
+            on_attempt=progress.attempt,
+            tracer=fit_tracer(args, runner),
+            on_phase=progress.phase,
+        )
+    finally:
+        progress.close()
     if args.json:
         sys.stdout.write(result.model_dump_json() + "\n")
     else:

@@ -31,6 +31,7 @@ from autotune.cli.options import (
     positive_int,
     positive_seconds,
 )
+from autotune.cli.progress import Progress, follow_run
 from autotune.core.bytesize import format_bytes, parse_bytes
 from autotune.core.defaults import EXIT_FAILURE, EXIT_OK, EXIT_TIMEOUT
 from autotune.core.errors import SpecError
@@ -98,8 +99,20 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     with _client(args) as client:
         submitted = client.submit_run(spec, device)
         run = submitted.run
+        if submitted.notice and not args.json:
+            Console(stderr=True).print(
+                f"autotune submit: run {submitted.id}: {submitted.notice}",
+                soft_wrap=True,
+                highlight=False,
+            )
         if run is None and args.wait:
-            run = client.wait_for_run(submitted.id, timeout_s=args.timeout)
+            err = Console(stderr=True)
+            err.print(f"run {submitted.id}: {args.server}{submitted.url}", soft_wrap=True)
+            progress = Progress(err)
+            try:
+                run = follow_run(client, submitted.id, progress, timeout_s=args.timeout)
+            finally:
+                progress.close()
     out = Console()
     if args.json:
         payload = run.model_dump(mode="json") if run else submitted.model_dump(mode="json")
@@ -111,6 +124,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
             out.print(f"run {run.id}: cached result")
         _print_run(out, run)
     if run is not None and run.status in (RunStatus.FAILED, RunStatus.CANCELLED):
+        _say_why(Console(stderr=True), run)
         return EXIT_FAILURE
     if args.wait and (run is None or not run.status.is_finished()):
         status = run.status if run is not None else submitted.status
@@ -121,6 +135,22 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         )
         return EXIT_TIMEOUT
     return EXIT_OK
+
+
+def _say_why(console: Console, run: Run) -> None:
+    """Why a run ended without a result: its error, and what each failed claim reported."""
+    console.print(
+        f"autotune submit: run {run.id} {run.status.value}: {run.error or 'no reason recorded'}",
+        soft_wrap=True,
+        highlight=False,
+    )
+    for failure in run.failures:
+        on = f" on {failure.worker_id}" if failure.worker_id else ""
+        console.print(
+            f"  claim {failure.claim_number}{on}: {failure.error_type}: {failure.message}",
+            soft_wrap=True,
+            highlight=False,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,7 +173,7 @@ def _print_page(console: Console, page: RunPage) -> None:
     table.add_column("device", no_wrap=True, overflow="ellipsis", min_width=10)
     table.add_column("created", no_wrap=True)
     table.add_column("micro x acc", no_wrap=True)
-    table.add_column("samples/s", justify="right", no_wrap=True)
+    table.add_column("samples/s", justify="right")
     for item in page.items:
         config = "-"
         if item.micro_batch is not None:
@@ -156,7 +186,9 @@ def _print_page(console: Console, page: RunPage) -> None:
             item.device,
             item.created_at.strftime("%m-%d %H:%M"),
             config,
-            f"{item.samples_per_s:.1f}" if item.samples_per_s is not None else "-",
+            "-"
+            if item.samples_per_s is None
+            else f"{item.samples_per_s:.1f} ({item.speed_label})",
         )
     console.print(table)
 
@@ -181,7 +213,7 @@ def _print_run(console: Console, run: Run) -> None:
             ("accumulation steps", rec.accumulation_steps),
             ("checkpointing", rec.checkpointing_label),
             ("global batch", rec.global_batch),
-            ("samples/s", f"{rec.samples_per_s:.1f}"),
+            ("samples/s", f"{rec.samples_per_s:.1f} ({run.speed_label})"),
             ("peak", f"{format_bytes(rec.peak_bytes)} of {format_bytes(rec.capacity_bytes)}"),
         ]
     if run.infeasible is not None:

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ from autotune.cli.options import (
     positive_int,
     positive_seconds,
 )
+from autotune.cli.progress import Progress, format_seconds
 from autotune.core.bytesize import format_bytes
 from autotune.core.candidates import indivisible_target
 from autotune.core.defaults import (
@@ -44,7 +44,7 @@ from autotune.core.defaults import (
     server_database_url,
 )
 from autotune.core.recorder import installed_recorders
-from autotune.core.schemas import Infeasible, Trial, TrialState, TuneResult
+from autotune.core.schemas import Infeasible, TuneResult
 from autotune.core.throughput import speed_label
 
 
@@ -53,47 +53,7 @@ def default_database_url() -> str:
     return os.environ.get(ENV_DATABASE_URL) or server_database_url()
 
 
-def communication_split(trial: Trial) -> str:
-    """An estimate's step with several ranks: its compute, its communication, and the part of
-    that no compute hides, e.g. "compute 1.20 s + exposed 0.31 s of 2.05 s communication"."""
-    if trial.compute_time_s is None or trial.communication_time_s is None:
-        return "-"
-    exposed_s = trial.exposed_communication_s or 0.0
-    return (
-        f"compute {_seconds(trial.compute_time_s)} + exposed {_seconds(exposed_s)} of "
-        f"{_seconds(trial.communication_time_s)} communication"
-    )
-
-
-def _seconds(value_s: float) -> str:
-    return f"{value_s:.3g} s" if value_s >= 0.1 else f"{value_s * 1e3:.3g} ms"
-
-
-def trial_printer(console: Console, speed: str | None = None) -> Callable[[Trial], None]:
-    """Prints each trial as it finishes; `speed` says where samples/s come from
-    (`speed_label`), when the device is known."""
-    source = f" ({speed})" if speed else ""
-
-    def show(trial: Trial) -> None:
-        head = (
-            f"  trial {trial.number:>3}: micro-batch {trial.micro_batch:>4} x "
-            f"{trial.accumulation_steps:>3} steps, checkpointing {trial.checkpointing_label}"
-        )
-        if trial.state is TrialState.COMPLETE and trial.samples_per_s is not None:
-            spread = f" ±{trial.step_time_spread / 2:.0%}" if trial.step_time_spread else ""
-            split = f", {communication_split(trial)}" if trial.compute_time_s is not None else ""
-            console.print(
-                f"{head}  [green]{trial.samples_per_s:,.1f} samples/s[/green]{spread}{source}"
-                f"{split}"
-            )
-        else:
-            console.print(f"{head}  [red]{trial.state.value}[/red]")
-
-    return show
-
-
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from autotune.cli.main import progress_printer
     from autotune.core.specfile import load_spec
     from autotune.engine.tuner import tune_session
 
@@ -131,16 +91,21 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         f"{target_global_batch} on {info.name} "
         f"(capacity {format_bytes(info.capacity_bytes)})"
     )
-    result = tune_session(
-        runner,
-        storage_url=storage_url,
-        n_trials=args.trials,
-        seed=args.seed,
-        target_seconds=args.seconds_per_trial,
-        on_attempt=progress_printer(err),
-        on_trial=trial_printer(err, speed_label(info)),
-        tracer=fit_tracer(args, runner),
-    )
+    progress = Progress(err, speed=speed_label(info))
+    try:
+        result = tune_session(
+            progress.runner(runner),
+            storage_url=storage_url,
+            n_trials=args.trials,
+            seed=args.seed,
+            target_seconds=args.seconds_per_trial,
+            on_attempt=progress.attempt,
+            on_trial=progress.trial,
+            tracer=fit_tracer(args, runner),
+            on_phase=progress.phase,
+        )
+    finally:
+        progress.close()
     _record_locally(result, storage_url, err)
     if args.json:
         sys.stdout.write(tune_json(result) + "\n")
@@ -229,7 +194,8 @@ def print_tune_result(
         f"[bold green]Recommendation:[/bold green] micro-batch {rec.micro_batch} x "
         f"{rec.accumulation_steps} accumulation steps x {rec.world_size} rank(s) = global batch "
         f"{rec.global_batch}, checkpointing {rec.checkpointing_label}: "
-        f"{rec.samples_per_s:,.1f} samples/s, peak {format_bytes(rec.peak_bytes)} of "
+        f"{rec.samples_per_s:,.1f} samples/s ({speed_label(result.device)}), peak "
+        f"{format_bytes(rec.peak_bytes)} of "
         f"{format_bytes(rec.capacity_bytes)}"
     )
     if result.exports is not None:
@@ -253,7 +219,7 @@ def print_trials(console: Console, result: TuneResult) -> None:
             format_bytes(trial.peak_bytes) if trial.peak_bytes else "-",
         ]
         parts = (trial.compute_time_s, trial.communication_time_s, trial.exposed_communication_s)
-        times = ["-" if part is None else _seconds(part) for part in parts]
+        times = ["-" if part is None else format_seconds(part) for part in parts]
         trials.add_row(*cells, *(times if split else []))
     console.print(trials)
 

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from autotune.core.bytesize import format_bytes
 from autotune.core.errors import SpecError, shown
 from autotune.core.hubid import HUB_ID_MAX, hub_id_problem
 from autotune.core.presets import PRESETS, CNNPreset, DecoderPreset
@@ -573,6 +574,44 @@ class Phase(StrEnum):
     OPTIMIZER = "optimizer"
 
 
+OOM_OP_MAX = 200  # characters of the op an allocation failed in
+
+
+class OomDetail(FrozenModel):
+    """The allocation that did not fit, and what the memory held at that moment: the trained
+    model's weights, its gradients, the optimizer's state, everything else allocated (the
+    activations kept for backward, temporaries, workspaces) and the caching allocator's
+    cache (reserved, not allocated)."""
+
+    allocation_bytes: int = Field(ge=0, description="The allocation that failed.")
+    phase: Phase
+    op: str = Field(max_length=OOM_OP_MAX, description="The op whose outputs it was for.")
+    weights_bytes: int = Field(ge=0)
+    gradients_bytes: int = Field(ge=0)
+    optimizer_state_bytes: int = Field(ge=0)
+    activations_bytes: int = Field(
+        ge=0, description="Every other allocated byte: activations, temporaries, workspaces."
+    )
+    cache_bytes: int = Field(ge=0, description="Reserved by the caching allocator, unallocated.")
+
+    def summary(self) -> str:
+        """One line for people: what failed, where, and what the memory held."""
+        held = ", ".join(
+            f"{name} {format_bytes(size_bytes)}"
+            for name, size_bytes in (
+                ("weights", self.weights_bytes),
+                ("gradients", self.gradients_bytes),
+                ("optimizer state", self.optimizer_state_bytes),
+                ("activations and temporaries", self.activations_bytes),
+                ("cache", self.cache_bytes),
+            )
+        )
+        return (
+            f"{format_bytes(self.allocation_bytes)} for {self.op} in {self.phase.value} did "
+            f"not fit; memory held: {held}"
+        )
+
+
 class StepOutcome(FrozenModel):
     """What one complete training step (forward, backward, optimizer step) at one micro-batch
     showed. The one record of a step's memory outcome: the device fills it, the search reads it,
@@ -601,6 +640,10 @@ class StepOutcome(FrozenModel):
         default_factory=dict, description="Peak live tensor bytes in each phase that ran."
     )
     oom_phase: Phase | None = None
+    oom: OomDetail | None = Field(
+        default=None,
+        description="Which allocation failed and what memory held then (the emulated GPU).",
+    )
     # Live bytes after every op of a complete tracked step, for the search's per-op fit. It stays
     # in the process that measured it (and its parent, which unpickles it): never serialised.
     series: tuple[int, ...] | None = Field(default=None, exclude=True, repr=False)

@@ -19,8 +19,9 @@ from autotune.core.schemas import DeviceInfo, SpeedSource
 
 logger = logging.getLogger(__name__)
 
-# Fewer timed steps than this give no usable median or spread, unless one step alone already
-# takes longer than the time budget.
+# Fewer timed steps than this give no usable median or spread, whatever the time budget: the
+# recommendation treats speeds within the spread as ties (autotune.core.ranking), and one step
+# has none (a spread of 0.0 made CPU timing noise look like a difference).
 MIN_TIMED_STEPS = 3
 
 
@@ -69,8 +70,8 @@ def measure_throughput(
     Warm-up steps run first and are not counted (allocator, kernel selection and optimizer
     state settle there). Then steps are timed one by one, each bracketed by `synchronize()`
     (the device's; `torch.cuda.synchronize` on CUDA), until together they take
-    `target_seconds` and at least `MIN_TIMED_STEPS` ran, or one step alone exceeded
-    `target_seconds`, or `max_steps` ran.
+    `target_seconds` and at least `MIN_TIMED_STEPS` ran (however long one step takes), or
+    `max_steps` ran.
 
     Args:
         step: Runs one optimizer step; set its checkpointing mode before calling.
@@ -110,7 +111,7 @@ def measure_throughput(
         step.run(micro_batch, accumulation_steps)
         synchronize()
         step_times_s.append(time.perf_counter() - start)
-        enough_steps = len(step_times_s) >= MIN_TIMED_STEPS or max(step_times_s) > target_seconds
+        enough_steps = len(step_times_s) >= MIN_TIMED_STEPS
         if enough_steps and sum(step_times_s) >= target_seconds:
             break
 
@@ -136,12 +137,27 @@ def measure_throughput(
     return measurement
 
 
+# Beside every samples/s timed on the CPU for an emulated GPU of a bare size.
+CPU_TIMING = "CPU timing, not a GPU's"
+
+
 def speed_label(device: DeviceInfo) -> str:
     """Where a device's samples/s come from, as a table or a progress line says it."""
     if device.speed is SpeedSource.MEASURED:
         return "measured"
     if device.speed is SpeedSource.CPU_TIMING:
-        return "CPU timing, not a GPU's"
+        return CPU_TIMING
     if device.speed is SpeedSource.ROOFLINE:
         return f"estimated for {device.gpu}"
     return "source not recorded"
+
+
+def target_speed_label(device_label: str) -> str:
+    """`speed_label` from a run's stored device label alone (`emulated:1073741824`,
+    `emulated:H100 80GB`, `estimate:T4`, or a CUDA GPU's name), for a listing of runs."""
+    kind, _, what = device_label.partition(":")
+    if kind == "emulated":
+        return CPU_TIMING if what.isdigit() else f"estimated for {what}"
+    if kind == "estimate":
+        return f"estimated for {what}"
+    return "measured"

@@ -31,6 +31,8 @@ from autotune.engine.runner import InProcessRunner, TrialRunner
 logger = logging.getLogger(__name__)
 
 AttemptCallback = Callable[[bool, StepOutcome], None]
+# A phase of the work starts: what it is, and how many trials it plans when it knows.
+PhaseCallback = Callable[[str, int | None], None]
 """Called with (checkpointing, attempt) as soon as a trial finishes, for progress displays."""
 
 
@@ -272,6 +274,7 @@ def probe_session(
     *,
     on_attempt: AttemptCallback | None = None,
     tracer: FitTracer | None = None,
+    on_phase: PhaseCallback | None = None,
 ) -> ProbeResult:
     """`probe` on an existing session, which stays usable (warm, in steady state) afterwards.
     With a `tracer`, each mode's first fit comes from the traced step: two real trials per
@@ -280,6 +283,8 @@ def probe_session(
     if not session.supports_checkpointing:
         logger.warning("this model cannot toggle gradient checkpointing; probing without only")
 
+    if on_phase is not None:
+        on_phase("warm-up: one step at micro-batch 1 (builds the optimizer state)", None)
     failed_warm_ups = _warm_up(session, modes_to_probe)
     # Read after the warm-up: a CUDA device knows its capacity once a step's kernels are loaded.
     device_info = session.device_info
@@ -302,6 +307,12 @@ def probe_session(
     modes: list[ModeProbe] = []
     known_fitting = 0
     for checkpointing in modes_to_probe:
+        if on_phase is not None:
+            on_phase(
+                f"probe, checkpointing {'on' if checkpointing else 'off'}: the largest "
+                "micro-batch that fits",
+                None,
+            )
         mode = probe_mode(
             session,
             checkpointing=checkpointing,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from enum import StrEnum
 from typing import Protocol
 
 from autotune.core.schemas import DeviceInfo, Phase, Spec, StepOutcome
@@ -73,6 +74,126 @@ class TrialRunner(Protocol):
     ) -> Measurement | None:
         """Throughput of one configuration with its tracked peak; None when it does not fit."""
         ...
+
+
+class ForwardingRunner:
+    """A `TrialRunner` that forwards everything to `runner`: the base of the runners that wrap
+    another one and change part of it."""
+
+    def __init__(self, runner: TrialRunner) -> None:
+        self.runner = runner
+
+    @property
+    def spec(self) -> Spec:
+        return self.runner.spec
+
+    @property
+    def device_info(self) -> DeviceInfo:
+        return self.runner.device_info
+
+    @property
+    def supports_checkpointing(self) -> bool:
+        return self.runner.supports_checkpointing
+
+    @property
+    def tokens_per_sample(self) -> int | None:
+        return self.runner.tokens_per_sample
+
+    @property
+    def num_blocks(self) -> int | None:
+        return self.runner.num_blocks
+
+    def warm_up(self, *, checkpointing: bool) -> StepOutcome:
+        return self.runner.warm_up(checkpointing=checkpointing)
+
+    def trial(
+        self,
+        micro_batch: int,
+        accumulation_steps: int = 1,
+        *,
+        checkpointing: bool,
+        checkpointed_blocks: int | None = None,
+    ) -> StepOutcome:
+        return self.runner.trial(
+            micro_batch,
+            accumulation_steps,
+            checkpointing=checkpointing,
+            checkpointed_blocks=checkpointed_blocks,
+        )
+
+    def measure(
+        self,
+        micro_batch: int,
+        accumulation_steps: int,
+        *,
+        checkpointing: bool,
+        target_seconds: float,
+        checkpointed_blocks: int | None = None,
+    ) -> Measurement | None:
+        return self.runner.measure(
+            micro_batch,
+            accumulation_steps,
+            checkpointing=checkpointing,
+            target_seconds=target_seconds,
+            checkpointed_blocks=checkpointed_blocks,
+        )
+
+
+class StepKind(StrEnum):
+    WARM_UP = "warm-up"
+    TRIAL = "trial"  # a tracked step: does it fit, its peak
+    MEASURE = "measure"  # a fit check, then timed steps
+
+
+# A step is about to run: its kind, micro-batch, accumulation steps and checkpointing.
+StepStartCallback = Callable[[StepKind, int, int, bool], None]
+
+
+class AnnouncedRunner(ForwardingRunner):
+    """`runner`, calling `on_start` before each step it runs, so that a trial of minutes is
+    never silent (the CLI's progress)."""
+
+    def __init__(self, runner: TrialRunner, on_start: StepStartCallback) -> None:
+        super().__init__(runner)
+        self.on_start = on_start
+
+    def warm_up(self, *, checkpointing: bool) -> StepOutcome:
+        self.on_start(StepKind.WARM_UP, 1, 1, checkpointing)
+        return super().warm_up(checkpointing=checkpointing)
+
+    def trial(
+        self,
+        micro_batch: int,
+        accumulation_steps: int = 1,
+        *,
+        checkpointing: bool,
+        checkpointed_blocks: int | None = None,
+    ) -> StepOutcome:
+        self.on_start(StepKind.TRIAL, micro_batch, accumulation_steps, checkpointing)
+        return super().trial(
+            micro_batch,
+            accumulation_steps,
+            checkpointing=checkpointing,
+            checkpointed_blocks=checkpointed_blocks,
+        )
+
+    def measure(
+        self,
+        micro_batch: int,
+        accumulation_steps: int,
+        *,
+        checkpointing: bool,
+        target_seconds: float,
+        checkpointed_blocks: int | None = None,
+    ) -> Measurement | None:
+        self.on_start(StepKind.MEASURE, micro_batch, accumulation_steps, checkpointing)
+        return super().measure(
+            micro_batch,
+            accumulation_steps,
+            checkpointing=checkpointing,
+            target_seconds=target_seconds,
+            checkpointed_blocks=checkpointed_blocks,
+        )
 
 
 class InProcessRunner:
@@ -188,6 +309,7 @@ class InProcessRunner:
             resident=self.step.resident_tensors(),
             record_series=track,
             track=track,
+            holders=self.step.memory_holders,
         )
         if not outcome.fits:
             self.step.clear_grads()

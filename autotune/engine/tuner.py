@@ -18,6 +18,7 @@ from dataclasses import replace
 
 from autotune.core.candidates import Candidate, enumerate_candidates, explain_infeasible
 from autotune.core.exports import build_exports
+from autotune.core.ranking import choose
 from autotune.core.result_check import check_result
 from autotune.core.schemas import (
     Infeasible,
@@ -34,6 +35,7 @@ from autotune.engine.devices.device import Device
 from autotune.engine.probe import (
     AttemptCallback,
     FitTracer,
+    PhaseCallback,
     device_allocator_config,
     probe_session,
 )
@@ -120,6 +122,7 @@ def tune_session(
     on_attempt: AttemptCallback | None = None,
     on_trial: TrialCallback | None = None,
     tracer: FitTracer | None = None,
+    on_phase: PhaseCallback | None = None,
 ) -> TuneResult:
     """`tune` on any trial runner (in this process, or a child process per trial); the probe's
     first fit points from `tracer` when given (`probe_session`).
@@ -130,12 +133,14 @@ def tune_session(
     spec = session.spec
     training = spec.training
     target_global_batch = training.required_target_global_batch()
-    probe_result = probe_session(session, on_attempt=on_attempt, tracer=tracer)
+    probe_result = probe_session(session, on_attempt=on_attempt, tracer=tracer, on_phase=on_phase)
     device_info = probe_result.device  # as measured: after the probe's warm-up
     limits = {mode.checkpointing: mode.recommended_micro_batch for mode in probe_result.modes}
     candidates = enumerate_candidates(target_global_batch, training.world_size, limits)
     infeasible = None
     if any(c.accumulation_steps > 1 for c in candidates):
+        if on_phase is not None:
+            on_phase("probe: the largest micro-batch while gradients accumulate (G = 2)", None)
         probe_result = _probe_accumulation(session, probe_result, candidates)
         accumulating = {m.checkpointing: m.accumulating_micro_batch for m in probe_result.modes}
         candidates = [
@@ -164,6 +169,11 @@ def tune_session(
 
     study_name = study_name or f"autotune-{uuid.uuid4().hex[:12]}"
     budget = n_trials or default_trial_budget(len(candidates))
+    if on_phase is not None:
+        on_phase(
+            f"measure: {min(budget, len(candidates))} of {len(candidates)} configurations, timed",
+            min(budget, len(candidates)),
+        )
     trials = run_study(
         candidates,
         lambda c: session.measure(
@@ -368,16 +378,17 @@ def _partial_checkpointing(
 def _recommend(
     trials: list[Trial], spec: Spec, *, capacity_bytes: int, num_blocks: int | None
 ) -> Recommendation | None:
-    """The fastest measured configuration whose peak leaves the headroom free (else the
-    fastest that fits at all)."""
+    """The measured configuration `autotune.core.ranking.choose` picks among those whose peak
+    leaves the headroom free (else among all that fit): the fastest, or a simpler one tied
+    with it within the measured noise."""
     budget_bytes = int(capacity_bytes * (1.0 - spec.training.headroom))
     complete = [t for t in trials if t.state is TrialState.COMPLETE and t.samples_per_s]
     within = [t for t in complete if t.peak_bytes is not None and t.peak_bytes <= budget_bytes]
     pool = within or complete
     if not pool:
         return None
-    best = max(pool, key=lambda t: t.samples_per_s or 0.0)
-    assert best.samples_per_s is not None and best.peak_bytes is not None
+    best = choose(pool)
+    assert best is not None and best.samples_per_s is not None and best.peak_bytes is not None
     world_size = spec.training.world_size
     return Recommendation(
         micro_batch=best.micro_batch,

@@ -53,6 +53,7 @@ from autotune.core.schemas import (
     Trial,
     TuneResult,
 )
+from autotune.core.throughput import speed_label, target_speed_label
 
 API_PREFIX = "/api/v1"
 # Databases store 64-bit signed integers; anything larger in a payload is refused with a 422
@@ -401,6 +402,11 @@ class RunSummary(FrozenModel):
     checkpointing: bool | None = None
     samples_per_s: float | None = None
 
+    @property
+    def speed_label(self) -> str:
+        """Where its samples/s come from (`autotune.core.throughput.speed_label`)."""
+        return target_speed_label(self.device)
+
 
 class Run(FrozenModel):
     """Everything the server knows about one run."""
@@ -438,6 +444,17 @@ class Run(FrozenModel):
     trials: list[TrialRecord] = Field(default_factory=list)
     failures: list[FailureRecord] = Field(default_factory=list)
     error: str | None = None
+    notice: str | None = Field(
+        default=None,
+        description="Why a queued run may wait: no worker has offered its device lately.",
+    )
+
+    @property
+    def speed_label(self) -> str:
+        """Where its samples/s come from: its worker's device, else its target."""
+        if self.worker_device is not None:
+            return speed_label(self.worker_device)
+        return target_speed_label(self.device.label)
 
 
 class Submitted(FrozenModel):
@@ -448,6 +465,9 @@ class Submitted(FrozenModel):
     url: str
     cached: bool
     run: Run | None = None
+    notice: str | None = Field(
+        default=None, description="As the run's: no worker has offered its device lately."
+    )
 
 
 class ModeComparison(FrozenModel):

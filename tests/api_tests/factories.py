@@ -10,10 +10,12 @@ from autotune.core.schemas import (
     DeviceKind,
     ModelSpec,
     ModeProbe,
+    OomDetail,
     Phase,
     ProbeResult,
     Recommendation,
     Spec,
+    SpeedSource,
     StepOutcome,
     TracedFit,
     TrainingSpec,
@@ -46,6 +48,7 @@ def emulated_device(capacity_bytes: int = 4 * GIB, index: int = 0) -> DeviceInfo
         total_memory_bytes=24 * GIB,
         capacity_bytes=capacity_bytes,
         torch_version="2.13.0+cpu",
+        speed=SpeedSource.CPU_TIMING,
     )
 
 
@@ -105,6 +108,21 @@ def attempt(micro_batch: int, fits: bool) -> StepOutcome:
         num_alloc_retries=0 if fits else 1,
         phase_peak_bytes={Phase.FORWARD: micro_batch * 6_000_000},
         oom_phase=None if fits else Phase.BACKWARD,
+        oom=None if fits else oom_detail(micro_batch),
+    )
+
+
+def oom_detail(micro_batch: int) -> OomDetail:
+    """What an emulated GPU reports of an out-of-memory in backward at `micro_batch`."""
+    return OomDetail(
+        allocation_bytes=2 * 2**20,
+        phase=Phase.BACKWARD,
+        op="aten.mm.default",
+        weights_bytes=4_000_000,
+        gradients_bytes=3_000_000,
+        optimizer_state_bytes=8_000_000,
+        activations_bytes=micro_batch * 5_000_000,
+        cache_bytes=1_000_000,
     )
 
 

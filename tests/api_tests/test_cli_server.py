@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from autotune.remote.client import ServerClient
 from autotune.remote.protocol import CudaTarget, EmulatedTarget, EstimateTarget, RunStatus
 from tests.api_tests.factories import (
     GIB,
+    attempt,
     emulated,
     emulated_device,
     finished_run,
@@ -285,7 +287,10 @@ def test_submit_wait_that_times_out_exits_124_with_the_run_s_state(
     common = ["--server", live_server.url, "--token", CLIENT_TOKEN]
     argv = ["submit", "gpt2-tiny", "--device", "cpu:4GiB", "--wait", "--timeout", "0.5"]
     assert main([*argv, *common]) == 124  # as timeout(1): no worker took the run
-    assert "run 1 is still queued after 0.5 s (--timeout)" in capsys.readouterr().err
+    err = " ".join(capsys.readouterr().err.split())
+    assert "run 1 is still queued after 0.5 s (--timeout)" in err
+    # Nobody offers that device: submit says so, rather than waiting silently.
+    assert "run 1: no worker has offered this device (emulated:4294967296) in the last 10" in err
     assert main([*argv, "--json", *common]) == 124
     assert json.loads(capsys.readouterr().out)["status"] == "queued"
 
@@ -324,3 +329,43 @@ def test_runs_show_prints_the_exports_and_runs_cancel_cancels(
     assert f"run {queued}: cancelled" in capsys.readouterr().out
     assert main(["runs", "cancel", str(run_id), *common]) == 1  # finished: nothing to cancel
     assert "409" in capsys.readouterr().err
+
+
+def test_submit_wait_follows_the_run_and_says_why_it_failed(
+    live_server: LiveServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def fail_it() -> None:
+        with ServerClient(live_server.url, token=WORKER_TOKEN) as worker:
+            claim = None
+            while claim is None:
+                claim = worker.claim("w1", [emulated_device()])
+                time.sleep(0.1)
+            time.sleep(1.5)  # the client's poll sees the run running
+            worker.post_attempt(
+                claim.run_id,
+                claim.lease_id,
+                sequence=0,
+                checkpointing=False,
+                attempt=attempt(16, False),
+            )
+            worker.report_failure(
+                claim.run_id,
+                claim.lease_id,
+                error_type="ModelBuildError",
+                message="hf_id 'org/model': the hub is unreachable",
+                retryable=False,
+            )
+
+    failer = threading.Thread(target=fail_it)
+    failer.start()
+    common = ["--server", live_server.url, "--token", CLIENT_TOKEN]
+    code = main(
+        ["submit", "gpt2-tiny", "--device", "cpu:4GiB", "--wait", "--timeout", "60", *common]
+    )
+    failer.join()
+    assert code == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert re.search(r"\[\d+:\d\d\] run 1: running on w1", err)
+    assert "micro-batch 16 OOM" in err  # attempts as they arrive
+    assert "autotune submit: run 1 failed:" in err
+    assert "claim 1 on w1: ModelBuildError: hf_id 'org/model': the hub is unreachable" in err

@@ -51,6 +51,10 @@ def test_submit_queues_a_run_with_202(http: TestClient) -> None:
         "url": "/api/v1/runs/1",
         "cached": False,
         "run": None,
+        # No worker offers 4 GiB here (none at all): the run would wait silently.
+        "notice": "no worker has offered this device (emulated:4294967296) in the last 10 "
+        "minutes: the run waits until one does (start one with `autotune worker` and a "
+        "matching --device/--memory/--gpu)",
     }
     run = http.get("/api/v1/runs/1", headers=AUTH).json()
     assert run["device"] == {"kind": "emulated", "memory_bytes": 4 * GIB}

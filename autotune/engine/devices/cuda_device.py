@@ -20,7 +20,7 @@ from autotune.core.schemas import DeviceInfo, DeviceKind, Phase, SpeedSource, St
 from autotune.engine.devices.cuda_runtime import CudaRuntime, TorchCudaRuntime
 from autotune.engine.devices.nvml import GpuInfo, read_gpus
 from autotune.engine.devices.out_of_memory import peak_phase, run_tracked
-from autotune.engine.emulation.tracker import LiveBytesTracker
+from autotune.engine.emulation.tracker import LiveBytesTracker, MemoryHolders
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +148,7 @@ class CudaDevice:
         resident: Iterable[torch.Tensor],
         record_series: bool = False,
         track: bool = True,
+        holders: Callable[[], MemoryHolders] | None = None,
     ) -> StepOutcome:
         self.synchronize()
         if track:

@@ -28,7 +28,7 @@ from autotune.engine.devices.cuda_device import CudaDevice
 from autotune.engine.devices.cuda_runtime import CudaRuntime
 from autotune.engine.devices.out_of_memory import peak_phase, run_tracked
 from autotune.engine.emulation.attention import gpu_attention
-from autotune.engine.emulation.tracker import CUDA_BLOCK_BYTES, LiveBytesTracker
+from autotune.engine.emulation.tracker import CUDA_BLOCK_BYTES, LiveBytesTracker, MemoryHolders
 
 _CUDA_NAME = re.compile(r"^cuda(?::(\d+))?$")
 
@@ -59,6 +59,7 @@ class Device(Protocol):
         resident: Iterable[torch.Tensor],
         record_series: bool = False,
         track: bool = True,
+        holders: Callable[[], MemoryHolders] | None = None,
     ) -> StepOutcome: ...
 
     def synchronize(self) -> None: ...
@@ -158,6 +159,7 @@ class EmulatedDevice:
         resident: Iterable[torch.Tensor],
         record_series: bool = False,
         track: bool = True,
+        holders: Callable[[], MemoryHolders] | None = None,
     ) -> StepOutcome:
         # Attention keeps for backward what a GPU's fused kernel keeps, tracked or timed.
         step = _with_gpu_attention(step)
@@ -173,13 +175,16 @@ class EmulatedDevice:
             )
         limit_bytes = self.capacity_bytes - self._kept_free_bytes
         if not self.model_allocator:
-            return self._run_live_bytes(step, micro_batch, resident, limit_bytes, record_series)
+            return self._run_live_bytes(
+                step, micro_batch, resident, limit_bytes, record_series, holders
+            )
         allocator = CachingAllocator(
             limit_bytes, self.allocator_config, device_total_bytes=self._info.total_memory_bytes
         )
         tracker = LiveBytesTracker(
             None, allocator=allocator, block_bytes=self.block_bytes, record_series=record_series
         )
+        tracker.holders = holders
         residents = [*resident, *self._workspaces]
 
         def resident_then_step() -> object:
@@ -200,6 +205,7 @@ class EmulatedDevice:
             num_alloc_retries=stats.num_alloc_retries,
             phase_peak_bytes=dict(tracker.phase_peak_bytes),
             oom_phase=oom_phase,
+            oom=tracker.oom,
             series=tuple(tracker.series) if record_series and fits else None,
             allocations=tuple(tracker.allocations) if record_series and fits else None,
         )
@@ -211,10 +217,12 @@ class EmulatedDevice:
         resident: Iterable[torch.Tensor],
         limit_bytes: int,
         record_series: bool,
+        holders: Callable[[], MemoryHolders] | None,
     ) -> StepOutcome:
         tracker = LiveBytesTracker(
             limit_bytes, block_bytes=self.block_bytes, record_series=record_series
         )
+        tracker.holders = holders
         tracker.add_resident(itertools.chain(resident, self._workspaces))
         oom_phase = run_tracked(step, tracker, micro_batch=micro_batch)
         # The tracker raises before any op takes live bytes past capacity; only a resident
@@ -228,6 +236,7 @@ class EmulatedDevice:
             peak_bytes=tracker.peak_bytes,
             phase_peak_bytes=dict(tracker.phase_peak_bytes),
             oom_phase=oom_phase,
+            oom=tracker.oom,
             series=tuple(tracker.series) if record_series and fits else None,
         )
 

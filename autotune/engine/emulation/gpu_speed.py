@@ -19,16 +19,16 @@ from collections.abc import Sequence
 
 from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.gpus.roofline import RooflineAssumptions
-from autotune.core.schemas import DeviceInfo, DeviceKind, Spec, SpeedSource, StepOutcome
+from autotune.core.schemas import DeviceInfo, DeviceKind, SpeedSource
 from autotune.core.throughput import Measurement
 from autotune.engine.estimate import EstimateRunner, check_traceable
 from autotune.engine.fit_points import tracer_for
-from autotune.engine.runner import TrialRunner
+from autotune.engine.runner import ForwardingRunner, TrialRunner
 
 logger = logging.getLogger(__name__)
 
 
-class RooflineTimedRunner:
+class RooflineTimedRunner(ForwardingRunner):
     """A `TrialRunner` on an emulated named GPU whose measurements are the roofline's: the
     trials, warm-up and each measurement's memory check run on `runner` as they are; the step
     time is the traced step's on the GPU, with its recompute when checkpointing."""
@@ -38,14 +38,10 @@ class RooflineTimedRunner:
         info = runner.device_info
         if info.kind is not DeviceKind.EMULATED or info.gpu is None:
             raise ValueError(f"a roofline needs an emulated named GPU, not {info.name!r}")
-        self.runner = runner
+        super().__init__(runner)
         self.estimate = estimate
         self.gpu = find_gpu(info.gpu)
         self.assumptions = RooflineAssumptions()
-
-    @property
-    def spec(self) -> Spec:
-        return self.runner.spec
 
     @property
     def device_info(self) -> DeviceInfo:
@@ -58,36 +54,6 @@ class RooflineTimedRunner:
         lines = [speed] if communication is None else [speed, communication]
         return info.model_copy(
             update={"assumptions": [*info.assumptions, *lines], "speed": SpeedSource.ROOFLINE}
-        )
-
-    @property
-    def supports_checkpointing(self) -> bool:
-        return self.runner.supports_checkpointing
-
-    @property
-    def tokens_per_sample(self) -> int | None:
-        return self.runner.tokens_per_sample
-
-    @property
-    def num_blocks(self) -> int | None:
-        return self.runner.num_blocks
-
-    def warm_up(self, *, checkpointing: bool) -> StepOutcome:
-        return self.runner.warm_up(checkpointing=checkpointing)
-
-    def trial(
-        self,
-        micro_batch: int,
-        accumulation_steps: int = 1,
-        *,
-        checkpointing: bool,
-        checkpointed_blocks: int | None = None,
-    ) -> StepOutcome:
-        return self.runner.trial(
-            micro_batch,
-            accumulation_steps,
-            checkpointing=checkpointing,
-            checkpointed_blocks=checkpointed_blocks,
         )
 
     def measure(

@@ -19,6 +19,7 @@ import logging
 import sys
 import weakref
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -36,7 +37,7 @@ from autotune.core.memory.allocator import (
     BlockId,
     CachingAllocator,
 )
-from autotune.core.schemas import Phase
+from autotune.core.schemas import OOM_OP_MAX, OomDetail, Phase
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,10 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             and free in `allocations` (encoded as `autotune.core.memory.allocation_trace` reads it:
             a size for a storage allocated, -(n + 1) for the free of allocation event n).
 
+    With `holders` set, an out-of-memory also leaves `oom`: the allocation that failed, its op
+    and phase, and the live bytes of the holders' weights, gradients and optimizer state, the
+    rest allocated and the allocator's cache at that moment.
+
     Storages that exist before the step (parameters, gradients, optimizer state, buffers,
     inputs) are invisible to a dispatch mode until an op returns them, so count them first
     with `add_resident`. A storage is counted once however many tensors view it, and stops
@@ -136,6 +141,9 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._in_optimizer = False
         self._hooks: list[RemovableHandle] = []
         self._original_storage_resize: Any = None
+        self.holders: Callable[[], MemoryHolders] | None = None
+        self.oom: OomDetail | None = None
+        self._op: object = "the step's resident tensors"
 
     # -------------------------------------------------------------------------------------
     # Counting storages.
@@ -208,7 +216,48 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         try:
             return self.allocator.malloc(nbytes)
         except AllocatorOutOfMemory as error:
+            self._record_oom(
+                error.allocation_bytes,
+                allocated_bytes=error.allocated_bytes,
+                cache_bytes=error.reserved_bytes - error.allocated_bytes,
+            )
             raise torch.OutOfMemoryError(_out_of_memory_message(error, self.phase)) from None
+
+    def _record_oom(
+        self, allocation_bytes: int, *, allocated_bytes: int, cache_bytes: int
+    ) -> None:
+        """`oom`, while every storage of the step is still alive (the exception frees them)."""
+        if self.holders is None:
+            return
+        holders = self.holders()
+        weights = self._live_bytes_of(holders.weights)
+        gradients = self._live_bytes_of(holders.gradients)
+        optimizer_state = self._live_bytes_of(holders.optimizer_state)
+        self.oom = OomDetail(
+            allocation_bytes=allocation_bytes,
+            phase=self.phase,
+            op=str(self._op)[:OOM_OP_MAX],
+            weights_bytes=weights,
+            gradients_bytes=gradients,
+            optimizer_state_bytes=optimizer_state,
+            activations_bytes=max(0, allocated_bytes - weights - gradients - optimizer_state),
+            cache_bytes=max(0, cache_bytes),
+        )
+
+    def _live_bytes_of(self, tensors: Iterable[torch.Tensor]) -> int:
+        """The counted bytes of the live storages of `tensors`, each storage once."""
+        seen: set[int] = set()
+        total = 0
+        for tensor in tensors:
+            try:
+                key = id(local_tensor(tensor).untyped_storage())
+            except (RuntimeError, NotImplementedError):
+                continue
+            ref = self._storages.get(key)
+            if ref is not None and key not in seen:
+                seen.add(key)
+                total += ref.counted_bytes
+        return total
 
     def _release(self, ref: weakref.ref[Any]) -> None:
         # Runs when a counted storage is freed, whenever that is (mid-op, after the step, in gc).
@@ -261,6 +310,7 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             phase = Phase.FORWARD
         phase_changed = phase is not self.phase
         self.phase = phase
+        self._op = func
         live_before_bytes = self.live_bytes
         out = func(*args, **(kwargs or {}))
         added_bytes = self._count_outputs(out)
@@ -269,6 +319,7 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if added_bytes and live_bytes > self._limit_bytes:
             # The peak stays at what ran before this allocation; the outputs are already
             # counted, and are subtracted when the exception releases them.
+            self._record_oom(added_bytes, allocated_bytes=live_before_bytes, cache_bytes=0)
             raise torch.OutOfMemoryError(
                 f"CUDA out of memory (emulated). Tried to allocate {added_bytes / _MiB:.2f} MiB "
                 f"in {func}; capacity {self._limit_bytes / _MiB:.2f} MiB, "
@@ -326,6 +377,7 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         tracker = self
 
         def resize_(storage: Any, size: int) -> Any:
+            tracker._op = "UntypedStorage.resize_"
             result = original(storage, size)
             ref = tracker._storages.get(id(storage))
             if ref is not None:
@@ -339,6 +391,16 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if self._original_storage_resize is not None:
             torch.UntypedStorage.resize_ = self._original_storage_resize  # type: ignore[method-assign]
             self._original_storage_resize = None
+
+
+@dataclass(frozen=True)
+class MemoryHolders:
+    """What a training step holds besides its activations, named for an out-of-memory's
+    detail: the model's parameters and buffers, their gradients, the optimizer's state."""
+
+    weights: list[torch.Tensor]
+    gradients: list[torch.Tensor]
+    optimizer_state: list[torch.Tensor]
 
 
 def _out_of_memory_message(error: AllocatorOutOfMemory, phase: Phase) -> str:

@@ -25,6 +25,7 @@ from autotune.core.errors import SpecError
 from autotune.core.memory.optimizer_states import FSDP2_SHARDINGS, Library, eight_bit_adamw
 from autotune.core.schemas import OptimizerName, Precision, Sharding, TrainingSpec, WeightsDtype
 from autotune.engine.emulation.autocast import cuda_autocast_policy
+from autotune.engine.emulation.tracker import MemoryHolders
 from autotune.engine.training.adamw_8bit import AdamW8bit, assumption
 from autotune.engine.training.adapters import adapter_parameter_ids, apply_lora
 from autotune.engine.training.data_parallel import EmulatedReducer
@@ -234,6 +235,22 @@ class TrainingStep:
         would keep the old buckets alive beside the new ones."""
         if self.reducer is not None:
             self.reducer.rebuild_if_due()
+
+    def memory_holders(self) -> MemoryHolders:
+        """The weights, gradients and optimizer state as they are now, for an out-of-memory's
+        detail."""
+        parameters = list(self.model.parameters())
+        state = [
+            value
+            for values in self._local_optimizer.state.values()
+            for value in values.values()
+            if isinstance(value, torch.Tensor)
+        ]
+        return MemoryHolders(
+            weights=[*parameters, *self.model.buffers()],
+            gradients=[p.grad for p in parameters if p.grad is not None],
+            optimizer_state=state,
+        )
 
     def resident_tensors(self) -> list[torch.Tensor]:
         """Tensors that live across steps: parameters, buffers, gradients, optimizer state, the

@@ -17,6 +17,7 @@ from autotune.core.exports import render_exports
 from autotune.remote.client import ServerClient
 from autotune.remote.protocol import EstimateTarget, RunStatus
 from tests.api_tests.factories import (
+    GIB,
     attempt,
     emulated,
     emulated_device,
@@ -59,6 +60,7 @@ def test_the_list_shows_runs_newest_first_and_filters_them(
     assert page.status_code == 200
     assert _run_ids(page.text) == [queued[1], queued[0], finished]
     assert "micro-batch 8 × 4 steps" in page.text  # the recommendation at a glance
+    assert "101.0 samples/s (CPU timing, not a GPU&#39;s)" in page.text
     assert "<td>emulated 4.00 GiB</td>" in page.text
     assert _run_ids(http.get("/?status=cancelled").text) == [queued[0]]
     assert _run_ids(http.get("/?status=succeeded").text) == [finished]
@@ -111,9 +113,19 @@ def test_a_run_page_shows_the_recommendation_exports_plots_and_tables(
     speed = html[html.index('id="throughput-plot"') :]
     assert len(re.findall(r'class="point (?:dot|ring) ', speed)) == 2
     assert re.findall(r'class="point ring[^>]*data-chosen="true"', speed)
-    assert "throughput (samples/s)" in speed
+    # CPU timings of an emulated GPU say so wherever samples/s appear.
+    assert "throughput (samples/s, CPU timing, not a GPU's)" in unescape(speed)
+    assert '<span class="speed-source">(CPU timing, not a GPU&#39;s)</span>' in html
+    assert '<th scope="col">samples/s (CPU timing, not a GPU&#39;s)</th>' in html
     assert re.findall(r'<text class="point-label"[^>]*>(×\d+)</text>', speed) == ["×8", "×4"]
     assert html.count('<tr class="fits">') + html.count('<tr class="oom">') == 6
+    # Each out-of-memory says which allocation failed and what the memory held then.
+    assert html.count('class="oom-detail"') == 3
+    assert (
+        "2.00 MiB for aten.mm.default in backward did not fit; memory held: weights 3.81 MiB, "
+        "gradients 2.86 MiB, optimizer state 7.63 MiB, activations and temporaries 76.29 MiB, "
+        "cache 976.56 KiB"
+    ) in unescape(html)
     assert html.count('<tr class="complete">') == 2
     assert "preset: gpt2-tiny" in html
 
@@ -304,3 +316,32 @@ def test_axis_ticks_are_round_and_cover_the_range() -> None:
 @pytest.mark.parametrize("path", ["/static/autotune.css", "/static/autotune.js"])
 def test_the_pages_assets_are_served_by_the_app(http: TestClient, path: str) -> None:
     assert http.get(path).status_code == 200
+
+
+def test_a_run_for_a_device_no_worker_offers_says_so_and_the_form_defaults_to_offered_ones(
+    http: TestClient, user: ServerClient, worker: ServerClient, clock: FakeClock
+) -> None:
+    # The README's own mistake: a 4 GiB run, and only a 1 GiB worker.
+    queued = user.submit_run(tiny_spec(), emulated(4 * GIB))
+    assert queued.notice is not None
+    assert queued.notice.startswith(
+        "no worker has offered this device (emulated:4294967296) in the last 10 minutes"
+    )
+    assert worker.claim("w1", [emulated_device(1 * GIB)]) is None
+    assert user.get_run(queued.id).notice == queued.notice  # 1 GiB is not this device
+    page = _signed_in(http).get(f"/runs/{queued.id}").text
+    assert 'id="run-notice"' in page and "Waiting: no worker has offered this device" in page
+    # The form's default is what the worker offers, not 24 GiB.
+    form = _signed_in(http).get("/submit").text
+    assert 'name="memory" value="1073741824"' in form
+    assert "Offered by workers in the last 10 minutes: emulated 1.00 GiB." in form
+
+    user.cancel_run(queued.id)
+    other = user.submit_run(tiny_spec(seq_len=65), emulated(1 * GIB))
+    assert other.notice is None  # offered a moment ago
+    assert user.get_run(other.id).notice is None
+    clock.advance(11 * 60)
+    assert user.get_run(other.id).notice is not None  # nobody for 11 minutes
+    assert "No worker has offered a device in the last 10 minutes" in (
+        _signed_in(http).get("/submit").text
+    )

@@ -7,6 +7,7 @@ import ast
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -94,7 +95,11 @@ def test_tune_export_pytorch_prints_the_loop_alone_piped_in_a_narrow_terminal(
     }
     assert {"MICRO_BATCH", "ACCUMULATION_STEPS", "WORLD_SIZE"} <= names
     assert max(len(line) for line in done.stdout.splitlines()) > 40  # not folded at 40
-    assert "Recommendation" not in done.stdout and "trial" in done.stderr
+    assert "Recommendation" not in done.stdout
+    # The study's plan, and each measurement as "trial i of N".
+    planned = re.search(r"measure: (\d+) of \d+ configurations", done.stderr)
+    assert planned is not None, done.stderr
+    assert f"trial 1 of {planned[1]}: micro-batch" in done.stderr
 
 
 def test_tune_refuses_json_and_export_together(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -95,6 +96,13 @@ def test_probe_table_by_default(spec_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     # Without the trace the search runs its fit points, 2 and 3, for real.
     assert "checkpointing off  micro-batch     2  fits" in done.stderr
+    # Piped, progress is plain lines stamped with the time since the start: the phase, and
+    # each trial as it starts (a long one is never silent) and as it ends.
+    lines = done.stderr.splitlines()
+    assert any(re.match(r"\[\d+:\d\d\] probe, checkpointing off: the largest", x) for x in lines)
+    assert any(
+        re.match(r"\[\d+:\d\d\] step, checkpointing on: micro-batch \d+ \.\.\.$", x) for x in lines
+    )
     assert "max micro-batch" in done.stdout
     assert "recommended" in done.stdout
 
@@ -286,6 +294,20 @@ def test_an_hf_config_run_prints_no_library_noise(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["fits"] is True
     assert done.stderr == "", done.stderr
+
+
+def test_an_out_of_memory_attempt_says_what_failed_in_the_json_and_the_progress(
+    probed: subprocess.CompletedProcess[str],
+) -> None:
+    result = json.loads(probed.stdout)
+    failed = [a for mode in result["modes"] for a in mode["attempts"] if not a["fits"]]
+    assert failed
+    for attempt in failed:
+        oom = attempt["oom"]
+        assert oom["phase"] == attempt["oom_phase"] and oom["allocation_bytes"] > 0
+        assert oom["weights_bytes"] > 0 and oom["op"]
+    progress = " ".join(probed.stderr.split())
+    assert progress.count("did not fit; memory held: weights") == len(failed)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -163,8 +163,10 @@ def _measure_scripted(
         ([0.125] * 20, 1.0, 8),  # fast steps: as many as fill the target
         ([0.4] * 20, 1.0, 3),
         ([0.6] * 20, 1.0, 3),  # the target is met after 2, but 3 are the minimum
-        ([2.0] * 20, 1.0, 1),  # one step alone exceeds the target: fewer than 3
-        ([0.5, 1.5, 0.5], 1.0, 2),
+        # One step alone exceeds the target: still 3, or there is no spread to tell noise by
+        # (issue 26: `timed_steps: 1`, `step_time_spread: 0.0`).
+        ([2.0] * 20, 1.0, 3),
+        ([0.5, 1.5, 0.5], 1.0, 3),
         ([0.001] * 100, 1.0, 50),  # max_steps bounds tiny models
     ],
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from autotune.core.presets import PRESETS
-from autotune.core.schemas import Phase, Spec
+from autotune.core.schemas import Phase, Spec, StepOutcome
 from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.probe import probe, run_step
 from autotune.engine.runner import InProcessRunner
@@ -151,3 +151,41 @@ def test_an_optimizer_that_ran_out_while_building_its_state_steps_again() -> Non
     assert [mode.max_micro_batch for mode in result.modes] == [0, 0]
     for mode in result.modes:
         assert [(a.fits, a.oom_phase) for a in mode.attempts] == [(False, Phase.OPTIMIZER)]
+
+
+@pytest.mark.parametrize("model_allocator", [True, False])
+def test_an_out_of_memory_says_which_allocation_failed_and_what_memory_held(
+    model_allocator: bool,
+) -> None:
+    spec = preset_spec("mlp", optimizer="adamw")
+    capacity_bytes = capacity_for_about_four(spec)
+    runner = InProcessRunner(spec, EmulatedDevice(capacity_bytes, model_allocator=model_allocator))
+    assert runner.warm_up().fits  # the optimizer's state exists from here on
+    parameters = list(runner.step.model.parameters())
+    weight_bytes = sum(-(-p.numel() * p.element_size() // 512) * 512 for p in parameters)
+
+    outcome = runner.trial(4096)
+
+    assert not outcome.fits
+    oom = outcome.oom
+    assert oom is not None
+    assert oom.phase is outcome.oom_phase is Phase.FORWARD
+    assert oom.op.startswith("aten.") and oom.allocation_bytes > 0
+    assert oom.weights_bytes == weight_bytes
+    assert oom.gradients_bytes == 0  # set to None after each step; none yet in this forward
+    # AdamW: two moments the size of the parameters, and a step count each.
+    assert (
+        2 * weight_bytes
+        <= oom.optimizer_state_bytes
+        <= 2 * weight_bytes + 512 * 2 * len(parameters)
+    )
+    assert oom.activations_bytes > 0
+    held_bytes = (
+        oom.weights_bytes + oom.optimizer_state_bytes + oom.activations_bytes + oom.cache_bytes
+    )
+    assert held_bytes <= capacity_bytes < held_bytes + oom.allocation_bytes + 20 * 2**20
+    assert (oom.cache_bytes == 0) is (not model_allocator)
+    assert f"for {oom.op} in forward did not fit; memory held: weights" in oom.summary()
+    # It travels with the attempt (JSON, the server, the run page) and only with an OOM.
+    assert StepOutcome.model_validate_json(outcome.model_dump_json()).oom == oom
+    assert runner.trial(1).oom is None
