@@ -127,17 +127,25 @@ class _KernelTimes(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return out
 
 
-class _Interruptible(TorchDispatchMode):
-    """Calls `check` every `_CHECK_EVERY_OPS` operations of a trace: a trace of a large model
+class _Interruptible(TorchFunctionMode):
+    """Calls `check` every `_CHECK_EVERY_OPS` torch calls of a trace: a trace of a large model
     takes minutes, and a cancel, a shutdown or a limit must stop it within seconds (`check`
-    raises to stop)."""
+    raises to stop). It checks at the Python level, before a call enters torch: raised from a
+    dispatch mode, the exception could cross a C++ frame that cannot pass it on, and the
+    process aborted ("Fatal Python error: Aborted" under checkpointed attention)."""
 
     def __init__(self, check: Callable[[], None]) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self.check = check
         self.ops = 0
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         self.ops += 1
         if self.ops % _CHECK_EVERY_OPS == 0:
             self.check()
