@@ -144,7 +144,7 @@ def test_children_open_a_named_gpu_for_the_world_size_of_the_run() -> None:
     runner = ChildProcessRunner(
         spec, "cpu", None, gpu="L4", start_method="forkserver", allowed_factories=TESTS
     )
-    *gpu_assumptions, data_parallel, speed = runner.device_info.assumptions
+    *gpu_assumptions, data_parallel, speed, communication = runner.device_info.assumptions
     opened = open_device("cpu", gpu="L4", world_size=4).info
     assert (
         runner.device_info.model_copy(
@@ -161,11 +161,18 @@ def test_children_open_a_named_gpu_for_the_world_size_of_the_run() -> None:
     # Its samples/s are the L4's roofline, not this CPU's, computed in the measuring child.
     assert runner.device_info.speed is SpeedSource.ROOFLINE
     assert speed.startswith("samples/s are not this host's: speed estimated by roofline on L4")
+    # An L4 box has no NVLink: its ranks' collectives go over PCIe.
+    assert communication.startswith("communication estimated by NCCL's ring/tree model on 1 node")
+    assert "over pcie" in communication
     measured = runner.measure(8, 2, checkpointing=False, target_seconds=0.01)
     assert measured is not None and measured.timed_steps == 0
     estimate = tracer_for(spec, opened)
     assert estimate.warm_up(checkpointing=False).fits
-    assert measured.step_time_s == estimate.step_time_s(8, 2, checkpointing=False)
+    # The child's step is the roofline's compute plus the communication no compute hides.
+    compute_s = estimate.step_time_s(8, 2, checkpointing=False)
+    assert measured.compute_time_s == compute_s
+    assert measured.exposed_communication_s is not None and measured.exposed_communication_s > 0
+    assert measured.step_time_s == pytest.approx(compute_s + measured.exposed_communication_s)
 
 
 @pytest.mark.e2e

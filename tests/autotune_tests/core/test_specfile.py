@@ -124,7 +124,7 @@ def test_the_readme_s_fine_tuning_specs_are_valid() -> None:
     readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     section = readme.split("### Fine-tuning:", 1)[1].split("\n### ", 1)[0]
     blocks = re.findall(r"```yaml\n(.*?)```", section, flags=re.DOTALL)
-    assert len(blocks) == 4
+    assert len(blocks) == 5
     for block in blocks:
         training = yaml.safe_load(block)
         spec = Spec.model_validate(
@@ -139,7 +139,7 @@ def test_the_readme_s_fine_tuning_specs_are_valid() -> None:
 def test_a_syntax_error_names_its_line_and_column(tmp_path: Path) -> None:
     path = tmp_path / "spec.yaml"
     path.write_text("model:\n  preset: mlp\ntraining: {seq_len: 64\n")
-    with pytest.raises(SpecError, match=r"spec.yaml: not valid yaml: line 4, column 1: "):
+    with pytest.raises(SpecError, match=r"spec.yaml: not valid YAML: line 4, column 1: "):
         load_spec(path)
     path = tmp_path / "spec.json"
     path.write_text('{"model": {"preset": "mlp"},\n "training": }')
