@@ -78,6 +78,7 @@ def _wait_until_tracing(user: ServerClient, run_id: int, built: list[int]) -> No
     time.sleep(0.5)
 
 
+@pytest.mark.e2e  # tens of seconds of child processes: CI's end-to-end run
 def test_a_huge_accumulation_is_traced_as_a_few_micro_steps(
     user: ServerClient, worker: ServerClient, tmp_path: Path
 ) -> None:

@@ -237,6 +237,7 @@ def _forkserver_runner(
     )
 
 
+@pytest.mark.e2e  # tens of seconds of child processes: CI's end-to-end run
 def test_children_train_the_embeddings_and_head_beside_adapters(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -366,6 +366,7 @@ def _answer(tmp_path: Path, *args: str, config: dict[str, Any], **training: Any)
     return json.loads(done.stdout)
 
 
+@pytest.mark.e2e  # tens of seconds of child processes: CI's end-to-end run
 def test_a_probe_estimate_of_bf16_weights_trains_embeddings_and_head(tmp_path: Path) -> None:
     """The Qwen2 7B case of issue 23 on tiny shapes (bf16 weights, embeddings and head saved),
     which crashed 3 runs of 3 in fake-tensor dispatch."""
