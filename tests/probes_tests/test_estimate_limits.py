@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.schemas import Spec
 from autotune.engine.estimate import estimate_device
