@@ -50,8 +50,8 @@ from typing import TypeVar
 from autotune.core.bytesize import format_bytes
 from autotune.core.errors import FactoryRefused, ModelBuildError, SpecError
 from autotune.core.factoryaccess import check_factory_allowed
-from autotune.core.schemas import StepOutcome, Trial, TrialState, TuneResult
-from autotune.engine.probe import probe_session
+from autotune.core.schemas import Sharding, Spec, StepOutcome, Trial, TrialState, TuneResult
+from autotune.engine.probe import FitTracer, probe_session
 from autotune.engine.runner import TrialRunner
 from autotune.engine.tuner import tune_session
 from autotune.remote.client import (
@@ -76,6 +76,8 @@ _SPEC_ERRORS = (SpecError, ModelBuildError, TrialCrashed, TrialError)
 _TRACEBACK_CHARS = 4000
 _SLEEP_SLICE_S = 0.1
 SHUTDOWN_REASON = "worker shutting down"
+# Streamed trial numbers of sharding: auto's n-th layout start at n x this (`_Progress`).
+LAYOUT_TRIAL_STRIDE = 10_000
 
 
 class RunOutcome(StrEnum):
@@ -187,6 +189,14 @@ class _Progress:
         self.claim = keeper.claim
         self.sequence = 0
         self.trial_numbers: list[int] = []
+        # sharding: auto tunes one study per layout, each numbering its trials from 0: the
+        # streamed numbers of the n-th layout start at n x LAYOUT_TRIAL_STRIDE, so that they
+        # stay distinct (the result's trials are the chosen layout's, numbered by its study).
+        self.trial_offset = 0
+
+    def layout(self, sharding: Sharding, index: int, count: int) -> None:
+        logger.info("run %d: layout %d of %d: %s", self.claim.run_id, index + 1, count, sharding)
+        self.trial_offset = index * LAYOUT_TRIAL_STRIDE
 
     def attempt(self, checkpointing: bool, attempt: StepOutcome) -> None:
         sequence = self.sequence
@@ -202,6 +212,8 @@ class _Progress:
         )
 
     def trial(self, trial: Trial) -> None:
+        if self.trial_offset:
+            trial = trial.model_copy(update={"number": trial.number + self.trial_offset})
         self.trial_numbers.append(trial.number)
         self._post(lambda: self.client.post_trial(self.claim.run_id, self.claim.lease_id, trial))
 
@@ -389,8 +401,13 @@ class Worker:
             if claim.spec.model.factory is not None:
                 # Refused here, before any child starts; the children check again.
                 check_factory_allowed(claim.spec.model.factory, self.config.allowed_factories)
-            runner = self._runner_for(claim, device, keeper)
-            result = self._tune(claim, runner, progress, study_name)
+            if claim.spec.training.sharding is Sharding.AUTO:
+                opened: list[TrialRunner] = []
+                result = self._tune_layouts(claim, device, keeper, progress, study_name, opened)
+                runner = opened[-1] if opened else None
+            else:
+                runner = self._runner_for(claim, device, keeper)
+                result = self._tune(claim, runner, progress, study_name)
             self._patiently(
                 keeper, lambda: self.client.submit_result(claim.run_id, claim.lease_id, result)
             )
@@ -437,7 +454,14 @@ class Worker:
         finally:
             keeper.stop()
 
-    def _runner_for(self, claim: Claim, device: WorkerDevice, keeper: _LeaseKeeper) -> TrialRunner:
+    def _runner_for(
+        self,
+        claim: Claim,
+        device: WorkerDevice,
+        keeper: _LeaseKeeper,
+        spec: Spec | None = None,
+        interrupt: Callable[[], None] | None = None,
+    ) -> TrialRunner:
         """Trials in child processes on a device; or, for an estimate, traced here: no kernel
         runs and nothing is allocated, so there is no device state for a child to protect, and a
         child per trial would rebuild the model each time (seconds for an 8B model).
@@ -446,16 +470,21 @@ class Worker:
             ModelBuildError: the estimate's model cannot be built or traced (the spec's fault:
                 any worker would fail the same way), with the reason.
             FactoryRefused: a factory this worker does not allow.
+
+        `spec`: one layout of the claim's sharding: auto spec; `interrupt`: the estimate's
+        checks when several runners share the run's limits.
         """
+        spec = spec or claim.spec
         if device.device_name == ESTIMATE_DEVICE:
             try:
-                return self._estimate_runner(claim, device, self._estimate_interrupt(keeper))
+                interrupt = interrupt or self._estimate_interrupt(keeper)
+                return self._estimate_runner(spec, device, interrupt)
             except (FactoryRefused, SpecError, ModelBuildError, WorkerShutdown, LeaseLost):
                 raise  # the spec's own errors, or a stop that interrupted the build
             except Exception as error:  # whatever building the user's model raised
                 raise ModelBuildError(f"{type(error).__name__}: {error}") from error
         return ChildProcessRunner(
-            claim.spec,
+            spec,
             device.device_name,
             device.memory_bytes,
             gpu=device.gpu,
@@ -490,7 +519,7 @@ class Worker:
         return check
 
     def _estimate_runner(
-        self, claim: Claim, device: WorkerDevice, interrupt: Callable[[], None]
+        self, spec: Spec, device: WorkerDevice, interrupt: Callable[[], None]
     ) -> TrialRunner:
         from autotune.core.gpus.catalogue import find_gpu
         from autotune.core.gpus.cuda_reserve import budget_for
@@ -499,8 +528,8 @@ class Worker:
 
         assert device.gpu is not None
         return EstimateRunner(
-            claim.spec,
-            gpu=budget_for(find_gpu(device.gpu), claim.spec.training.world_size),
+            spec,
+            gpu=budget_for(find_gpu(device.gpu), spec.training.world_size),
             # This worker's environment, as its inventory reported it.
             allocator_config=config_from_environ(os.environ),
             allowed_factory_prefixes=list(self.config.allowed_factories),
@@ -527,6 +556,42 @@ class Worker:
             on_attempt=progress.attempt,
             on_trial=progress.trial,
             tracer=tracer,
+        )
+
+    def _tune_layouts(
+        self,
+        claim: Claim,
+        device: WorkerDevice,
+        keeper: _LeaseKeeper,
+        progress: _Progress,
+        study_name: str,
+        opened: list[TrialRunner],
+    ) -> TuneResult:
+        """sharding: auto: every layout tuned on a runner of its own (`opened` keeps the last,
+        whose failure a crashed measurement reports). An estimate's time and memory limits
+        are the run's, all layouts together."""
+        from autotune.engine.layout_tuning import tune_layouts
+
+        interrupt = (
+            self._estimate_interrupt(keeper) if device.device_name == ESTIMATE_DEVICE else None
+        )
+
+        def open_layout(spec: Spec) -> tuple[TrialRunner, FitTracer | None]:
+            runner = self._runner_for(claim, device, keeper, spec, interrupt)
+            opened.append(runner)
+            if isinstance(runner, ChildProcessRunner) and runner.trace_fit:
+                return runner, runner
+            return runner, None
+
+        return tune_layouts(
+            claim.spec,
+            open_layout,
+            storage_url=self.config.storage_url,
+            study_name=study_name,
+            target_seconds=self.config.seconds_per_trial,
+            on_attempt=progress.attempt,
+            on_trial=progress.trial,
+            on_layout=progress.layout,
         )
 
     def _post_failed_trial(

@@ -158,6 +158,7 @@ def _store_result(session: Session, row: RunRow, result: TuneResult, now: dateti
         session.add(RecommendationRow(run_id=row.id, **result.recommendation.model_dump()))
     row.infeasible = result.infeasible.model_dump(mode="json") if result.infeasible else None
     row.exports = _exports(result)
+    row.layouts = [layout.model_dump(mode="json") for layout in result.layouts] or None
     row.worker_device = result.device.model_dump(mode="json")
     row.torch_version = _torch_major_minor(result.device.torch_version)
     row.study_name = result.study_name or row.study_name

@@ -122,6 +122,8 @@ class RunRow(TableBase):
     study_name: Mapped[str | None] = mapped_column(String(100))
     infeasible: Mapped[dict[str, Any] | None]
     exports: Mapped[dict[str, Any] | None]
+    # sharding: auto: every layout's LayoutOutcome, as JSON (revision 0014).
+    layouts: Mapped[list[Any] | None]
     error: Mapped[str | None] = mapped_column(Text)
 
 
@@ -146,6 +148,8 @@ class RecommendationRow(TableBase):
     tokens_per_s: Mapped[float | None]
     peak_bytes: Mapped[int]
     capacity_bytes: Mapped[int]
+    # The layout measured (revision 0014; null before: the spec's).
+    sharding: Mapped[str | None] = mapped_column(String(16))
 
 
 class ModeRow(TableBase):

@@ -33,7 +33,13 @@ from api.deps import AppContext, Role, check_token, context_of, is_known_token
 from api.errors import ApiError, Forbidden, InvalidToken, NoComparison, RunNotFound
 from api.store import offers, runreads, runstore
 from api.web.charts import render_svg
-from api.web.run_plots import capacity_bytes, latest_attempts, memory_chart, throughput_chart
+from api.web.run_plots import (
+    capacity_bytes,
+    latest_attempts,
+    layouts_chart,
+    memory_chart,
+    throughput_chart,
+)
 from autotune.core.bytesize import format_bytes
 from autotune.core.errors import SpecError
 from autotune.core.exports import render_exports
@@ -246,6 +252,7 @@ def _run_context(context: AppContext, run: Run) -> dict[str, Any]:
         "capacity_bytes": capacity_bytes(run),
         "memory_svg": render_svg(memory_chart(run)),
         "throughput_svg": render_svg(throughput_chart(run)),
+        "layouts_svg": render_svg(layouts_chart(run)) if run.layouts else None,
         "attempt_count": len(latest_attempts(run)),
         "attempts": run.attempts,
         "trials": trials,

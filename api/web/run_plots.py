@@ -1,4 +1,4 @@
-"""A run's two plots: peak memory against micro-batch, and samples/s against micro-batch.
+"""A run's plots: peak memory against micro-batch, and samples/s against micro-batch.
 
 The memory plot has every probe attempt of the run's latest claim as a point (fits as dots,
 out-of-memory as crosses) for both checkpointing modes, the points a trace predicted without
@@ -7,14 +7,15 @@ headroom's budget below it, and per mode the least-squares line through the fits
 a step's memory is close to affine in the micro-batch (weights, gradients and optimizer state,
 plus activations per sample), so the line shows how far the next micro-batch is from the wall.
 The throughput plot has every measured trial, its accumulation steps in its title, and the
-recommended configuration ringed.
+recommended configuration ringed. With sharding: auto a third plot has each layout's best
+samples/s per GPU.
 """
 
 from __future__ import annotations
 
 from api.store.rowmodels import target_memory_bytes
 from api.web.charts import Chart, Line, Point, Rule, Series
-from autotune.core.schemas import TrialState
+from autotune.core.schemas import LayoutVerdict, TrialState
 from autotune.remote.protocol import Run
 
 _GIB = 2**30
@@ -198,4 +199,40 @@ def throughput_chart(run: Run) -> Chart:
         x_label="micro-batch (samples)",
         y_label=f"throughput (samples/s, {run.speed_label})",
         series=series,
+    )
+
+
+def layouts_chart(run: Run) -> Chart:
+    """sharding: auto: each layout's best samples/s per GPU, in the order the tuner lists them
+    (the chosen one first, ringed); a layout with no speed (it does not fit, or hits no
+    target) is a cross at zero."""
+    world = run.spec.training.world_size
+    points = []
+    for index, layout in enumerate(run.layouts, start=1):
+        rec = layout.recommendation
+        name = layout.sharding.value
+        chosen = layout.verdict is LayoutVerdict.CHOSEN
+        if rec is None:
+            title = f"{name}: {layout.reason}"
+            points.append(
+                Point(x=index, y=0.0, title=title, marker="cross", label=name,
+                      data={"layout": name, "chosen": "false"})
+            )  # fmt: skip
+            continue
+        title = (
+            f"{name}: {rec.samples_per_s:.2f} samples/s per GPU, "
+            f"{rec.job_samples_per_s:.1f} for the job of {world} GPUs"
+            + (" (chosen)" if chosen else "")
+        )
+        points.append(
+            Point(x=index, y=rec.samples_per_s, title=title, marker="ring" if chosen else "dot",
+                  label=name, data={"layout": name, "chosen": str(chosen).lower()})
+        )  # fmt: skip
+    return Chart(
+        title="Throughput per layout",
+        description=f"{len(run.layouts)} layouts, the chosen one first: each one's best "
+        f"configuration's samples/s per GPU (times {world} for the job).",
+        x_label="layout (in the order of the table)",
+        y_label=f"samples/s per GPU ({run.speed_label})",
+        series=[Series(name="layouts", css_class="plain", points=points)],
     )

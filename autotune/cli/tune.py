@@ -18,7 +18,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -43,9 +43,14 @@ from autotune.core.defaults import (
     EXIT_OK,
     server_database_url,
 )
+from autotune.core.parallel.layout_choice import LAYOUT_NAMES, layout_candidates
 from autotune.core.recorder import installed_recorders
-from autotune.core.schemas import Infeasible, TuneResult
+from autotune.core.schemas import Infeasible, Sharding, Spec, TuneResult
 from autotune.core.throughput import speed_label
+
+if TYPE_CHECKING:
+    from autotune.engine.probe import FitTracer
+    from autotune.engine.runner import TrialRunner
 
 
 def default_database_url() -> str:
@@ -74,8 +79,19 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
     from autotune.engine.emulation.gpu_speed import timed_on_its_gpu
 
-    # On an emulated named GPU, samples/s are that GPU's (roofline), not this CPU's.
-    runner = timed_on_its_gpu(open_runner(args, spec))
+    def open_layout(layout: Spec) -> TrialRunner:
+        # On an emulated named GPU, samples/s are that GPU's (roofline), not this CPU's.
+        return timed_on_its_gpu(open_runner(args, layout))
+
+    auto = spec.training.sharding is Sharding.AUTO
+    if auto:
+        from autotune.engine.layout_tuning import layout_spec
+
+        # The first layout's runner says what the device is; every layout runs on its own.
+        first = layout_spec(spec, layout_candidates(spec.training)[0])
+        runner = open_layout(first)
+    else:
+        runner = open_layout(spec)
     info = runner.device_info
     err = Console(stderr=True)
     # The default database and the plain loop of the human output go to ./data: say so.
@@ -92,18 +108,31 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         f"(capacity {format_bytes(info.capacity_bytes)})"
     )
     progress = Progress(err, speed=speed_label(info))
+    common: dict[str, Any] = {
+        "storage_url": storage_url,
+        "n_trials": args.trials,
+        "seed": args.seed,
+        "target_seconds": args.seconds_per_trial,
+        "on_attempt": progress.attempt,
+        "on_trial": progress.trial,
+        "on_phase": progress.phase,
+    }
     try:
-        result = tune_session(
-            progress.runner(runner),
-            storage_url=storage_url,
-            n_trials=args.trials,
-            seed=args.seed,
-            target_seconds=args.seconds_per_trial,
-            on_attempt=progress.attempt,
-            on_trial=progress.trial,
-            tracer=fit_tracer(args, runner),
-            on_phase=progress.phase,
-        )
+        if auto:
+            from autotune.engine.layout_tuning import tune_layouts
+
+            opened = {first.training.sharding: runner}
+
+            def layout_runner(layout: Spec) -> tuple[TrialRunner, FitTracer | None]:
+                opened_runner = opened.pop(layout.training.sharding, None)
+                layout_runner = opened_runner or open_layout(layout)
+                return progress.runner(layout_runner), fit_tracer(args, layout_runner)
+
+            result = tune_layouts(spec, layout_runner, **common)
+        else:
+            result = tune_session(
+                progress.runner(runner), tracer=fit_tracer(args, runner), **common
+            )
     finally:
         progress.close()
     _record_locally(result, storage_url, err)
@@ -185,26 +214,85 @@ def print_tune_result(
     )
     if result.trials:
         print_trials(console, result)
+    if result.layouts:
+        print_layouts(console, result)
     rec = result.recommendation
     if rec is None:
         assert result.infeasible is not None
         print_infeasible(console, result.infeasible)
         return
+    layout = f", layout {LAYOUT_NAMES[rec.sharding]}" if result.layouts and rec.sharding else ""
     console.print(
         f"[bold green]Recommendation:[/bold green] micro-batch {rec.micro_batch} x "
         f"{rec.accumulation_steps} accumulation steps x {rec.world_size} rank(s) = global batch "
-        f"{rec.global_batch}, checkpointing {rec.checkpointing_label}: "
-        f"{rec.samples_per_s:,.1f} samples/s ({speed_label(result.device)}), peak "
-        f"{format_bytes(rec.peak_bytes)} of "
-        f"{format_bytes(rec.capacity_bytes)}"
+        f"{rec.global_batch}, checkpointing {rec.checkpointing_label}{layout}: "
+        f"{speed_text(rec.samples_per_s, rec.tokens_per_s, rec.world_size)} "
+        f"({speed_label(result.device)}), peak {format_bytes(rec.peak_bytes)} of "
+        f"{format_bytes(rec.capacity_bytes)} per GPU",
+        soft_wrap=True,
     )
     if result.exports is not None:
         print_exports(console, result.exports, loop_path=loop_path)
 
 
+def speed_text(samples_per_s: float, tokens_per_s: float | None, world_size: int) -> str:
+    """A rank's speed, per GPU and for the whole job: every samples/s and tokens/s says which."""
+    text = f"{samples_per_s:,.2f} samples/s per GPU"
+    if tokens_per_s is not None:
+        text += f" ({tokens_per_s:,.0f} tokens/s)"
+    if world_size > 1:
+        text += f", {samples_per_s * world_size:,.1f} samples/s for the job of {world_size} GPUs"
+        if tokens_per_s is not None:
+            text += f" ({tokens_per_s * world_size:,.0f} tokens/s)"
+    return text
+
+
+def print_layouts(console: Console, result: TuneResult) -> None:
+    """sharding: auto: each layout's reach, speed and memory per rank, and why it lost."""
+    world = result.spec.training.world_size
+    table = Table(title=f"Layouts on {world} GPU(s): the chosen one first")
+    columns = [
+        "layout",
+        "max micro-batch (plain / ckpt)",
+        "best",
+        "samples/s per GPU",
+        f"samples/s job ({world} GPUs)",
+        "compute",
+        "exposed comm.",
+        "memory per GPU",
+        "verdict",
+    ]
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("layout", "verdict") else "right")
+    for layout in result.layouts:
+        rec = layout.recommendation
+        checkpointed = layout.max_micro_batch_checkpointed
+        cells = [
+            LAYOUT_NAMES[layout.sharding],
+            f"{layout.max_micro_batch} / {'-' if checkpointed is None else checkpointed}",
+            "-"
+            if rec is None
+            else f"{rec.micro_batch} x {rec.accumulation_steps}, ckpt {rec.checkpointing_label}",
+            "-" if rec is None else f"{rec.samples_per_s:,.2f}",
+            "-" if rec is None else f"{rec.job_samples_per_s:,.1f}",
+            "-" if layout.compute_time_s is None else format_seconds(layout.compute_time_s),
+            "-"
+            if layout.exposed_communication_s is None
+            else format_seconds(layout.exposed_communication_s),
+            "-" if rec is None else format_bytes(rec.peak_bytes),
+            layout.verdict.value.replace("_", " "),
+        ]
+        table.add_row(*cells)
+    console.print(table)
+    for layout in result.layouts:
+        console.print(f"  {LAYOUT_NAMES[layout.sharding]}: {layout.reason}", soft_wrap=True)
+
+
 def print_trials(console: Console, result: TuneResult) -> None:
-    trials = Table(title="Measured configurations")
-    samples_per_s = f"samples/s ({speed_label(result.device)})"
+    trials = Table(
+        title="Measured configurations" + (" (the chosen layout)" if result.layouts else "")
+    )
+    samples_per_s = f"samples/s per GPU ({speed_label(result.device)})"
     split = any(trial.compute_time_s is not None for trial in result.trials)
     columns = ["micro-batch", "accumulation", "checkpointing", samples_per_s, "peak"]
     # With several ranks (estimated): the step is compute + exposed communication.

@@ -42,10 +42,12 @@ from autotune.core.candidates import enumerate_candidates
 from autotune.core.exports import ZERO_STAGES
 from autotune.core.gpus.catalogue import UnknownGpu, find_gpu
 from autotune.core.gpus.cuda_reserve import budget_for
+from autotune.core.parallel.layout_choice import LAYOUT_ORDER, layout_candidates
 from autotune.core.ranking import choose
 from autotune.core.schemas import (
     DeviceInfo,
     DeviceKind,
+    LayoutVerdict,
     ModeProbe,
     Sharding,
     Spec,
@@ -69,8 +71,16 @@ class Violation:
 
 
 def check_result(spec: Spec, result: TuneResult) -> list[Violation]:
-    """Every invariant `result` violates as an answer to `spec` (empty: a valid result)."""
-    check = _Check(spec, result, result.device.capacity_bytes)
+    """Every invariant `result` violates as an answer to `spec` (empty: a valid result). With
+    sharding: auto, the probe, trials, recommendation and exports are held to the layout they
+    were measured with (`layout_violations`)."""
+    layout = layout_violations(spec, result)
+    if layout:
+        return layout
+    measured = spec if spec.training.sharding.is_layout else _measured_spec(spec, result)
+    check = _Check(measured, result, result.device.capacity_bytes)
+    if result.spec != spec:
+        check.fail("spec", "differs from the spec that was tuned")
     check.spec_and_device()
     if not result.probe.modes:
         check.fail("probe.modes", "the probe searched no mode")
@@ -79,6 +89,79 @@ def check_result(spec: Spec, result: TuneResult) -> list[Violation]:
     check.trials()
     check.answer()
     return check.violations
+
+
+def _measured_spec(spec: Spec, result: TuneResult) -> Spec:
+    return Spec(model=spec.model, training=result.measured_training)
+
+
+def layout_violations(spec: Spec, result: TuneResult) -> list[Violation]:
+    """What `result.layouts` violates (`autotune.engine.layout_tuning.tune_layouts`): set
+    exactly for sharding: auto, each candidate layout of the topology once, the chosen one
+    first and named by the recommendation (which is its own), or no layout chosen and no
+    recommendation; a layout's best configuration hits the target on the spec's ranks."""
+    training = spec.training
+    layouts = result.layouts
+    if training.sharding.is_layout:
+        return [Violation("layouts", "set although the spec names its layout")] if layouts else []
+    if training.target_global_batch is None:
+        return [Violation("spec.training.sharding", "auto needs a target to tune for")]
+    violations: list[Violation] = []
+    expected = set(layout_candidates(training))
+    listed = [layout.sharding for layout in layouts]
+    if len(set(listed)) != len(listed) or set(listed) != expected:
+        violations.append(
+            Violation("layouts", "not each candidate layout of the topology exactly once")
+        )
+        return violations
+    chosen = [i for i, layout in enumerate(layouts) if layout.verdict is LayoutVerdict.CHOSEN]
+    rec = result.recommendation
+    if rec is None and chosen:
+        violations.append(Violation("layouts", "a layout chosen without a recommendation"))
+    if rec is not None:
+        if chosen != [0]:
+            violations.append(
+                Violation("layouts", "the chosen layout is not the one listed first")
+            )
+        elif rec.sharding is not layouts[0].sharding or layouts[0].recommendation != rec:
+            violations.append(
+                Violation("recommendation.sharding", "not the chosen layout's recommendation")
+            )
+    for index, layout in enumerate(layouts):
+        best = layout.recommendation
+        group = training.ranks_per_node if layout.sharding is Sharding.HYBRID else None
+        if layout.shard_group_size != group:
+            violations.append(
+                Violation(f"layouts[{index}].shard_group_size", f"not {group} for this layout")
+            )
+        if best is None:
+            if layout.verdict in (LayoutVerdict.CHOSEN, LayoutVerdict.SLOWER):
+                violations.append(
+                    Violation(f"layouts[{index}].verdict", "a speed verdict without a speed")
+                )
+            continue
+        if best.sharding is not layout.sharding:
+            violations.append(
+                Violation(f"layouts[{index}].recommendation.sharding", "not its own")
+            )
+        if best.global_batch != training.target_global_batch or (
+            best.world_size != training.world_size
+        ):
+            violations.append(
+                Violation(f"layouts[{index}].recommendation", "misses the spec's target or ranks")
+            )
+        # A faster layout loses only a tie, to a simpler one.
+        if (
+            rec is not None
+            and rec.sharding is not None
+            and index > 0
+            and best.samples_per_s > rec.samples_per_s
+            and LAYOUT_ORDER.index(layout.sharding) < LAYOUT_ORDER.index(rec.sharding)
+        ):
+            violations.append(
+                Violation(f"layouts[{index}]", "faster and simpler than the chosen layout")
+            )
+    return violations
 
 
 def check_attempt(spec: Spec, attempt: StepOutcome, capacity_bytes: int) -> list[Violation]:
@@ -159,8 +242,6 @@ class _Check:
         self.violations.append(Violation(field, message))
 
     def spec_and_device(self) -> None:
-        if self.result.spec != self.spec:
-            self.fail("spec", "differs from the spec that was tuned")
         if self.result.probe.device != self.result.device:
             self.fail("probe.device", "differs from the result's device")
         for violation in capacity_violations(self.spec, self.result.device):
@@ -368,6 +449,8 @@ class _Check:
             and not rec.checkpointed_blocks < rec.num_blocks
         ):
             self.fail("recommendation.checkpointed_blocks", "not fewer than its num_blocks")
+        if rec.sharding is not None and rec.sharding is not training.sharding:
+            self.fail("recommendation.sharding", f"not the measured layout {training.sharding}")
         if rec.capacity_bytes != self.capacity_bytes:
             self.fail("recommendation.capacity_bytes", "not the device's capacity")
         if not 0 <= rec.peak_bytes <= self.capacity_bytes:
@@ -444,7 +527,7 @@ class _Check:
             expected[("lora", "r")] = training.lora.r
         elif exports.lora is not None:
             self.fail("exports.lora", "set although the spec trains no adapters")
-        if exports.training != self.result.spec.training:
+        if exports.training != self.result.measured_training:
             # The texts say what each consumer holds beyond this section.
             self.fail("exports.training", "is not the result's spec's training section")
         data = exports.model_dump()

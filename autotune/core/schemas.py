@@ -67,6 +67,14 @@ class Sharding(StrEnum):
     ZERO2 = "zero2"  # and gradients (FSDP SHARD_GRAD_OP: parameters kept after forward)
     ZERO3 = "zero3"  # and parameters: FSDP full shard, each block gathered while it runs
     HYBRID = "hybrid"  # full shard within groups of shard_group_size ranks, replicated across
+    # The tuner measures every layout valid for the topology and recommends one
+    # (autotune.core.parallel.layout_choice); never a layout a step runs with.
+    AUTO = "auto"
+
+    @property
+    def is_layout(self) -> bool:
+        """A layout a step runs with (not `auto`, the tuner's choice among them)."""
+        return self is not Sharding.AUTO
 
 
 class OptimizerName(StrEnum):
@@ -268,7 +276,9 @@ class TrainingSpec(FrozenModel):
     sharding: Sharding = Field(
         default=Sharding.NONE,
         description="none (DDP) | zero1 | zero2 | zero3 (= FSDP full shard) | hybrid (full "
-        "shard within groups of shard_group_size ranks).",
+        "shard within groups of shard_group_size ranks) | auto (the tuner measures every "
+        "layout valid for the topology, hybrid with the node as its shard group, and "
+        "recommends the fastest).",
     )
     shard_group_size: int | None = Field(
         default=None,
@@ -378,7 +388,12 @@ class TrainingSpec(FrozenModel):
                 )
 
     def _check_sharding(self) -> None:
-        if self.sharding is not Sharding.NONE and self.world_size < 2:
+        if self.sharding is Sharding.AUTO and self.target_global_batch is None:
+            raise ValueError(
+                "training.sharding: auto chooses the layout by samples/s at the target; set "
+                "target_global_batch (or target_global_tokens), or name a layout"
+            )
+        if self.sharding not in (Sharding.NONE, Sharding.AUTO) and self.world_size < 2:
             raise ValueError(
                 f"training.sharding: {self.sharding} shards across ranks; set world_size >= 2"
             )
@@ -395,7 +410,26 @@ class TrainingSpec(FrozenModel):
                     f"{self.world_size} and be smaller (equal is zero3)"
                 )
         elif group is not None:
-            raise ValueError("training.shard_group_size: only for sharding: hybrid")
+            auto = (
+                " (auto's hybrid candidate shards within each node)"
+                if self.sharding is Sharding.AUTO
+                else ""
+            )
+            raise ValueError(f"training.shard_group_size: only for sharding: hybrid{auto}")
+
+    def with_layout(self, sharding: Sharding) -> TrainingSpec:
+        """This section with `sharding` as its layout: hybrid shards within each node (the
+        node is the shard group), every other layout has no shard group.
+
+        Raises:
+            pydantic.ValidationError: the layout is not valid for the topology (hybrid on one
+                node, sharding on one rank).
+        """
+        group = self.ranks_per_node if sharding is Sharding.HYBRID else None
+        fields = self.model_dump(exclude={"shard_group_size", "sharding"})
+        return TrainingSpec.model_validate(
+            {**fields, "sharding": sharding, "shard_group_size": group}
+        )
 
     def _check_token_target(self, tokens: int) -> None:
         if self.seq_len is None:
@@ -800,14 +834,34 @@ class Recommendation(FrozenModel):
         "samples, a short last batch included.",
     )
 
-    samples_per_s: PositiveRate
-    tokens_per_s: PositiveRate | None = None
+    samples_per_s: PositiveRate = Field(description="Per GPU (one rank's samples/s).")
+    tokens_per_s: PositiveRate | None = Field(default=None, description="Per GPU.")
     peak_bytes: int = Field(ge=0)
     capacity_bytes: int = Field(ge=0)
+    sharding: Sharding | None = Field(
+        default=None,
+        description="The layout it was measured with: the spec's, or with sharding: auto the "
+        "one the tuner chose (None: recorded before layouts were chosen, the spec's).",
+    )
 
     @property
     def checkpointing_label(self) -> str:
         return checkpointing_label(self.checkpointing, self.checkpointed_blocks, self.num_blocks)
+
+    @property
+    def job_samples_per_s(self) -> float:
+        """The whole job's samples/s: every rank's."""
+        return self.samples_per_s * self.world_size
+
+    @property
+    def job_tokens_per_s(self) -> float | None:
+        return None if self.tokens_per_s is None else self.tokens_per_s * self.world_size
+
+    def layout_training(self, training: TrainingSpec) -> TrainingSpec:
+        """`training` as measured: with sharding: auto, the layout this recommendation names."""
+        if training.sharding is Sharding.AUTO and self.sharding is not None:
+            return training.with_layout(self.sharding)
+        return training
 
 
 class Infeasible(FrozenModel):
@@ -868,6 +922,44 @@ class Exports(FrozenModel):
     )
 
 
+class LayoutVerdict(StrEnum):
+    """How a layout fared when the tuner chose among them (sharding: auto)."""
+
+    CHOSEN = "chosen"
+    SLOWER = "slower"  # fits and hits the target, slower than the chosen one (or tied, simpler)
+    MISSES_TARGET = "misses_target"  # fits, but no configuration hits the target batch
+    DOES_NOT_FIT = "does_not_fit"  # micro-batch 1 runs out of memory in every mode
+
+
+LAYOUT_REASON_MAX = 600
+
+
+class LayoutOutcome(FrozenModel):
+    """One layout the tuner measured for sharding: auto: how far each checkpointing mode goes,
+    its best configuration's speed (compute and exposed communication) and memory per rank,
+    and why it lost (or that it won)."""
+
+    sharding: Sharding
+    shard_group_size: int | None = Field(default=None, ge=2)
+    verdict: LayoutVerdict
+    reason: str = Field(max_length=LAYOUT_REASON_MAX)
+    max_micro_batch: int = Field(ge=0, description="Largest micro-batch that fits, plain.")
+    max_micro_batch_checkpointed: int | None = Field(
+        default=None, ge=0, description="Largest checkpointed; None: not checkpointable."
+    )
+    recommendation: Recommendation | None = Field(
+        default=None, description="Its best configuration (its samples/s per GPU)."
+    )
+    compute_time_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    communication_time_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    exposed_communication_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    trials: int = Field(default=0, ge=0, description="Configurations measured.")
+
+
+# Layouts a result lists, read as empty where the store has null (runs without sharding: auto).
+Layouts = Annotated[list[LayoutOutcome], BeforeValidator(_none_is_empty)]
+
+
 class TuneResult(FrozenModel):
     spec: Spec
     device: DeviceInfo
@@ -877,3 +969,19 @@ class TuneResult(FrozenModel):
     infeasible: Infeasible | None = None
     exports: Exports | None = None
     study_name: str | None = Field(default=None, max_length=STUDY_NAME_MAX)
+    layouts: list[LayoutOutcome] = Field(
+        default_factory=list,
+        max_length=8,
+        description="sharding: auto: every layout measured, the chosen one first; the probe, "
+        "trials and recommendation are the chosen layout's (or, when none fits the target, "
+        "the first listed).",
+    )
+
+    @property
+    def measured_training(self) -> TrainingSpec:
+        """The training section the probe and trials ran with: the spec's, or with sharding:
+        auto the layout listed first (the chosen one)."""
+        training = self.spec.training
+        if training.sharding is Sharding.AUTO and self.layouts:
+            return training.with_layout(self.layouts[0].sharding)
+        return training

@@ -132,6 +132,8 @@ def tune_session(
     """
     spec = session.spec
     training = spec.training
+    if not training.sharding.is_layout:
+        raise ValueError("sharding: auto is tuned by autotune.engine.layout_tuning.tune_layouts")
     target_global_batch = training.required_target_global_batch()
     probe_result = probe_session(session, on_attempt=on_attempt, tracer=tracer, on_phase=on_phase)
     device_info = probe_result.device  # as measured: after the probe's warm-up
@@ -156,7 +158,7 @@ def tune_session(
             or _headroom_leaves_nothing(probe_result, training.headroom)
             or explain_infeasible(target_global_batch, training.world_size, limits)
         )
-        return _checked(
+        return checked_result(
             TuneResult(
                 spec=spec,
                 device=device_info,
@@ -198,7 +200,7 @@ def tune_session(
         recommendation = _with_dips(recommendation, probe_result)
     if recommendation is None:
         # Every measured candidate ran out of memory with its accumulation steps.
-        return _checked(
+        return checked_result(
             TuneResult(
                 spec=spec,
                 device=device_info,
@@ -213,7 +215,7 @@ def tune_session(
                 study_name=study_name,
             )
         )
-    return _checked(
+    return checked_result(
         TuneResult(
             spec=spec,
             device=device_info,
@@ -231,7 +233,7 @@ def tune_session(
     )
 
 
-def _checked(result: TuneResult) -> TuneResult:
+def checked_result(result: TuneResult) -> TuneResult:
     """`result`, once `autotune.core.result_check` finds nothing wrong with it: the server refuses
     a result that breaks an invariant, so a violation here is the tuner's bug, named at once."""
     violations = check_result(result.spec, result)
@@ -402,6 +404,7 @@ def _recommend(
         tokens_per_s=best.tokens_per_s,
         peak_bytes=best.peak_bytes,
         capacity_bytes=capacity_bytes,
+        sharding=spec.training.sharding,
     )
 
 

@@ -46,6 +46,7 @@ from autotune.core.schemas import (
     Exports,
     FrozenModel,
     Infeasible,
+    Layouts,
     ModeProbe,
     Recommendation,
     Spec,
@@ -439,6 +440,10 @@ class Run(FrozenModel):
     recommendation: Recommendation | None = None
     infeasible: Infeasible | None = None
     exports: Exports | None = None
+    layouts: Layouts = Field(
+        default_factory=list,
+        description="sharding: auto: every layout measured, the chosen one first.",
+    )
     modes: list[ModeProbe] = Field(default_factory=list, description="Final probe per mode.")
     attempts: list[AttemptRecord] = Field(default_factory=list)
     trials: list[TrialRecord] = Field(default_factory=list)

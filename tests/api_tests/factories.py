@@ -199,3 +199,33 @@ def finished_run(user: ServerClient, worker: ServerClient, seq_len: int = 64) ->
     assert claim is not None and claim.run_id == run_id
     worker.submit_result(run_id, claim.lease_id, tune_result(spec, emulated_device()))
     return run_id
+
+
+# sharding: auto on two ranks of an MLP: every layout fits, so every one is tuned and ranked.
+AUTO_LAYOUT_SPEC = Spec.model_validate(
+    {
+        "model": {"preset": "mlp"},
+        "training": {
+            "world_size": 2,
+            "sharding": "auto",
+            "target_global_batch": 8,
+            "max_micro_batch": 4,
+        },
+    }
+)
+
+
+def auto_layout_result(storage_url: str, gpu: str = "H100 80GB") -> TuneResult:
+    """`AUTO_LAYOUT_SPEC` tuned for real, estimated for two `gpu`s (the Optuna studies in
+    `storage_url`)."""
+    from autotune.core.gpus.catalogue import find_gpu
+    from autotune.core.gpus.cuda_reserve import budget_for
+    from autotune.engine.estimate import EstimateRunner
+    from autotune.engine.layout_tuning import tune_layouts
+
+    budget = budget_for(find_gpu(gpu), AUTO_LAYOUT_SPEC.training.world_size)
+    return tune_layouts(
+        AUTO_LAYOUT_SPEC,
+        lambda layout: (EstimateRunner(layout, gpu=budget), None),
+        storage_url=storage_url,
+    )

@@ -13,6 +13,7 @@ from autotune.engine.devices.device import EmulatedDevice, open_device
 from autotune.engine.tuner import tune
 from autotune.remote.client import ServerClient
 from autotune.remote.protocol import EmulatedTarget, RunStatus
+from tests.api_tests.factories import auto_layout_result
 
 CAPACITY_BYTES = 180 * 2**20
 
@@ -74,3 +75,31 @@ def test_a_local_run_on_a_named_gpu_is_served_with_its_assumptions(
     submitted = user.submit_run(spec, EmulatedTarget(gpu="tesla t4"))
     assert submitted.cached
     assert submitted.run is not None and submitted.run.id == run_id
+
+
+def test_a_local_auto_layout_run_is_served_with_its_layouts(
+    db_url: str, user: ServerClient
+) -> None:
+    """sharding: auto estimated on two H100s: the run names the chosen layout, lists every
+    layout with why it lost, and its exports set the chosen layout."""
+    from autotune.core.schemas import LayoutVerdict, Sharding
+
+    result = auto_layout_result(db_url)
+    assert result.recommendation is not None and result.recommendation.sharding is not None
+    assert [layout.sharding for layout in result.layouts][0] is result.recommendation.sharding
+    assert {layout.sharding for layout in result.layouts} == {
+        Sharding.NONE,
+        Sharding.ZERO1,
+        Sharding.ZERO2,
+        Sharding.ZERO3,
+    }
+
+    run = user.get_run(record_local_run(db_url, result))
+    assert run.status is RunStatus.SUCCEEDED
+    assert run.recommendation == result.recommendation
+    assert run.layouts == result.layouts
+    assert run.layouts[0].verdict is LayoutVerdict.CHOSEN
+    assert all(layout.reason for layout in run.layouts)
+    assert run.exports == result.exports
+    assert run.exports is not None
+    assert run.exports.training.sharding is result.recommendation.sharding

@@ -159,3 +159,30 @@ def test_the_run_allocator_settings_go_down_and_up(db_url: str) -> None:
     migrate(database)
     assert "target_allocator_conf" in run_columns()
     database.dispose()
+
+
+def test_the_layout_columns_go_down_and_up(db_url: str) -> None:
+    from alembic import command
+
+    database = Database(db_url)
+    migrate(database)
+
+    def columns() -> tuple[set[str], set[str]]:
+        with database.engine.connect() as connection:
+            found = inspect(connection)
+            return (
+                {c["name"] for c in found.get_columns("autotune_runs")},
+                {c["name"] for c in found.get_columns("autotune_recommendations")},
+            )
+
+    runs, recommendations = columns()
+    assert "layouts" in runs and "sharding" in recommendations
+    with database.engine.connect() as connection:
+        command.downgrade(alembic_config(connection), "0011")
+        connection.commit()
+    runs, recommendations = columns()
+    assert "layouts" not in runs and "sharding" not in recommendations
+    migrate(database)
+    runs, recommendations = columns()
+    assert "layouts" in runs and "sharding" in recommendations
+    database.dispose()

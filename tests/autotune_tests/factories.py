@@ -159,7 +159,11 @@ def elementwise(training: TrainingSpec) -> Workload:
     """Large activations, cheap steps: `training.input_shape` = (features,), 2^18 (1 MiB of
     fp32 a sample) by default. For allocator behaviour that needs large tensors."""
     features = training.input_shape[0] if training.input_shape else 2**18
-    model = _Elementwise(features)
+    return _squared_output_workload(_Elementwise(features), features)
+
+
+def _squared_output_workload(model: nn.Module, features: int) -> Workload:
+    """`model` on random samples of `features` floats, its loss the squared outputs' sum."""
 
     def make_batch(micro_batch: int, device: torch.device) -> Batch:
         return torch.randn(micro_batch, features, device=device)
@@ -172,3 +176,33 @@ def elementwise(training: TrainingSpec) -> Workload:
         return int(batch.shape[0])
 
     return Workload(model, make_batch, loss_sum, num_items)
+
+
+class _LinearStack(nn.Module):
+    """`layers` square linear blocks (FSDP2's units: the entries of its ModuleList)."""
+
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x
+
+
+def _linear_stack(width: int, layers: int) -> Workload:
+    return _squared_output_workload(_LinearStack(width, layers), width)
+
+
+def linear_stack_4k(training: TrainingSpec) -> Workload:
+    """Four 4096-wide linear blocks: 67 million parameters, which fit whole on a large card;
+    for estimates (fake tensors) of data-parallel layouts."""
+    return _linear_stack(4096, 4)
+
+
+def linear_stack_32k(training: TrainingSpec) -> Workload:
+    """Twelve 32768-wide linear blocks: 12.9 billion parameters, whose fp32 weights, gradients
+    and AdamW states (206 GB) fit an 80 GB card only fully sharded over 8 ranks; for estimates
+    on fake tensors alone (a real one would not fit in any host)."""
+    return _linear_stack(32768, 12)

@@ -48,12 +48,16 @@ def build_exports(
         transformers_version: The user's transformers version, or None when unknown; picks the
             Hugging Face checkpointing key and FSDP version (`autotune.core.exports.hf`).
         training: the spec's training section (None: the defaults): precision, weights,
-            optimizer, adapters, sharding and TF32 as measured; a `target_global_tokens` makes
+            optimizer, adapters, sharding (auto: the recommendation's layout) and TF32 as
+            measured; a `target_global_tokens` makes
             every export state the tokens per step, and Axolotl pack its samples to `seq_len`.
 
     Raises:
         ValueError: when `rec.global_batch` is not micro-batch * accumulation * world size.
     """
+    if training is not None:
+        # sharding: auto exports the layout the tuner chose, as every consumer needs one.
+        training = rec.layout_training(training)
     run = MeasuredRun.of(rec, training, token_model=token_model)
     return Exports(
         checkpointed_blocks=run.checkpointed_blocks,

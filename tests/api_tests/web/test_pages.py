@@ -4,8 +4,9 @@ progress the run page polls. What a browser does with them is tests/api_tests/te
 
 from __future__ import annotations
 
+import functools
 import re
-from html import unescape
+from html import escape, unescape
 
 import pytest
 from fastapi import FastAPI
@@ -14,11 +15,14 @@ from starlette.testclient import TestClient
 from api.web.charts import nice_ticks
 from api.web.pages import TOKEN_COOKIE
 from autotune.core.exports import render_exports
+from autotune.core.schemas import TuneResult
 from autotune.remote.client import ServerClient
 from autotune.remote.protocol import EstimateTarget, RunStatus
 from tests.api_tests.factories import (
+    AUTO_LAYOUT_SPEC,
     GIB,
     attempt,
+    auto_layout_result,
     emulated,
     emulated_device,
     estimate_device,
@@ -345,3 +349,50 @@ def test_a_run_for_a_device_no_worker_offers_says_so_and_the_form_defaults_to_of
     assert "No worker has offered a device in the last 10 minutes" in (
         _signed_in(http).get("/submit").text
     )
+
+
+@functools.cache
+def _auto_result(storage_dir: str) -> TuneResult:
+    """Tuned once for the module, whichever database serves it."""
+    return auto_layout_result(f"sqlite:///{storage_dir}/auto.db")
+
+
+def test_an_auto_layout_run_shows_its_layouts_table_and_plot(
+    http: TestClient,
+    user: ServerClient,
+    worker: ServerClient,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A worker's sharding: auto result is checked and stored as any (the server rebuilds its
+    exports for the chosen layout); the page names the layout, gives samples/s per GPU and for
+    the job, tables every layout with why it lost, and plots samples/s per layout."""
+    result = _auto_result(str(tmp_path_factory.getbasetemp()))
+    run_id = user.submit_run(AUTO_LAYOUT_SPEC, EstimateTarget(gpu="H100 80GB")).id
+    claim = worker.claim("w", [estimate_device("H100 80GB")])
+    assert claim is not None and claim.run_id == run_id
+    worker.submit_result(run_id, claim.lease_id, result)
+    run = user.get_run(run_id)
+    rec = run.recommendation
+    assert rec is not None and rec.sharding is result.layouts[0].sharding
+    assert run.layouts == result.layouts
+    assert run.exports is not None and run.exports.training.sharding is rec.sharding
+
+    html = _signed_in(http).get(f"/runs/{run_id}").text
+    assert f'<dd id="rec-layout">{rec.sharding.value} (chosen by sharding: auto)</dd>' in html
+    throughput = re.search(r'<dd id="rec-throughput">(.*?)</dd>', html, re.S)
+    assert throughput is not None
+    assert f"{rec.samples_per_s:.2f} samples/s per GPU" in throughput.group(1)
+    assert f"{rec.job_samples_per_s:.1f} samples/s for the job of 2 GPUs" in throughput.group(1)
+    table = html[
+        html.index('<table id="layouts">') : html.index(
+            "</table>", html.index('<table id="layouts">')
+        )
+    ]
+    rows = re.findall(r'<tr data-layout="(\w+)" data-verdict="(\w+)">', table)
+    assert rows == [(layout.sharding.value, layout.verdict.value) for layout in run.layouts]
+    assert rows[0][1] == "chosen"
+    for layout in run.layouts:
+        assert escape(layout.reason) in table
+    plot = html[html.index('id="layouts-plot"') :]
+    chosen = re.findall(r'data-layout="(\w+)" data-chosen="true"', plot)
+    assert chosen == [rec.sharding.value]
