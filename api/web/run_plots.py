@@ -197,7 +197,7 @@ def throughput_chart(run: Run) -> Chart:
         description=f"{len(trials)} measured trials; each point's accumulation steps make "
         "up the target global batch.",
         x_label="micro-batch (samples)",
-        y_label=f"throughput (samples/s, {run.speed_label})",
+        y_label=f"throughput (samples/s per GPU, {run.speed_label})",
         series=series,
     )
 

@@ -143,8 +143,8 @@ class Progress:
             spread = f" ±{trial.step_time_spread / 2:.0%}" if trial.step_time_spread else ""
             split = f", {communication_split(trial)}" if trial.compute_time_s is not None else ""
             self.line(
-                f"{head}  [green]{trial.samples_per_s:,.1f} samples/s[/green]{spread}{source}"
-                f"{split}"
+                f"{head}  [green]{trial.samples_per_s:,.1f} samples/s per GPU[/green]{spread}"
+                f"{source}{split}"
             )
         else:
             self.line(f"{head}  [red]{trial.state.value}[/red]")

@@ -173,7 +173,7 @@ def _print_page(console: Console, page: RunPage) -> None:
     table.add_column("device", no_wrap=True, overflow="ellipsis", min_width=10)
     table.add_column("created", no_wrap=True)
     table.add_column("micro x acc", no_wrap=True)
-    table.add_column("samples/s", justify="right")
+    table.add_column("samples/s per GPU", justify="right")
     for item in page.items:
         config = "-"
         if item.micro_batch is not None:
@@ -213,7 +213,12 @@ def _print_run(console: Console, run: Run) -> None:
             ("accumulation steps", rec.accumulation_steps),
             ("checkpointing", rec.checkpointing_label),
             ("global batch", rec.global_batch),
-            ("samples/s", f"{rec.samples_per_s:.1f} ({run.speed_label})"),
+            ("layout", rec.sharding.value if rec.sharding is not None else "-"),
+            (
+                "samples/s",
+                f"{rec.samples_per_s:.2f} per GPU, {rec.job_samples_per_s:.1f} for the job of "
+                f"{rec.world_size} GPU(s) ({run.speed_label})",
+            ),
             ("peak", f"{format_bytes(rec.peak_bytes)} of {format_bytes(rec.capacity_bytes)}"),
         ]
     if run.infeasible is not None:

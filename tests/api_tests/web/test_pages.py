@@ -64,7 +64,7 @@ def test_the_list_shows_runs_newest_first_and_filters_them(
     assert page.status_code == 200
     assert _run_ids(page.text) == [queued[1], queued[0], finished]
     assert "micro-batch 8 × 4 steps" in page.text  # the recommendation at a glance
-    assert "101.0 samples/s (CPU timing, not a GPU&#39;s)" in page.text
+    assert "101.0 samples/s per GPU (CPU timing, not a GPU&#39;s)" in page.text
     assert "<td>emulated 4.00 GiB</td>" in page.text
     assert _run_ids(http.get("/?status=cancelled").text) == [queued[0]]
     assert _run_ids(http.get("/?status=succeeded").text) == [finished]
@@ -118,9 +118,9 @@ def test_a_run_page_shows_the_recommendation_exports_plots_and_tables(
     assert len(re.findall(r'class="point (?:dot|ring) ', speed)) == 2
     assert re.findall(r'class="point ring[^>]*data-chosen="true"', speed)
     # CPU timings of an emulated GPU say so wherever samples/s appear.
-    assert "throughput (samples/s, CPU timing, not a GPU's)" in unescape(speed)
+    assert "throughput (samples/s per GPU, CPU timing, not a GPU's)" in unescape(speed)
     assert '<span class="speed-source">(CPU timing, not a GPU&#39;s)</span>' in html
-    assert '<th scope="col">samples/s (CPU timing, not a GPU&#39;s)</th>' in html
+    assert '<th scope="col">samples/s per GPU (CPU timing, not a GPU&#39;s)</th>' in html
     assert re.findall(r'<text class="point-label"[^>]*>(×\d+)</text>', speed) == ["×8", "×4"]
     assert html.count('<tr class="fits">') + html.count('<tr class="oom">') == 6
     # Each out-of-memory says which allocation failed and what the memory held then.

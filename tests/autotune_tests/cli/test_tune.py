@@ -58,3 +58,27 @@ def test_an_indivisible_target_is_answered_before_anything_runs(
     assert "nearest below 6, nearest above 8" in out
     assert "micro-batch" not in captured.err  # no probe ran
     assert not (tmp_path / "runs.db").exists()
+
+
+@pytest.mark.slow
+def test_tune_estimate_with_auto_sharding_prints_the_layouts_and_both_speeds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tune --estimate` on a sharding: auto spec: the layout table, each layout's reason,
+    the recommendation naming its layout with samples/s per GPU and for the job, and the
+    exports of that layout (JSON: the same result the table was printed from)."""
+    monkeypatch.chdir(tmp_path)  # the plain loop goes to ./data
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        "model: {preset: mlp}\ntraining: {world_size: 2, sharding: auto, "
+        "target_global_batch: 8, max_micro_batch: 4}\n"
+    )
+    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    argv = ["tune", str(spec), "--estimate", "H100 80GB", "--db", db]
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Layouts on 2 GPU(s): the chosen one first" in out
+    for name in ("none (DDP):", "zero1:", "zero2:", "zero3 (FSDP full shard):"):
+        assert name in out
+    assert "Recommendation:" in out and ", layout " in out
+    assert "samples/s per GPU" in out and "samples/s for the job of 2 GPUs" in out

@@ -55,7 +55,7 @@ def test_a_named_gpu_s_tuning_is_ranked_by_its_roofline(tmp_path: Path) -> None:
     # What `autotune tune` prints says so.
     out = StringIO()
     print_tune_result(Console(file=out, width=200), result)
-    assert "samples/s (estimated for T4)" in out.getvalue()
+    assert "samples/s per GPU (estimated for T4)" in out.getvalue()
 
 
 def test_a_bare_size_is_timed_on_the_cpu_and_says_so() -> None:

@@ -1,0 +1,200 @@
+"""`sharding: auto` on large models: which layout the tuner chooses, and every layout's speed.
+
+For Llama-3-8B and Llama-3-70B at sequence 4096 (bf16 autocast), full fine-tuning (fp32 master
+weights, AdamW) and LoRA (r 16 on every linear layer, bf16 base weights), on one node of
+8 H100s and on 4 nodes x 8 H100s joined at 400 and at 50 Gb/s per node, `tune --estimate`'s
+layout choice (`autotune.engine.layout_tuning.tune_layouts` on `EstimateRunner`s): the chosen
+layout, each layout's best samples/s per GPU and for the job, its compute and exposed
+communication per step, and the estimate's wall time on this machine. The target is 512
+samples (2M tokens) per optimizer step; the search cap is 16 per GPU.
+
+    .venv/bin/python bench/layouts.py [--cells NAME ...] [--trials N]
+
+Cells are named MODEL/MODE/TOPOLOGY (e.g. Llama-3-8B/lora/1x8); each run keeps the committed
+rows of the other cells. Writes bench/results/layouts.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autotune.core.gpus.catalogue import find_gpu
+from autotune.core.gpus.cuda_reserve import budget_for
+from autotune.core.schemas import Spec, TuneResult
+from autotune.engine.estimate import EstimateRunner
+from autotune.engine.layout_tuning import tune_layouts
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from estimator import LARGE_MODELS  # noqa: E402  (the published configs, one place)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GPU = "H100 80GB"
+SEQ_LEN = 4096
+TARGET_SAMPLES = 512
+MODELS = ("Llama-3-8B", "Llama-3-70B")
+MODES: dict[str, dict[str, Any]] = {
+    "full": {"weights": "fp32", "optimizer": "adamw"},
+    "lora": {"weights": "bf16", "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear"}},
+}
+TOPOLOGIES: dict[str, dict[str, Any]] = {
+    "1x8": {"world_size": 8},
+    "4x8@400": {"nodes": 4, "gpus_per_node": 8, "inter_node_gbps": 400},
+    "4x8@50": {"nodes": 4, "gpus_per_node": 8, "inter_node_gbps": 50},
+}
+
+
+def cell_names() -> list[str]:
+    return [f"{m}/{mode}/{t}" for m in MODELS for mode in MODES for t in TOPOLOGIES]
+
+
+def cell_spec(name: str) -> Spec:
+    model, mode, topology = name.split("/")
+    training = {
+        "seq_len": SEQ_LEN,
+        "precision": "bf16",
+        "sharding": "auto",
+        "target_global_batch": TARGET_SAMPLES,
+        "max_micro_batch": 16,
+        **MODES[mode],
+        **TOPOLOGIES[topology],
+    }
+    return Spec.model_validate({"model": {"hf_config": LARGE_MODELS[model]}, "training": training})
+
+
+def run_cell(name: str, trials: int | None, storage_url: str) -> dict[str, Any]:
+    spec = cell_spec(name)
+    load = os.getloadavg()[0]
+    started = time.monotonic()
+
+    def open_layout(layout: Spec) -> tuple[EstimateRunner, None]:
+        budget = budget_for(find_gpu(GPU), layout.training.world_size)
+        return EstimateRunner(layout, gpu=budget), None
+
+    result: TuneResult = tune_layouts(spec, open_layout, storage_url=storage_url, n_trials=trials)
+    wall_s = time.monotonic() - started
+    rec = result.recommendation
+    return {
+        "cell": name,
+        "world_size": spec.training.world_size,
+        "chosen": rec.sharding.value if rec is not None and rec.sharding else None,
+        "estimate_wall_s": round(wall_s, 1),
+        "load_average": round(load, 1),
+        "trials_per_layout": trials,
+        "layouts": [
+            {
+                "layout": layout.sharding.value,
+                "verdict": layout.verdict.value,
+                "max_micro_batch": layout.max_micro_batch,
+                "max_micro_batch_checkpointed": layout.max_micro_batch_checkpointed,
+                "best": None
+                if layout.recommendation is None
+                else {
+                    "micro_batch": layout.recommendation.micro_batch,
+                    "accumulation_steps": layout.recommendation.accumulation_steps,
+                    "checkpointing": layout.recommendation.checkpointing_label,
+                    "samples_per_s_per_gpu": layout.recommendation.samples_per_s,
+                    "samples_per_s_job": layout.recommendation.job_samples_per_s,
+                    "tokens_per_s_job": layout.recommendation.job_tokens_per_s,
+                    "peak_gib": round(layout.recommendation.peak_bytes / 2**30, 2),
+                },
+                "compute_s": layout.compute_time_s,
+                "exposed_communication_s": layout.exposed_communication_s,
+                "communication_s": layout.communication_time_s,
+                "reason": layout.reason,
+            }
+            for layout in result.layouts
+        ],
+    }
+
+
+def _number(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [
+        "# sharding: auto on large models (bench/layouts.py)",
+        "",
+        f"Estimates for {GPU} at sequence {SEQ_LEN}, bf16 autocast, target {TARGET_SAMPLES} "
+        f"samples per optimizer step, search cap 16 per GPU. Machine: {meta['machine']}; "
+        f"torch {meta['torch']}.",
+        "",
+        "Samples/s are the roofline of the traced step plus the exposed part of the layout's "
+        "communication (NCCL's ring/tree model, docs/design.md#communication): per GPU, and "
+        "for the job (every GPU). Compute and exposed communication are per optimizer step.",
+        "",
+    ]
+    for row in rows:
+        lines += [
+            f"## {row['cell']} ({row['world_size']} GPUs): chosen {row['chosen']}, estimate "
+            f"{row['estimate_wall_s']:.0f} s at load average {row['load_average']}",
+            "",
+            "| layout | verdict | max micro-batch (plain / ckpt) | best | samples/s per GPU "
+            "| samples/s job | tokens/s job | compute s | exposed comm. s | memory per GPU GiB |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for layout in row["layouts"]:
+            best = layout["best"]
+            ckpt = layout["max_micro_batch_checkpointed"]
+            lines.append(
+                f"| {layout['layout']} | {layout['verdict']} | {layout['max_micro_batch']} / "
+                f"{'-' if ckpt is None else ckpt} | "
+                + (
+                    "- | - | - | - | "
+                    if best is None
+                    else f"{best['micro_batch']} x {best['accumulation_steps']}, ckpt "
+                    f"{best['checkpointing']} | {_number(best['samples_per_s_per_gpu'])} | "
+                    f"{_number(best['samples_per_s_job'], 1)} | "
+                    f"{_number(best['tokens_per_s_job'], 0)} | "
+                )
+                + f"{_number(layout['compute_s'], 3)} | "
+                f"{_number(layout['exposed_communication_s'], 3)} | "
+                + ("-" if best is None else f"{best['peak_gib']}")
+                + " |"
+            )
+        lines.append("")
+        for layout in row["layouts"]:
+            lines.append(f"- {layout['layout']}: {layout['reason']}")
+        lines.append("")
+    missing = [name for name in cell_names() if name not in {row["cell"] for row in rows}]
+    if missing:
+        lines += ["## Not run", "", *(f"- {name}" for name in missing), ""]
+    lines += [meta.get("comparison", ""), ""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cells", nargs="*", default=None, help="cells to run (default all)")
+    parser.add_argument("--trials", type=int, default=None, help="measurements per layout")
+    args = parser.parse_args()
+    cells = args.cells or cell_names()
+    json_path = RESULTS / "layouts.json"
+    saved = json.loads(json_path.read_text()) if json_path.exists() else {"rows": []}
+    rows = {row["cell"]: row for row in saved["rows"]}
+    storage = Path("/tmp") / f"autotune-bench-layouts-{os.getpid()}.db"
+    for name in cells:
+        print(f"{name} ...", file=sys.stderr, flush=True)  # noqa: T201 (a script's progress)
+        rows[name] = run_cell(name, args.trials, f"sqlite:///{storage}")
+        ordered = [rows[n] for n in cell_names() if n in rows]
+        meta = {
+            **saved.get("meta", {}),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+            "torch": torch.__version__,
+        }
+        json_path.write_text(json.dumps({"meta": meta, "rows": ordered}, indent=2) + "\n")
+        (RESULTS / "layouts.md").write_text(render(ordered, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
