@@ -478,7 +478,7 @@ class Worker:
         if device.device_name == ESTIMATE_DEVICE:
             try:
                 interrupt = interrupt or self._estimate_interrupt(keeper)
-                return self._estimate_runner(spec, device, interrupt)
+                return self._estimate_runner(claim, device, interrupt, spec)
             except (FactoryRefused, SpecError, ModelBuildError, WorkerShutdown, LeaseLost):
                 raise  # the spec's own errors, or a stop that interrupted the build
             except Exception as error:  # whatever building the user's model raised
@@ -519,8 +519,14 @@ class Worker:
         return check
 
     def _estimate_runner(
-        self, spec: Spec, device: WorkerDevice, interrupt: Callable[[], None]
+        self,
+        claim: Claim,
+        device: WorkerDevice,
+        interrupt: Callable[[], None],
+        spec: Spec | None = None,
     ) -> TrialRunner:
+        """`spec`: one layout of the claim's sharding: auto spec (default the claim's)."""
+        spec = spec or claim.spec
         from autotune.core.gpus.catalogue import find_gpu
         from autotune.core.gpus.cuda_reserve import budget_for
         from autotune.core.memory.allocator_config import config_from_environ
