@@ -119,8 +119,8 @@ def run_cell(name: str, trials: int | None, storage_url: str) -> dict[str, Any]:
 # A published multi-GPU training throughput to set beside the estimates.
 COMPARISON = """## A published figure beside it
 
-pytorch/torchtitan, `docs/performance.md`, Table 1: Llama 3.1 8B, 1D parallelism (FSDP2 full
-shard) on 8 H100s (96 GB HBM2e at the default 500 W power limit, NVLink within the host),
+pytorch/torchtitan, its performance page (performance.md in its docs folder), Table 1:
+Llama 3.1 8B, 1D parallelism (FSDP2 full shard) on 8 H100s (96 GB HBM2e at the default 500 W power limit, NVLink within the host),
 local batch 2, global batch 16, selective activation checkpointing, bf16 mixed precision:
 **5,762 tokens/s per GPU** (46,096 for the 8 GPUs), 82.4 GiB of memory; 6,667 with
 torch.compile. Its sequence length is torchtitan's Llama 3 8B default (8192), twice this
@@ -144,6 +144,7 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "communication (NCCL's ring/tree model, docs/design.md#communication): per GPU, and "
         "for the job (every GPU). Compute and exposed communication are per optimizer step.",
         "",
+        *([meta["note"], ""] if meta.get("note") else []),
     ]
     for row in rows:
         lines += [
