@@ -120,8 +120,9 @@ def run_cell(name: str, trials: int | None, storage_url: str) -> dict[str, Any]:
 COMPARISON = """## A published figure beside it
 
 pytorch/torchtitan, its performance page (performance.md in its docs folder), Table 1:
-Llama 3.1 8B, 1D parallelism (FSDP2 full shard) on 8 H100s (96 GB HBM2e at the default 500 W power limit, NVLink within the host),
-local batch 2, global batch 16, selective activation checkpointing, bf16 mixed precision:
+Llama 3.1 8B, 1D parallelism (FSDP2 full shard) on 8 H100s (96 GB HBM2e at the default
+500 W power limit, NVLink within the host), local batch 2, global batch 16, selective
+activation checkpointing, bf16 mixed precision:
 **5,762 tokens/s per GPU** (46,096 for the 8 GPUs), 82.4 GiB of memory; 6,667 with
 torch.compile. Its sequence length is torchtitan's Llama 3 8B default (8192), twice this
 bench's, and its GPUs run at 500 W, not 700: compare orders of magnitude, not percent. The
