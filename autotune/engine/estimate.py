@@ -128,16 +128,23 @@ class _KernelTimes(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 class _Interruptible(TorchFunctionMode):
-    """Calls `check` every `_CHECK_EVERY_OPS` torch calls of a trace: a trace of a large model
-    takes minutes, and a cancel, a shutdown or a limit must stop it within seconds (`check`
-    raises to stop). It checks at the Python level, before a call enters torch: raised from a
-    dispatch mode, the exception could cross a C++ frame that cannot pass it on, and the
-    process aborted ("Fatal Python error: Aborted" under checkpointed attention)."""
+    """Calls `check` every `_CHECK_EVERY_OPS` torch calls of a build or a trace: building or
+    tracing a large model takes minutes, and a cancel, a shutdown or a limit must stop it within
+    seconds (`check` raises to stop). It checks at the Python level, before a call enters torch:
+    raised from a dispatch mode, the exception could cross a C++ frame that cannot pass it on,
+    and the process aborted ("Fatal Python error: Aborted" under checkpointed attention).
+
+    A stop is final: once `check` raised, every later torch call raises it again, and leaving
+    the mode raises it whatever happened meanwhile. Code between here and the check may catch
+    it (a model's own `try`, a library that turns any error into its own, as the build does
+    with a config's ValueError), and the stop must neither be lost nor reported as that code's
+    error."""
 
     def __init__(self, check: Callable[[], None]) -> None:
         super().__init__()
         self.check = check
         self.ops = 0
+        self.stop: BaseException | None = None
 
     def __torch_function__(
         self,
@@ -146,10 +153,22 @@ class _Interruptible(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if self.stop is not None:
+            raise self.stop
         self.ops += 1
         if self.ops % _CHECK_EVERY_OPS == 0:
-            self.check()
+            try:
+                self.check()
+            except BaseException as stop:
+                self.stop = stop
+                raise
         return func(*args, **(kwargs or {}))
+
+    def __exit__(self, *exc_info: Any) -> None:
+        super().__exit__(*exc_info)  # type: ignore[no-untyped-call]
+        stop = self.stop
+        if stop is not None and exc_info[1] is not stop:
+            raise stop.with_traceback(None) from exc_info[1]
 
 
 class _FusedAttentionForSpeed(TorchFunctionMode):
@@ -284,13 +303,15 @@ class EstimateRunner:
         """The emulated GPU to estimate for: a named `gpu` (memory and speed) or a bare
         `capacity_bytes` (memory only: a speed needs the card's peaks), with the caching
         allocator's settings (torch's defaults when None). `interrupt` is called often while
-        tracing (every few dozen operations) and raises to stop the estimate."""
+        the model is built and traced (every few dozen operations) and raises to stop the
+        estimate: a stop while building raises from here."""
         check_traceable(spec)
         self._interrupt = interrupt
         self._mode = _TraceMode(allow_non_fake_inputs=True)
         self.gpu = gpu
         self.assumptions = assumptions or RooflineAssumptions()
-        with self._mode:
+        # Building a model of thousands of layers takes minutes too: checked as a trace is.
+        with self._mode, self._checked():
             device = EmulatedDevice(capacity_bytes, gpu=gpu, allocator_config=allocator_config)
             # The snapshot that undoes an out-of-memory inside the optimizer step is fake too:
             # it costs nothing, and it keeps the state a trial starts from the emulated GPU's.

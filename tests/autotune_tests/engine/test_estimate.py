@@ -236,3 +236,32 @@ def test_what_reads_values_inside_a_step_is_refused_by_name(
 ) -> None:
     with pytest.raises(SpecError, match=field):
         EstimateRunner(_spec("gpt2-tiny", **training), capacity_bytes=HUGE_BYTES)
+
+
+class _Stop(Exception):
+    """What a worker's check raises to stop an estimate (a cancel, a shutdown, a limit)."""
+
+
+def test_a_stop_while_the_model_is_built_is_raised_even_where_the_build_catches_it() -> None:
+    """The check runs while the model is built (a 2,000-layer model takes minutes), and a build
+    that catches every error of its layers still ends in the stop: every torch call after it
+    raises it again, and the build's end raises it."""
+    checks: list[int] = []
+
+    def stop_at_the_third_check() -> None:
+        checks.append(len(checks))
+        if len(checks) >= 3:
+            raise _Stop("stopped")
+
+    spec = Spec.model_validate(
+        {"model": {"factory": "tests.autotune_tests.factories:swallows_errors"}}
+    )
+    with pytest.raises(_Stop, match="stopped"):
+        EstimateRunner(
+            spec,
+            capacity_bytes=HUGE_BYTES,
+            allowed_factory_prefixes=["tests"],
+            interrupt=stop_at_the_third_check,
+        )
+    # Called until it stopped, never again: the stop was kept, not asked again.
+    assert len(checks) == 3
