@@ -48,6 +48,7 @@ from types import FrameType
 from typing import TypeVar
 
 from autotune.core.bytesize import format_bytes
+from autotune.core.defaults import ESTIMATE_MEMORY_LIMIT_BYTES, ESTIMATE_TIME_LIMIT_S
 from autotune.core.errors import FactoryRefused, ModelBuildError, SpecError
 from autotune.core.factoryaccess import check_factory_allowed
 from autotune.core.schemas import StepOutcome, Trial, TrialState, TuneResult
@@ -103,8 +104,8 @@ class WorkerConfig:
     trace_fit: bool = True
     # Per estimate run (traced in this process): its time, and how much it may grow this
     # process's resident memory; past either it fails (`EstimateLimitExceeded`).
-    estimate_time_limit_s: float = 300.0
-    estimate_memory_limit_bytes: int = 4 * 2**30
+    estimate_time_limit_s: float = ESTIMATE_TIME_LIMIT_S
+    estimate_memory_limit_bytes: int = ESTIMATE_MEMORY_LIMIT_BYTES
 
 
 class _LeaseKeeper:
@@ -478,13 +479,13 @@ class Worker:
             if time.monotonic() > deadline_s:
                 raise EstimateLimitExceeded(
                     f"the estimate ran past its time limit of {config.estimate_time_limit_s:g} s "
-                    "per run (the worker's --estimate-time-limit)"
+                    "per run (the worker's --estimate-time-limit; serve's, for its own workers)"
                 )
             if _resident_bytes() > rss_limit_bytes:
                 raise EstimateLimitExceeded(
                     "the estimate grew the worker's memory by more than its limit of "
                     f"{format_bytes(config.estimate_memory_limit_bytes)} per run (the "
-                    "worker's --estimate-memory-limit)"
+                    "worker's --estimate-memory-limit; serve's, for its own workers)"
                 )
 
         return check

@@ -510,8 +510,9 @@ class EstimateWorkerState(StrEnum):
 
 
 class EstimateWorkerHealth(FrozenModel):
-    """The estimate worker `autotune serve` runs beside itself (`api.estimate_worker`)."""
+    """One of the estimate workers `autotune serve` runs beside itself (`api.estimate_worker`)."""
 
+    worker_id: str = Field(description="The id its runs record as their worker.")
     state: EstimateWorkerState
     pid: int | None = Field(default=None, description="Its process id while it runs.")
     restarts: int = Field(description="Times it exited and was started again.")
@@ -522,10 +523,10 @@ class Health(FrozenModel):
     status: Literal["ok"]
     database: Literal["ok"]
     version: str
-    estimate_worker: EstimateWorkerHealth | None = Field(
-        default=None,
-        description="The embedded estimate worker; None where this server process runs none "
-        "(--no-estimates, no torch, or several server processes).",
+    estimate_workers: list[EstimateWorkerHealth] = Field(
+        default_factory=list,
+        description="The embedded estimate workers (serve --estimate-workers); none where this "
+        "server process runs none (--no-estimates, no torch, or several server processes).",
     )
 
 

@@ -23,27 +23,13 @@ from autotune.remote.client import ServerClient
 from autotune.remote.protocol import Claim, EstimateTarget, RunStatus
 from probes.inventory import ESTIMATE_DEVICE, WorkerDevice
 from probes.worker import RunOutcome, Worker, WorkerConfig
+from tests.probes_tests.factories import llama_spec
 
-# Traces for tens of seconds (60 layers): long enough to stop in the middle.
-SLOW_SPEC = {
-    "model": {
-        "hf_config": {
-            "model_type": "llama",
-            "num_hidden_layers": 60,
-            "hidden_size": 64,
-            "num_attention_heads": 4,
-            "intermediate_size": 128,
-            "vocab_size": 256,
-        }
-    },
-    "training": {"seq_len": 16, "target_global_batch": 64},
-}
+# Traces for tens of seconds: long enough to stop in the middle.
+SLOW_SPEC = llama_spec(60)
 # Its build alone takes minutes (2,000 layers: 0.4 -> 1 GB, 9 min on the only estimate worker,
 # in the issue), so a stop that only traces check is not honoured for minutes.
-HUGE_SPEC = {
-    "model": {"hf_config": {**SLOW_SPEC["model"]["hf_config"], "num_hidden_layers": 2000}},
-    "training": SLOW_SPEC["training"],
-}
+HUGE_SPEC = llama_spec(2000)
 
 
 class _Observed(Worker):
@@ -135,7 +121,7 @@ def test_a_huge_accumulation_is_traced_as_a_few_micro_steps(
 def test_an_estimate_past_its_time_limit_fails_saying_so(
     user: ServerClient, worker: ServerClient, tmp_path: Path
 ) -> None:
-    run_id = user.submit_run(Spec.model_validate(SLOW_SPEC), EstimateTarget(gpu="T4")).id
+    run_id = user.submit_run(SLOW_SPEC, EstimateTarget(gpu="T4")).id
     estimates = _worker(worker, tmp_path, estimate_time_limit_s=1.0)
     started_s = time.monotonic()
     assert estimates.run_once() is RunOutcome.FAILED
@@ -148,7 +134,7 @@ def test_an_estimate_past_its_time_limit_fails_saying_so(
 def test_an_estimate_past_its_memory_limit_fails_saying_so(
     user: ServerClient, worker: ServerClient, tmp_path: Path
 ) -> None:
-    run_id = user.submit_run(Spec.model_validate(SLOW_SPEC), EstimateTarget(gpu="T4")).id
+    run_id = user.submit_run(SLOW_SPEC, EstimateTarget(gpu="T4")).id
     estimates = _worker(worker, tmp_path, estimate_memory_limit_bytes=1)
     assert estimates.run_once() is RunOutcome.FAILED
     run = user.get_run(run_id)
@@ -159,7 +145,7 @@ def test_a_cancel_stops_an_estimate_within_seconds(
     settings_factory: Callable[..., Any], clock: Any, tmp_path: Path
 ) -> None:
     with _short_lease(settings_factory, clock) as (user, worker):
-        run_id = user.submit_run(Spec.model_validate(SLOW_SPEC), EstimateTarget(gpu="T4")).id
+        run_id = user.submit_run(SLOW_SPEC, EstimateTarget(gpu="T4")).id
         estimates = _worker(worker, tmp_path)
         thread, outcome = _in_thread(estimates.run_once)
         _wait_until_tracing(user, run_id, estimates.built)
@@ -171,7 +157,7 @@ def test_a_cancel_stops_an_estimate_within_seconds(
 def test_a_shutdown_releases_an_estimate_within_seconds(
     user: ServerClient, worker: ServerClient, tmp_path: Path
 ) -> None:
-    run_id = user.submit_run(Spec.model_validate(SLOW_SPEC), EstimateTarget(gpu="T4")).id
+    run_id = user.submit_run(SLOW_SPEC, EstimateTarget(gpu="T4")).id
     estimates = _worker(worker, tmp_path)
     thread, outcome = _in_thread(estimates.run_once)
     _wait_until_tracing(user, run_id, estimates.built)
@@ -188,7 +174,7 @@ def test_a_stop_ends_the_build_of_a_model_of_thousands_of_layers(
     """The stop is honoured while transformers builds the model: the build never finishes
     (it takes minutes), and the run ends as the stop says."""
     with _short_lease(settings_factory, clock) as (user, worker):
-        run_id = user.submit_run(Spec.model_validate(HUGE_SPEC), EstimateTarget(gpu="T4")).id
+        run_id = user.submit_run(HUGE_SPEC, EstimateTarget(gpu="T4")).id
         limit_s = 2.0 if stop == "time limit" else 600.0
         estimates = _worker(worker, tmp_path, estimate_time_limit_s=limit_s)
         thread, outcome = _in_thread(estimates.run_once)
