@@ -19,8 +19,10 @@ import argparse
 import json
 import os
 import secrets
+import signal
 import sys
-from typing import TYPE_CHECKING
+from types import FrameType
+from typing import TYPE_CHECKING, NoReturn
 
 from api import estimate_worker
 from autotune.cli.options import (
@@ -108,12 +110,32 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             f"API docs at {address}/docs)\n"
         )
     sys.stderr.flush()
+    # uvicorn stops on SIGTERM, then raises the signal again on its way out so that the process
+    # dies of it: before the `finally` below, which left the estimate workers running, orphaned
+    # (one busy with a run for as long as it took), and never killed when they ignored it.
+    # Raised here as an exception instead (also before uvicorn listens), the signal is raised
+    # again once the workers are stopped.
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    terminated = False
     try:
         _run_uvicorn(args, app, settings, url)
+    except _Terminated:
+        terminated = True
     finally:
         if estimates is not None:
             estimates.stop()
+        signal.signal(signal.SIGTERM, previous)
+    if terminated:
+        signal.raise_signal(signal.SIGTERM)
     return EXIT_OK
+
+
+class _Terminated(Exception):  # noqa: N818 - a signal, not an error
+    """SIGTERM reached `serve`."""
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> NoReturn:
+    raise _Terminated
 
 
 def _estimate_pool(
