@@ -14,7 +14,8 @@ Each invariant is written next to the code that guarantees it:
   (`autotune.core.gpus.cuda_reserve.budget_for`), a real GPU's at most its total memory;
 * the probe, per mode (`probe.probe_session`, `search.find_max_micro_batch`): modes are plain,
   then checkpointed; every attempt is a distinct size in [1, cap]; the max is certified from both
-  sides (an attempt at the max fits, one at max + 1 does not unless the max is the cap); fitting
+  sides (an attempt at the max fits, one at max + 1 does not unless the max is the cap); a size
+  below the max that ran out is listed in `runs_out_below` (memory is not monotone in b); fitting
   attempts stay within capacity; 0 <= recommended <= max; the accumulating max, when set, is at
   most the recommended one (`tuner._probe_accumulation`); a traced fit, when given, predicted
   a size within the cap from two or more distinct fitting steps (`engine.fit_points`);
@@ -24,8 +25,9 @@ Each invariant is written next to the code that guarantees it:
   time and a peak within capacity (an estimate's step: its compute plus its exposed
   communication, exposed at most all of it); an out-of-memory trial has no throughput;
 * the answer (`tuner._recommend`): a recommendation iff some trial completed, equal to the
-  fastest trial of the pool it is chosen from, for the spec's world size, hitting the target,
-  with exports that say the same; otherwise an explanation, and no candidate left unmeasured.
+  trial `ranking.choose` picks from the pool (the fastest, or a simpler one tied with it within
+  the measured noise), for the spec's world size, hitting the target, with exports that say the
+  same; otherwise an explanation, and no candidate left unmeasured.
 
 `check_attempt` and `check_trial` hold one streamed attempt or trial to the same rules, as far
 as they can be judged alone (the server checks each as it arrives, against the largest capacity
