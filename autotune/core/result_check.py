@@ -44,7 +44,7 @@ from autotune.core.candidates import enumerate_candidates
 from autotune.core.exports import ZERO_STAGES
 from autotune.core.gpus.catalogue import UnknownGpu, find_gpu
 from autotune.core.gpus.cuda_reserve import budget_for
-from autotune.core.ranking import choose
+from autotune.core.ranking import choose, recommendable
 from autotune.core.schemas import (
     DeviceInfo,
     DeviceKind,
@@ -331,24 +331,13 @@ class _Check:
         if not math.isclose(step_s, compute_s + exposed_s, rel_tol=1e-6):
             self.fail(f"{at}.step_time_s", "is not compute_time_s + exposed_communication_s")
 
-    def _pool(self) -> list[Trial]:
-        """What `tuner._recommend` chooses from: complete trials within the headroom budget,
-        else every complete trial."""
-        complete = [
-            t for t in self.result.trials if t.state is TrialState.COMPLETE and t.samples_per_s
-        ]
-        within = [
-            t for t in complete if t.peak_bytes is not None and t.peak_bytes <= self.budget_bytes
-        ]
-        return within or complete
-
     def answer(self) -> None:
         result = self.result
         if self.spec.training.target_global_batch is None:
             self._probe_only()
             return
         rec = result.recommendation
-        pool = self._pool()
+        pool = recommendable(self.result.trials, budget_bytes=self.budget_bytes)
         if rec is None:
             self._no_recommendation(bool(pool))
             return
