@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from autotune.core.candidates import Candidate, enumerate_candidates, explain_infeasible
 from autotune.core.exports import build_exports
-from autotune.core.ranking import choose
+from autotune.core.ranking import choose, recommendable
 from autotune.core.result_check import check_result
 from autotune.core.schemas import (
     Infeasible,
@@ -27,7 +27,6 @@ from autotune.core.schemas import (
     Spec,
     StepOutcome,
     Trial,
-    TrialState,
     TuneResult,
 )
 from autotune.core.search import fewest_fitting, find_max_micro_batch
@@ -382,9 +381,7 @@ def _recommend(
     leaves the headroom free (else among all that fit): the fastest, or a simpler one tied
     with it within the measured noise."""
     budget_bytes = int(capacity_bytes * (1.0 - spec.training.headroom))
-    complete = [t for t in trials if t.state is TrialState.COMPLETE and t.samples_per_s]
-    within = [t for t in complete if t.peak_bytes is not None and t.peak_bytes <= budget_bytes]
-    pool = within or complete
+    pool = recommendable(trials, budget_bytes=budget_bytes)
     if not pool:
         return None
     best = choose(pool)

@@ -53,7 +53,7 @@ from autotune.core.schemas import (
     Trial,
     TuneResult,
 )
-from autotune.core.throughput import speed_label, target_speed_label
+from autotune.core.throughput import CPU_TIMING, speed_label
 
 API_PREFIX = "/api/v1"
 # Databases store 64-bit signed integers; anything larger in a payload is refused with a 422
@@ -262,6 +262,17 @@ class EstimateTarget(_UnsetLeftOut):
         return budget_for(find_gpu(self.gpu), world_size).capacity_bytes
 
 
+def _label_speed(label: str) -> str:
+    """`speed_label` from a target's stored `label` alone (`emulated:1073741824`,
+    `emulated:H100 80GB`, `estimate:T4`, or a CUDA GPU's name), for a listing of runs."""
+    kind, _, what = label.partition(":")
+    if kind == "emulated":
+        return CPU_TIMING if what.isdigit() else f"estimated for {what}"
+    if kind == "estimate":
+        return f"estimated for {what}"
+    return "measured"
+
+
 def _with_allocator(identity: dict[str, Any], allocator_conf: str | None) -> dict[str, Any]:
     # Only when set: a run on torch's default settings keeps the fingerprint it always had.
     return identity if allocator_conf is None else {**identity, "allocator_conf": allocator_conf}
@@ -405,7 +416,7 @@ class RunSummary(FrozenModel):
     @property
     def speed_label(self) -> str:
         """Where its samples/s come from (`autotune.core.throughput.speed_label`)."""
-        return target_speed_label(self.device)
+        return _label_speed(self.device)
 
 
 class Run(FrozenModel):
@@ -454,7 +465,7 @@ class Run(FrozenModel):
         """Where its samples/s come from: its worker's device, else its target."""
         if self.worker_device is not None:
             return speed_label(self.worker_device)
-        return target_speed_label(self.device.label)
+        return _label_speed(self.device.label)
 
 
 class Submitted(FrozenModel):

@@ -20,9 +20,8 @@ from typing import Any
 
 from autotune.core.exports.measured import ZERO_STAGES, MeasuredRun
 from autotune.core.exports.notes import comment, shared_notes
-from autotune.core.schemas import OptimizerName, Precision, Sharding
+from autotune.core.schemas import OptimizerName, Sharding
 
-_AUTOCAST_DTYPES = {Precision.BF16: "bfloat16", Precision.FP16: "float16"}
 # ZeRO's tested optimizers (deepspeed/runtime/zero/utils.py ZERO_SUPPORTED_OPTIMIZERS) include
 # torch's AdamW; the others need the flag.
 _OPTIMIZERS: dict[OptimizerName, dict[str, Any] | None] = {
@@ -47,8 +46,8 @@ def deepspeed_config(run: MeasuredRun) -> dict[str, Any]:
             bf16["bf16_master_weights_and_grads"] = True
             bf16["bf16_optimizer_states"] = True
         config["bf16"] = bf16
-    elif run.precision is not Precision.FP32:
-        config["torch_autocast"] = {"enabled": True, "dtype": _AUTOCAST_DTYPES[run.precision]}
+    elif run.autocast_dtype is not None:
+        config["torch_autocast"] = {"enabled": True, "dtype": run.autocast_dtype}
     optimizer = _OPTIMIZERS[run.optimizer]
     if optimizer is not None:
         config["optimizer"] = {"type": optimizer["type"], "params": dict(optimizer["params"])}

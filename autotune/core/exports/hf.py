@@ -201,9 +201,7 @@ def _sharding_lines(run: MeasuredRun, hf: dict[str, Any]) -> str:
 def _ddp_lines(run: MeasuredRun) -> str:
     # No TrainingArguments key reaches DDP's gradient_as_bucket_view; the Trainer's accelerator
     # reads its DDP kwargs only when train() wraps the model.
-    if run.world_size == 1 or run.sharding not in (Sharding.NONE, Sharding.ZERO1):
-        return ""
-    if run.sharding is Sharding.ZERO1:
+    if run.world_size == 1 or run.sharding is not Sharding.NONE:
         return ""
     return (
         f"\n# {run.world_size} ranks: the memory was measured for DDP with "

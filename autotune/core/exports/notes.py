@@ -10,7 +10,7 @@ keeping every batch at the measured size when smaller sizes run out.
 
 from __future__ import annotations
 
-from autotune.core.exports.measured import MeasuredRun
+from autotune.core.exports.measured import ZERO_STAGES, MeasuredRun
 from autotune.core.schemas import Sharding
 
 
@@ -83,7 +83,7 @@ def data_parallel_note(run: MeasuredRun) -> str:
             f"torch FSDP2 ({how});",
             "gradients reduce-scattered after every micro-batch.",
         ]
-    stage = {Sharding.ZERO1: 1, Sharding.ZERO2: 2}.get(run.sharding, 3)
+    stage = ZERO_STAGES[run.sharding]
     return comment(
         [f"{run.world_size} ranks, ZeRO stage {stage}: memory per rank was measured with"]
         + measured
