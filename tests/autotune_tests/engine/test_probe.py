@@ -7,7 +7,8 @@ import pytest
 from autotune.core.presets import PRESETS
 from autotune.core.schemas import Phase, Spec, StepOutcome
 from autotune.engine.devices.device import EmulatedDevice
-from autotune.engine.probe import probe, run_step
+from autotune.engine.estimate import EstimateRunner
+from autotune.engine.probe import probe, probe_session, run_step
 from autotune.engine.runner import InProcessRunner
 
 # The smallest preset of each family: within a family the presets differ only in size, which the
@@ -72,6 +73,29 @@ def test_probe_is_frugal_on_a_preset() -> None:
     result = probe(spec, EmulatedDevice(capacity_for_about_four(spec) * 3))
     for mode in result.modes:
         assert len(mode.attempts) <= 4, [a.micro_batch for a in mode.attempts]
+
+
+@pytest.mark.e2e
+def test_a_checkpointed_probe_hinted_at_the_edge_of_a_dip_answers_the_largest_that_fits() -> None:
+    # bench/results/estimator.md's llama-tiny row at about 162 MiB (the b=2 peak and one more
+    # sample, from the estimate at 2 and 8): the plain answer, 9, is the checkpointed mode's
+    # hint, and 10 runs out there. It answered 9 from those two trials; 18 is the largest size
+    # that fits, which one more fit point at b=2 lets the allocation model see.
+    spec = preset_spec("llama-tiny", precision="bf16")
+    estimate = EstimateRunner(spec, capacity_bytes=HUGE_BYTES)
+    assert estimate.warm_up().fits
+    two, eight = estimate.trial(2).peak_bytes, estimate.trial(8).peak_bytes
+    capacity_bytes = two + (eight - two) // 6
+    result = probe_session(InProcessRunner(spec, EmulatedDevice(capacity_bytes)))
+    plain, checkpointed = result.modes
+    tried = [attempt.micro_batch for attempt in checkpointed.attempts]
+    assert tried[:3] == [plain.max_micro_batch, plain.max_micro_batch + 1, 2]
+    assert checkpointed.max_micro_batch == 18
+    fresh = InProcessRunner(spec, EmulatedDevice(capacity_bytes))
+    assert fresh.warm_up(checkpointing=True).fits
+    assert not fresh.trial(19, checkpointing=True).fits
+    assert fresh.trial(18, checkpointing=True).fits
+    assert not fresh.trial(plain.max_micro_batch + 1, checkpointing=True).fits
 
 
 def test_headroom_lowers_the_recommendation_not_the_max() -> None:
