@@ -670,6 +670,29 @@ class TracedFit(FrozenModel):
     fit_points: list[StepOutcome] = Field(max_length=8)
 
 
+class AllocatorOption(FrozenModel):
+    """The same mode under other caching-allocator settings (`allocator_conf`: the device's
+    with `expandable_segments:True`): traced first, verified by a search of its own when the
+    trace predicts a larger answer or no sizes running out where the device's settings have
+    some."""
+
+    allocator_conf: str = Field(max_length=ALLOCATOR_CONF_MAX)
+    traced_max_micro_batch: int | None = Field(
+        default=None, ge=0, description="The largest size the traced step predicts to fit."
+    )
+    max_micro_batch: int | None = Field(
+        default=None, ge=0, description="Verified by trials; None: not run (no gain traced)."
+    )
+    recommended_micro_batch: int | None = Field(default=None, ge=0)
+    runs_out_below: MicroBatches = Field(default_factory=list, max_length=4096)
+    trials: int = Field(default=0, ge=0, description="Real trials the verification took.")
+    recommended: bool = Field(
+        default=False,
+        description="The settings raise the mode's answer, or fit every size up to it where "
+        "the device's settings leave some running out.",
+    )
+
+
 class ModeProbe(FrozenModel):
     """The search result for one checkpointing mode."""
 
@@ -696,6 +719,11 @@ class ModeProbe(FrozenModel):
         "in the micro-batch: the allocator's cache): seen in a trial, or predicted by the "
         "allocation replay that agreed with every trial. A short last batch of such a size "
         "runs out too.",
+    )
+    expandable_segments: AllocatorOption | None = Field(
+        default=None,
+        description="The mode under expandable segments, when evaluated (the device's "
+        "settings do not have them, and the probe was given a session with them).",
     )
 
 
@@ -799,6 +827,13 @@ class Recommendation(FrozenModel):
         "(memory is not monotone in the micro-batch): every batch must keep micro_batch "
         "samples, a short last batch included.",
     )
+    allocator_conf: str | None = Field(
+        default=None,
+        max_length=ALLOCATOR_CONF_MAX,
+        description="PYTORCH_ALLOC_CONF the recommendation holds for when it is not the "
+        "device's (expandable segments, where they fit every size up to micro_batch); every "
+        "export sets it. None: the device's settings.",
+    )
 
     samples_per_s: PositiveRate
     tokens_per_s: PositiveRate | None = None
@@ -844,6 +879,12 @@ class Exports(FrozenModel):
         max_length=4096,
         description="Micro-batches below the exported one that run out: every text says to "
         "keep each batch at the exported size.",
+    )
+    allocator_conf: str | None = Field(
+        default=None,
+        max_length=ALLOCATOR_CONF_MAX,
+        description="PYTORCH_ALLOC_CONF the exported run was measured with, which every text "
+        "sets (the recommendation's allocator_conf); None: the device's own.",
     )
     tokens_per_sample: int | None = Field(
         default=None,

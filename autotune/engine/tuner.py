@@ -411,6 +411,19 @@ def _with_dips(recommendation: Recommendation, probe_result: ProbeResult) -> Rec
     if mode is None:
         return recommendation
     below = [b for b in mode.runs_out_below if b < recommendation.micro_batch]
+    option = mode.expandable_segments
+    if (
+        below
+        and option is not None
+        and option.recommended
+        and option.max_micro_batch is not None
+        and recommendation.micro_batch <= option.max_micro_batch
+        and not option.runs_out_below
+    ):
+        # Under expandable segments every size up to the answer fits, verified by trials: the
+        # same step, with no batch size to keep out of. (A larger answer they allow would need
+        # its throughput measured under them: not done here.)
+        return recommendation.model_copy(update={"allocator_conf": option.allocator_conf})
     return recommendation.model_copy(update={"runs_out_below": below})
 
 

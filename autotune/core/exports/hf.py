@@ -20,7 +20,7 @@ from typing import Any
 
 from autotune.core.exports.deepspeed import deepspeed_config
 from autotune.core.exports.measured import MeasuredRun, lora_snippet
-from autotune.core.exports.notes import comment, shared_notes
+from autotune.core.exports.notes import allocator_lines, comment, shared_notes
 from autotune.core.schemas import OptimizerName, Precision, Sharding
 
 _ACTIVATION_CHECKPOINTING_SINCE_MAJOR = 5
@@ -135,6 +135,7 @@ def render_hf(run: MeasuredRun, hf: dict[str, Any]) -> str:
         + comment(shared_notes(run))
         + _packing_lines(run)
         + _sharding_lines(run, hf)
+        + allocator_lines(run)
         + f"{imports}\nargs = TrainingArguments(\n{kwargs}    # ... your other arguments\n)\n"
         + _ddp_lines(run)
         + _optimizer_lines(run)

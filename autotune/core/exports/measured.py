@@ -46,6 +46,7 @@ class MeasuredRun:
     training: TrainingSpec
     token_model: bool
     runs_out_below: tuple[int, ...] = ()  # smaller micro-batches that run out
+    allocator_conf: str | None = None  # PYTORCH_ALLOC_CONF to set, when not the device's own
 
     @classmethod
     def of(
@@ -71,6 +72,7 @@ class MeasuredRun:
             training=training or TrainingSpec(),
             token_model=token_model,
             runs_out_below=tuple(rec.runs_out_below),
+            allocator_conf=rec.allocator_conf,
         )
 
     @property

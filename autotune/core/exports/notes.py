@@ -13,6 +13,9 @@ from __future__ import annotations
 from autotune.core.exports.measured import ZERO_STAGES, MeasuredRun
 from autotune.core.schemas import Sharding
 
+# The variable torch 2.13 reads (`PYTORCH_CUDA_ALLOC_CONF`, the older name, still wins if set).
+ALLOCATOR_VARIABLE = "PYTORCH_ALLOC_CONF"
+
 
 def shared_notes(run: MeasuredRun) -> list[str]:
     """Lines (without a comment marker) that head every consumer's text."""
@@ -33,7 +36,26 @@ def shared_notes(run: MeasuredRun) -> list[str]:
             f"{run.micro_batch}, the last one too: drop_last=True in the DataLoader",
             "(dataloader_drop_last / drop_last in the configs), or pack samples",
         ]
+    conf = run.allocator_conf
+    if conf is not None:
+        lines += [
+            f"measured with the caching allocator's {conf}: set PYTORCH_ALLOC_CONF={conf}",
+            "before CUDA starts (torch reads it once); in a shell, before the launcher:",
+            f"PYTORCH_ALLOC_CONF={conf} accelerate launch / torchrun / deepspeed / axolotl ...",
+        ]
     return lines
+
+
+def allocator_lines(run: MeasuredRun) -> str:
+    """Python that sets the measured allocator settings, to run before torch is imported (and
+    so before CUDA starts, when torch reads them); empty when the device's own were measured."""
+    if run.allocator_conf is None:
+        return ""
+    return (
+        "import os\n\n"
+        "# Before torch is imported: CUDA reads the allocator's settings once, as it starts.\n"
+        f"os.environ[{ALLOCATOR_VARIABLE!r}] = {run.allocator_conf!r}\n"
+    )
 
 
 def _sizes(sizes: tuple[int, ...]) -> str:

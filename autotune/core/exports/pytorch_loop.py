@@ -173,6 +173,7 @@ def pytorch_loop(run: MeasuredRun) -> str:
         ("LORA", _literal(run.lora)),
         ("SHARDING", _string(run.sharding.value)),
         ("SHARD_GROUP_SIZE", str(run.training.shard_group_size or 1)),
+        ("ALLOCATOR_CONF", _string(run.allocator_conf)),
     ):
         loop = _set_constant(loop, name, value)
     return f"{header}\n{_import_block(loop_imports + task_imports)}\n{loop}"
