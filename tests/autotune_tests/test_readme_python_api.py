@@ -24,13 +24,23 @@ def _blocks(start: str) -> list[str]:
     ]
 
 
-def test_the_python_api_example_runs_as_written(capsys: pytest.CaptureFixture[str]) -> None:
-    [block] = _blocks("import torch")
-    exec(compile(block, "README.md", "exec"), {"__name__": "readme"})
+@pytest.mark.e2e
+def test_the_python_api_examples_run_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    [api] = _blocks("import torch")
+    [trainer] = _blocks("from transformers import Trainer")
+    monkeypatch.chdir(tmp_path)  # the Trainer's output_dir="out"
+    namespace = {"__name__": "readme"}
+    exec(compile(api, "README.md", "exec"), namespace)
     out = capsys.readouterr().out
     assert "checkpointing False max micro-batch" in out
     assert "checkpointing True max micro-batch" in out
     assert "'per_device_train_batch_size'" in out
+    exec(compile(trainer, "README.md", "exec"), namespace)  # "continuing the example above"
+    tuned = namespace["args"]
+    assert tuned.per_device_train_batch_size * tuned.gradient_accumulation_steps == 8  # type: ignore[attr-defined]
+    assert "tuned: " in capsys.readouterr().out
 
 
 @pytest.mark.e2e
