@@ -25,6 +25,7 @@ from typing import NoReturn
 from rich.console import Console
 from rich.table import Table
 
+from autotune.cli.config_files import FILE_HELP, add_config_args, read_training_file
 from autotune.cli.options import (
     CommandParser,
     Subcommands,
@@ -59,13 +60,12 @@ DESCRIPTION = (
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
-    from autotune.core.specfile import load_spec
     from autotune.engine.probe import probe_session
 
-    spec = load_spec(args.spec)
+    err = Console(stderr=True)
+    spec = read_training_file(args, err).spec
     runner = open_runner(args, spec)
     info = runner.device_info
-    err = Console(stderr=True)
     err.print(
         f"probing [bold]{spec.model.label}[/bold] on {info.name} "
         f"(capacity {format_bytes(info.capacity_bytes)})"
@@ -136,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     probe = commands.add_parser(
         "probe", help="exact max micro-batch, without and with checkpointing"
     )
-    probe.add_argument("spec", help="spec file (YAML or JSON)")
+    probe.add_argument("spec", metavar="FILE", help=FILE_HELP)
+    add_config_args(probe)
     add_device_args(probe, estimate=True)
     add_trace_arg(probe)
     probe.add_argument("--json", action="store_true", help="print one JSON object")

@@ -23,6 +23,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from autotune.cli.config_files import (
+    FILE_HELP,
+    add_config_args,
+    add_write_arg,
+    read_training_file,
+    write_back,
+)
 from autotune.cli.export_text import add_export_arg, print_exports, print_one_export
 from autotune.cli.options import (
     Subcommands,
@@ -54,10 +61,11 @@ def default_database_url() -> str:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from autotune.core.specfile import load_spec
     from autotune.engine.tuner import tune_session
 
-    spec = load_spec(args.spec)
+    err = Console(stderr=True)
+    converted = read_training_file(args, err)
+    spec = converted.spec
     target_global_batch = spec.training.required_target_global_batch()
     indivisible = indivisible_target(target_global_batch, spec.training.world_size)
     if indivisible is not None:
@@ -77,7 +85,6 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     # On an emulated named GPU, samples/s are that GPU's (roofline), not this CPU's.
     runner = timed_on_its_gpu(open_runner(args, spec))
     info = runner.device_info
-    err = Console(stderr=True)
     # The default database and the plain loop of the human output go to ./data: say so.
     if args.db is None or (args.export is None and not args.json):
         err.print(
@@ -122,6 +129,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                 " (pip install optuna-dashboard)",
                 soft_wrap=True,
             )
+    # The file's diff goes where it does not mix with a machine-read output.
+    write_back(args, converted, result, err if args.json or args.export else Console())
     return EXIT_OK if result.recommendation is not None else EXIT_FAILURE
 
 
@@ -243,7 +252,11 @@ def register(commands: Subcommands) -> None:
     tune = commands.add_parser(
         "tune", help="the micro-batch x accumulation x checkpointing with the best samples/s"
     )
-    tune.add_argument("spec", help="spec file (YAML or JSON) with training.target_global_batch")
+    tune.add_argument(
+        "spec", metavar="FILE", help=FILE_HELP + "; a spec needs training.target_global_batch"
+    )
+    add_config_args(tune)
+    add_write_arg(tune)
     add_device_args(tune, estimate=True)
     add_trace_arg(tune)
     output = tune.add_mutually_exclusive_group()
