@@ -77,11 +77,19 @@ def paired_changes(changes: Sequence[Change]) -> list[Change]:
     return [first.plus(second) for first, second in combinations(changes, 2)]
 
 
-def sharded_change(world_size: int) -> Change:
-    """`world_size` GPUs, the state fully sharded among them (ZeRO-3, FSDP full shard)."""
+def sharded_change(world_size: int, gpus_per_box: int) -> Change:
+    """`world_size` GPUs, the state fully sharded among them (ZeRO-3, FSDP full shard): on one
+    node up to a box of them, else on whole nodes of `gpus_per_box`."""
+    sharding = {"sharding": Sharding.ZERO3.value}
+    if world_size <= gpus_per_box:
+        return Change(
+            f"{world_size} GPUs with ZeRO-3 (FSDP full shard)",
+            {"world_size": world_size, **sharding},
+        )
+    nodes = world_size // gpus_per_box
     return Change(
-        f"{world_size} GPUs with ZeRO-3 (FSDP full shard)",
-        {"world_size": world_size, "sharding": Sharding.ZERO3.value},
+        f"{world_size} GPUs ({nodes} nodes of {gpus_per_box}) with ZeRO-3 (FSDP full shard)",
+        {"nodes": nodes, "gpus_per_node": gpus_per_box, **sharding},
     )
 
 

@@ -455,9 +455,9 @@ class Spec(FrozenModel):
 
     def with_training(self, changes: dict[str, Any]) -> Spec:
         """This spec with `changes` to its training section, validated again. A token target
-        is dropped with a new `seq_len` (it was a number of samples of the old length), and the
-        topology fields follow a new `world_size` (one node of that many GPUs unless `nodes`
-        and `gpus_per_node` are changed too).
+        is dropped with a new `seq_len` (it was a number of samples of the old length), and a
+        change of the ranks (`world_size`, or `nodes` and `gpus_per_node`) replaces all of the
+        topology's fields.
 
         Raises:
             pydantic.ValidationError: the changed spec is not valid.
@@ -465,10 +465,9 @@ class Spec(FrozenModel):
         training = self.training.model_dump(exclude_unset=True)
         if "seq_len" in changes:
             training.pop("target_global_tokens", None)
-        if "world_size" in changes and "gpus_per_node" not in changes:
-            training.pop("nodes", None)
-            training.pop("gpus_per_node", None)
-            training.pop("shard_group_size", None)
+        if changes.keys() & {"world_size", "nodes", "gpus_per_node"}:
+            for name in ("world_size", "nodes", "gpus_per_node", "shard_group_size"):
+                training.pop(name, None)
         return Spec.model_validate(
             {"model": self.model.model_dump(exclude_unset=True), "training": training | changes}
         )

@@ -10,7 +10,7 @@ the next multiple did not, or it is the cap).
 Memory is not affine in the sequence length (eager attention's s x s scores grow with its
 square), so the per-op model that predicts micro-batches is not used here: the search gallops
 and bisects on the trials alone (`capacity_bytes=None`), ceil(log2(cap / step)) + 2 trials at
-most. No torch here.
+most (docs/design.md#the-longest-sequence). No torch here.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """What would make a job fit, verified: every change of `autotune.core.remedies` applied to the
 spec and traced on fake tensors on the same GPU (`autotune.engine.estimate`), at micro-batch 1,
 plain first and then checkpointed. A change is a remedy only when its traced steady-state step
-fits; its speed is the roofline of that step on the named GPU, for the whole job.
+fits; its speed is the roofline of that step on the named GPU, for the whole job
+(docs/design.md#what-would-make-it-fit).
 
 The GPU is the one the spec did not fit on: a catalogue GPU (`--gpu`, `--estimate`, or a card
 the catalogue knows), whose capacity follows the world size as it does everywhere (NCCL's
@@ -149,7 +150,7 @@ def fewest_gpus(spec: Spec, gpu: SameGpu) -> Remedy | None:
     found: dict[int, Remedy] = {}
 
     def fits(index: int) -> bool:
-        remedy = verify(spec, sharded_change(counts[index]), gpu)
+        remedy = verify(spec, sharded_change(counts[index], gpus_per_box), gpu)
         if remedy is not None:
             found[index] = remedy
         return remedy is not None
