@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
@@ -55,27 +55,43 @@ class SameGpu:
     gpu_name: str | None
     capacity_bytes: int
     allocator_config: AllocatorConfig | None = None
+    # As `EstimateRunner` takes them: a worker's factory prefixes and its stop check.
+    allowed_factory_prefixes: list[str] | None = field(default=None, compare=False)
+    interrupt: Callable[[], None] | None = field(default=None, compare=False)
 
     @classmethod
-    def of(cls, info: DeviceInfo, allocator_config: AllocatorConfig | None = None) -> SameGpu:
+    def of(
+        cls,
+        info: DeviceInfo,
+        allocator_config: AllocatorConfig | None = None,
+        *,
+        allowed_factory_prefixes: list[str] | None = None,
+        interrupt: Callable[[], None] | None = None,
+    ) -> SameGpu:
         """The device a probe ran on: its named GPU when it has one (an emulated or estimated
         catalogue GPU, or a real card the catalogue knows), else its capacity."""
+        gpu_name = None
         for name in (info.gpu, info.name):
-            if name is None:
-                continue
             try:
-                return cls(find_gpu(name).name, info.capacity_bytes, allocator_config)
+                gpu_name = find_gpu(name).name if name is not None else None
             except UnknownGpu:
                 continue
-        return cls(None, info.capacity_bytes, allocator_config)
+            if gpu_name is not None:
+                break
+        return cls(
+            gpu_name, info.capacity_bytes, allocator_config, allowed_factory_prefixes, interrupt
+        )
 
     def runner(self, spec: Spec) -> EstimateRunner:
-        if self.gpu_name is None:
-            return EstimateRunner(
-                spec, capacity_bytes=self.capacity_bytes, allocator_config=self.allocator_config
-            )
-        budget = budget_for(find_gpu(self.gpu_name), spec.training.world_size)
-        return EstimateRunner(spec, gpu=budget, allocator_config=self.allocator_config)
+        gpu = self.gpu_name
+        return EstimateRunner(
+            spec,
+            gpu=None if gpu is None else budget_for(find_gpu(gpu), spec.training.world_size),
+            capacity_bytes=self.capacity_bytes if gpu is None else None,
+            allocator_config=self.allocator_config,
+            allowed_factory_prefixes=self.allowed_factory_prefixes,
+            interrupt=self.interrupt,
+        )
 
 
 def _changed(spec: Spec, change: Change) -> Spec | None:
@@ -235,12 +251,23 @@ def fits_nowhere(result: ProbeResult) -> bool:
 
 
 def with_fit_advice(
-    spec: Spec, result: ProbeResult, *, on_change: ChangeCallback | None = None
+    spec: Spec,
+    result: ProbeResult,
+    *,
+    on_change: ChangeCallback | None = None,
+    allowed_factory_prefixes: list[str] | None = None,
+    interrupt: Callable[[], None] | None = None,
 ) -> ProbeResult:
-    """`result`, with what would make `spec` fit on its device when it fits nowhere."""
+    """`result`, with what would make `spec` fit on its device when it fits nowhere (the
+    traces run with `allowed_factory_prefixes` and `interrupt` as `EstimateRunner`'s)."""
     if not fits_nowhere(result):
         return result
-    gpu = SameGpu.of(result.device, device_allocator_config(result.device))
+    gpu = SameGpu.of(
+        result.device,
+        device_allocator_config(result.device),
+        allowed_factory_prefixes=allowed_factory_prefixes,
+        interrupt=interrupt,
+    )
     advice = find_fit_advice(spec, gpu, on_change=on_change)
     return result.model_copy(update={"fit_advice": advice})
 
