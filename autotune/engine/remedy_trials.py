@@ -33,7 +33,14 @@ from autotune.core.remedies import (
     shorter_sequence_change,
     single_gpu_changes,
 )
-from autotune.core.schemas import DeviceInfo, FitAdvice, ProbeResult, Remedy, Spec
+from autotune.core.schemas import (
+    DeviceInfo,
+    FitAdvice,
+    ProbeResult,
+    Remedy,
+    SequenceProbeResult,
+    Spec,
+)
 from autotune.core.search import fewest_fitting
 from autotune.core.sequence_search import DEFAULT_STEP_TOKENS
 from autotune.engine.estimate import EstimateRunner
@@ -183,13 +190,27 @@ def fewest_gpus(spec: Spec, gpu: SameGpu) -> Remedy | None:
 
 def shorter_sequence(spec: Spec, gpu: SameGpu, step_tokens: int) -> Remedy | None:
     """The longest sequence (a multiple of `step_tokens`, shorter than the spec's) that fits at
-    micro-batch 1 in either mode, as a remedy."""
+    micro-batch 1 in either mode, as a remedy. Searched checkpointed only: checkpointing only
+    removes saved activations, so no plain step fits a longer one (the remedy's own trial
+    still tries plain first)."""
     seq_len = spec.training.seq_len
     if seq_len is None or seq_len <= step_tokens:
         return None
-    found = probe_max_seq_len(
-        spec, gpu.runner, micro_batch=1, step_tokens=step_tokens, cap_tokens=seq_len - 1
-    )
+
+    def search(checkpointing: bool) -> SequenceProbeResult:
+        return probe_max_seq_len(
+            spec,
+            gpu.runner,
+            micro_batch=1,
+            step_tokens=step_tokens,
+            cap_tokens=seq_len - 1,
+            modes=(checkpointing,),
+        )
+
+    try:
+        found = search(True)
+    except SpecError:  # a model that cannot checkpoint
+        found = search(False)
     longest = max((mode.max_seq_len for mode in found.modes), default=0)
     if longest == 0:
         return None

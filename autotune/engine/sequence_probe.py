@@ -57,8 +57,14 @@ def sequence_trial(
     spec: Spec, make_runner: RunnerFactory, *, micro_batch: int, checkpointing: bool
 ) -> tuple[StepOutcome, TrialRunner]:
     """One steady-state step of `spec` at `micro_batch` on a runner of its own: the warm-up's
-    outcome when even that runs out, else the trial's."""
+    outcome when even that runs out, else the trial's.
+
+    Raises:
+        SpecError: checkpointing asked of a model that cannot toggle it.
+    """
     runner = make_runner(spec)
+    if checkpointing and not runner.supports_checkpointing:
+        raise SpecError("checkpointing: this model cannot toggle gradient checkpointing")
     outcome = runner.warm_up(checkpointing=checkpointing)
     if outcome.fits:
         outcome = runner.trial(micro_batch, checkpointing=checkpointing)
