@@ -34,6 +34,7 @@ WIDE_SPEC = {
 }
 
 
+@pytest.mark.e2e  # a dozen changes traced on a 3.7B model: minutes on 2 cores
 def test_an_estimate_that_fits_nowhere_is_answered_with_what_would_make_it_fit(
     user: ServerClient, worker: ServerClient, tmp_path: Path
 ) -> None:

@@ -6,6 +6,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,3 +106,28 @@ def test_tune_says_what_would_make_it_fit_and_fails(tmp_path: Path) -> None:
     code, out, err = _run([*argv, "--json", "--no-advice"])
     assert code == 1 and json.loads(out)["probe"]["fit_advice"] is None
     assert "tracing" not in err
+
+
+README = Path(__file__).resolve().parents[3] / "README.md"
+README_COMMAND = "$ autotune probe examples/llama-3-8b-full.yaml --estimate "
+
+
+@pytest.mark.e2e  # each card traces some 30-60 steps of an 8B model: minutes on 2 cores
+@pytest.mark.parametrize("gpu", ["H100 80GB", "RTX 4090"])
+def test_the_readmes_llama_3_8b_answers_are_what_the_command_prints(gpu: str) -> None:
+    """The README's full fine-tuning of Llama-3-8B on one 80 GB and one 24 GB card, run as
+    written: its standard output is the README's, line for line."""
+    blocks = re.findall(r"```console\n(.*?)```", README.read_text(), flags=re.DOTALL)
+    command = f'{README_COMMAND}"{gpu}"'
+    [block] = [b for b in blocks if b.startswith(command + "\n")]
+    repo = README.parent
+    done = subprocess.run(
+        [sys.executable, "-m", "autotune.cli.main", *shlex.split(command[2:])[1:]],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        cwd=repo,
+        env={**os.environ, "COLUMNS": "80"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == block.splitlines()[1:]

@@ -37,6 +37,7 @@ def _spec() -> Spec:
     )
 
 
+@pytest.mark.e2e  # some twenty traced steps and a real step per remedy: minutes on 2 cores
 def test_every_change_that_makes_it_fit_fits_on_the_emulated_gpu() -> None:
     spec = _spec()
     assert fits_nowhere(probe_session(EstimateRunner(spec, capacity_bytes=CAPACITY_BYTES)))
