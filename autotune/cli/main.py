@@ -100,12 +100,13 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 
 
 def _probe_max_seq_len(args: argparse.Namespace, spec: Spec) -> int:
-    from autotune.engine.sequence_probe import probe_max_seq_len
+    from autotune.engine.sequence_probe import probe_max_seq_len, sequence_cap
 
+    cap = sequence_cap(spec, step_tokens=args.seq_step, cap_tokens=args.seq_cap)
     err = Console(stderr=True)
     err.print(
         f"probing [bold]{spec.model.label}[/bold] for the longest sequence at micro-batch "
-        f"{args.micro_batch} (multiples of {args.seq_step} tokens)"
+        f"{args.micro_batch} (multiples of {args.seq_step} tokens, up to {cap})"
     )
 
     def attempted(checkpointing: bool, seq_len: int, outcome: StepOutcome) -> None:
@@ -120,7 +121,7 @@ def _probe_max_seq_len(args: argparse.Namespace, spec: Spec) -> int:
         lambda changed: open_runner(args, changed),
         micro_batch=args.micro_batch,
         step_tokens=args.seq_step,
-        cap_tokens=args.seq_cap,
+        cap_tokens=cap,
         on_attempt=attempted,
     )
     if args.json:

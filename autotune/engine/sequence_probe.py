@@ -53,6 +53,25 @@ def model_positions(spec: Spec) -> int | None:
     return None
 
 
+def sequence_cap(spec: Spec, *, step_tokens: int, cap_tokens: int | None) -> int:
+    """The longest sequence the search may try: `cap_tokens`, else the model's positions.
+
+    Raises:
+        SpecError: not a token model, no cap known, or a cap below one step.
+    """
+    if spec.model.is_token_model is False or spec.training.input_shape is not None:
+        raise SpecError("--max-seq-len: the model takes fixed-shape inputs, not sequences")
+    cap = cap_tokens if cap_tokens is not None else model_positions(spec)
+    if cap is None:
+        raise SpecError(
+            "--max-seq-len: the spec does not say the model's longest sequence (a hub id or a "
+            "factory); give --seq-cap TOKENS"
+        )
+    if cap < step_tokens:
+        raise SpecError(f"--seq-cap: {cap} tokens is below one step of {step_tokens} tokens")
+    return cap
+
+
 def sequence_trial(
     spec: Spec, make_runner: RunnerFactory, *, micro_batch: int, checkpointing: bool
 ) -> tuple[StepOutcome, TrialRunner]:
@@ -93,16 +112,7 @@ def probe_max_seq_len(
     Raises:
         SpecError: not a token model, no cap known, or a cap below one step.
     """
-    if spec.model.is_token_model is False or spec.training.input_shape is not None:
-        raise SpecError("--max-seq-len: the model takes fixed-shape inputs, not sequences")
-    cap = cap_tokens if cap_tokens is not None else model_positions(spec)
-    if cap is None:
-        raise SpecError(
-            "--max-seq-len: the spec does not say the model's longest sequence (a hub id or a "
-            "factory); give --seq-cap TOKENS"
-        )
-    if cap < step_tokens:
-        raise SpecError(f"--seq-cap: {cap} tokens is below one step of {step_tokens} tokens")
+    cap = sequence_cap(spec, step_tokens=step_tokens, cap_tokens=cap_tokens)
     device: list[DeviceInfo] = []
     supports_checkpointing: list[bool] = []
 
@@ -164,4 +174,4 @@ def probe_max_seq_len(
     )
 
 
-__all__ = ["model_positions", "probe_max_seq_len", "sequence_trial"]
+__all__ = ["model_positions", "probe_max_seq_len", "sequence_cap", "sequence_trial"]
