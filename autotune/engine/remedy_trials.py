@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
-from autotune.core.errors import ModelBuildError, SpecError
+from autotune.core.errors import ModelBuildError
 from autotune.core.gpus.catalogue import UnknownGpu, find_gpu
 from autotune.core.gpus.cuda_reserve import budget_for
 from autotune.core.memory.allocator_config import AllocatorConfig
@@ -46,7 +46,11 @@ from autotune.core.sequence_search import DEFAULT_STEP_TOKENS
 from autotune.engine.estimate import EstimateRunner
 from autotune.engine.probe import device_allocator_config
 from autotune.engine.runner import TrialRunner
-from autotune.engine.sequence_probe import probe_max_seq_len, sequence_trial
+from autotune.engine.sequence_probe import (
+    CheckpointingUnsupported,
+    probe_max_seq_len,
+    sequence_trial,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -125,8 +129,9 @@ def verify(spec: Spec, change: Change, gpu: SameGpu) -> Remedy | None:
                 return _remedy(changed, change, runner, checkpointing, outcome.peak_bytes, gpu)
             if not runner.supports_checkpointing:
                 return None
-    except (ModelBuildError, SpecError) as error:
-        logger.info("%s: cannot be traced (%s)", change.label, error)
+    except ModelBuildError as error:
+        # Any other error (a stop, a limit) ends the search for remedies: it is not the change's.
+        logger.info("%s: cannot be built (%s)", change.label, error)
     return None
 
 
@@ -209,7 +214,7 @@ def shorter_sequence(spec: Spec, gpu: SameGpu, step_tokens: int) -> Remedy | Non
 
     try:
         found = search(True)
-    except SpecError:  # a model that cannot checkpoint
+    except CheckpointingUnsupported:
         found = search(False)
     longest = max((mode.max_seq_len for mode in found.modes), default=0)
     if longest == 0:

@@ -31,6 +31,12 @@ from autotune.engine.runner import TrialRunner
 logger = logging.getLogger(__name__)
 
 RunnerFactory = Callable[[Spec], TrialRunner]
+
+
+class CheckpointingUnsupported(SpecError):
+    """Checkpointing was asked of a model that cannot toggle it."""
+
+
 # Called with (checkpointing, seq_len, outcome) as soon as a trial finishes.
 SequenceCallback = Callable[[bool, int, StepOutcome], None]
 
@@ -79,11 +85,13 @@ def sequence_trial(
     outcome when even that runs out, else the trial's.
 
     Raises:
-        SpecError: checkpointing asked of a model that cannot toggle it.
+        CheckpointingUnsupported: checkpointing asked of a model that cannot toggle it.
     """
     runner = make_runner(spec)
     if checkpointing and not runner.supports_checkpointing:
-        raise SpecError("checkpointing: this model cannot toggle gradient checkpointing")
+        raise CheckpointingUnsupported(
+            "checkpointing: this model cannot toggle gradient checkpointing"
+        )
     outcome = runner.warm_up(checkpointing=checkpointing)
     if outcome.fits:
         outcome = runner.trial(micro_batch, checkpointing=checkpointing)
@@ -174,4 +182,10 @@ def probe_max_seq_len(
     )
 
 
-__all__ = ["model_positions", "probe_max_seq_len", "sequence_cap", "sequence_trial"]
+__all__ = [
+    "CheckpointingUnsupported",
+    "model_positions",
+    "probe_max_seq_len",
+    "sequence_cap",
+    "sequence_trial",
+]
