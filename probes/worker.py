@@ -53,6 +53,7 @@ from autotune.core.errors import FactoryRefused, ModelBuildError, SpecError
 from autotune.core.factoryaccess import check_factory_allowed
 from autotune.core.schemas import StepOutcome, Trial, TrialState, TuneResult
 from autotune.engine.probe import probe_session
+from autotune.engine.remedy_trials import fits_nowhere, with_fit_advice
 from autotune.engine.runner import TrialRunner
 from autotune.engine.tuner import tune_session
 from autotune.remote.client import (
@@ -391,7 +392,7 @@ class Worker:
                 # Refused here, before any child starts; the children check again.
                 check_factory_allowed(claim.spec.model.factory, self.config.allowed_factories)
             runner = self._runner_for(claim, device, keeper)
-            result = self._tune(claim, runner, progress, study_name)
+            result = self._tune(claim, runner, progress, study_name, keeper)
             self._patiently(
                 keeper, lambda: self.client.submit_result(claim.run_id, claim.lease_id, result)
             )
@@ -509,7 +510,12 @@ class Worker:
         )
 
     def _tune(
-        self, claim: Claim, runner: TrialRunner, progress: _Progress, study_name: str
+        self,
+        claim: Claim,
+        runner: TrialRunner,
+        progress: _Progress,
+        study_name: str,
+        keeper: _LeaseKeeper,
     ) -> TuneResult:
         spec = claim.spec
         # An estimate's trials are traces already; a child runner traces in its first child.
@@ -517,18 +523,40 @@ class Worker:
         if spec.training.target_global_batch is None:
             # Nothing to tune for: the probe alone answers (largest micro-batch per mode).
             probe = probe_session(runner, on_attempt=progress.attempt, tracer=tracer)
-            return TuneResult(
+            result = TuneResult(
                 spec=spec, device=runner.device_info, probe=probe, trials=[], recommendation=None
             )
-        return tune_session(
-            runner,
-            storage_url=self.config.storage_url,
-            study_name=study_name,
-            target_seconds=self.config.seconds_per_trial,
-            on_attempt=progress.attempt,
-            on_trial=progress.trial,
-            tracer=tracer,
-        )
+        else:
+            result = tune_session(
+                runner,
+                storage_url=self.config.storage_url,
+                study_name=study_name,
+                target_seconds=self.config.seconds_per_trial,
+                on_attempt=progress.attempt,
+                on_trial=progress.trial,
+                tracer=tracer,
+            )
+        return self._with_fit_advice(claim, result, keeper)
+
+    def _with_fit_advice(
+        self, claim: Claim, result: TuneResult, keeper: _LeaseKeeper
+    ) -> TuneResult:
+        """Where micro-batch 1 fits in no mode, what would make the spec fit, traced here (fake
+        tensors: nothing runs on the device) under the estimate's limits. Past them the result
+        goes without the advice: the probe's answer stands on its own."""
+        if not fits_nowhere(result.probe):
+            return result
+        try:
+            probe = with_fit_advice(
+                claim.spec,
+                result.probe,
+                allowed_factory_prefixes=list(self.config.allowed_factories),
+                interrupt=self._estimate_interrupt(keeper),
+            )
+        except EstimateLimitExceeded as limit:
+            logger.warning("run %d: no fit advice: %s", claim.run_id, limit)
+            return result
+        return result.model_copy(update={"probe": probe})
 
     def _post_failed_trial(
         self,

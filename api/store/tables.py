@@ -121,6 +121,8 @@ class RunRow(TableBase):
     torch_version: Mapped[str | None] = mapped_column(String(32))
     study_name: Mapped[str | None] = mapped_column(String(100))
     infeasible: Mapped[dict[str, Any] | None]
+    # The protocol's FitAdvice, as JSON: what would make a spec that fits nowhere fit.
+    fit_advice: Mapped[dict[str, Any] | None]
     exports: Mapped[dict[str, Any] | None]
     error: Mapped[str | None] = mapped_column(Text)
 

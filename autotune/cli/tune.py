@@ -31,6 +31,7 @@ from autotune.cli.config_files import (
     write_back,
 )
 from autotune.cli.export_text import add_export_arg, print_exports, print_one_export
+from autotune.cli.fit_advice_text import print_fit_advice
 from autotune.cli.options import (
     Subcommands,
     add_device_args,
@@ -61,6 +62,7 @@ def default_database_url() -> str:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
+    from autotune.engine.remedy_trials import fits_nowhere, with_fit_advice
     from autotune.engine.tuner import tune_session
 
     err = Console(stderr=True)
@@ -113,6 +115,12 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         )
     finally:
         progress.close()
+    if not args.no_advice and fits_nowhere(result.probe):
+        err.print("micro-batch 1 fits in no mode: tracing the changes that would make it fit")
+        probe = with_fit_advice(
+            spec, result.probe, on_change=lambda label: err.print(f"  tracing: {label}")
+        )
+        result = result.model_copy(update={"probe": probe})
     _record_locally(result, storage_url, err)
     if args.json:
         sys.stdout.write(tune_json(result) + "\n")
@@ -198,6 +206,8 @@ def print_tune_result(
     if rec is None:
         assert result.infeasible is not None
         print_infeasible(console, result.infeasible)
+        if result.probe.fit_advice is not None:
+            print_fit_advice(console, result.probe.fit_advice)
         return
     console.print(
         f"[bold green]Recommendation:[/bold green] micro-batch {rec.micro_batch} x "
@@ -270,5 +280,10 @@ def register(commands: Subcommands) -> None:
         type=positive_seconds,
         default=1.0,
         help="how long each measurement's timed steps take (default 1.0)",
+    )
+    tune.add_argument(
+        "--no-advice",
+        action="store_true",
+        help="when micro-batch 1 fits in no mode, do not trace what would make it fit",
     )
     tune.set_defaults(func=_cmd_tune)

@@ -80,6 +80,7 @@ def check_result(spec: Spec, result: TuneResult) -> list[Violation]:
         check.mode(index, mode)
     check.trials()
     check.answer()
+    check.fit_advice()
     return check.violations
 
 
@@ -243,6 +244,18 @@ class _Check:
             self.fail(f"{field}.fit_points", f"not two or more distinct sizes in [2, {cap}]")
         if not all(point.fits for point in traced.fit_points):
             self.fail(f"{field}.fit_points", "a fit point that does not fit fits no model")
+
+    def fit_advice(self) -> None:
+        """What would make it fit is said only where micro-batch 1 fits in no mode, and every
+        remedy fits its GPU (docs/design.md#what-would-make-it-fit)."""
+        advice = self.result.probe.fit_advice
+        if advice is None:
+            return
+        if any(mode.max_micro_batch > 0 for mode in self.result.probe.modes):
+            self.fail("probe.fit_advice", "given, but micro-batch 1 fits")
+        for index, remedy in enumerate(advice.remedies):
+            if remedy.peak_bytes > remedy.capacity_bytes:
+                self.fail(f"probe.fit_advice.remedies[{index}].peak_bytes", "above its capacity")
 
     def _accumulating_limit(self, checkpointing: bool) -> int:
         accumulating = self.modes[checkpointing].accumulating_micro_batch

@@ -44,6 +44,7 @@ from autotune.core.schemas import (
     DeviceInfo,
     DeviceKind,
     Exports,
+    FitAdvice,
     FrozenModel,
     Infeasible,
     ModeProbe,
@@ -449,6 +450,10 @@ class Run(FrozenModel):
     study_name: str | None = None
     recommendation: Recommendation | None = None
     infeasible: Infeasible | None = None
+    fit_advice: FitAdvice | None = Field(
+        default=None,
+        description="When micro-batch 1 fits in no mode: the changes that would make it fit.",
+    )
     exports: Exports | None = None
     modes: list[ModeProbe] = Field(default_factory=list, description="Final probe per mode.")
     attempts: list[AttemptRecord] = Field(default_factory=list)
