@@ -457,6 +457,23 @@ SPEED_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], str, str]] = {
         "A100 80GB",
         "accumulation",
     ),
+    "small-llama-lora-tune": (
+        "a 4-layer Llama (hidden 512), LoRA r 16 all linear, seq 4096, target 256 samples, on a "
+        "T4: a whole `tune --estimate`, counting the traced steps (the same on any machine)",
+        {
+            "model_type": "llama",
+            "hidden_size": 512,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "vocab_size": 32000,
+            "max_position_embeddings": 4096,
+        },
+        {"lora": {"r": 16, "target_modules": "all-linear"}, "target_global_batch": 256},
+        "T4",
+        "tune",
+    ),
 }
 ACCUMULATIONS = (1, 8, 64, 2**20)
 
@@ -483,6 +500,17 @@ def speed_case(name: str, profile: bool) -> dict[str, Any]:
 
     spec = speed_spec(name)
     _, _, _, gpu, kind = SPEED_CASES[name]
+    from autotune.engine.training.step import TrainingStep
+
+    # Every traced step goes through TrainingStep.run: count them and their micro-steps.
+    traced: list[int] = []
+    run = TrainingStep.run
+
+    def counted(step: TrainingStep, micro_batch: int, accumulation_steps: int = 1) -> float:
+        traced.append(accumulation_steps)
+        return run(step, micro_batch, accumulation_steps)
+
+    TrainingStep.run = counted  # type: ignore[method-assign]
     profiler = cProfile.Profile() if profile else None
     started, cpu_started = time.perf_counter(), time.process_time()
     if profiler is not None:
@@ -543,6 +571,9 @@ def speed_case(name: str, profile: bool) -> dict[str, Any]:
         "wall_s": time.perf_counter() - started,
         "cpu_s": time.process_time() - cpu_started,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "load_average": os.getloadavg()[0],
+        "traced_steps": len(traced),
+        "traced_micro_steps": sum(traced),
         **phases,
         "answers": answers,
     }
@@ -600,7 +631,6 @@ def speed(cases: list[str], label: str, profile: bool) -> int:
             if profiled is None:
                 return 1
             row["profile"] = profiled["profile"]
-        row["load_average"] = os.getloadavg()[0]
         row["commit"] = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
         ).stdout.strip()
@@ -626,8 +656,8 @@ def _write_speed(document: dict[str, Any]) -> None:
         "compare. Imports are not in either; RSS is the child's peak, imports included.",
         "",
         "| case | run | commit | wall (s) | CPU (s) | build (s) | peak RSS (MiB) | load "
-        "| answers |",
-        "|---|---|---|---:|---:|---:|---:|---:|---|",
+        "| traced steps (micro-steps) | answers |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name in SPEED_CASES:
         for label in ("before", "after"):
@@ -641,6 +671,7 @@ def _write_speed(document: dict[str, Any]) -> None:
             lines.append(
                 f"| {name} | {label} | {row['commit']} | {row['wall_s']:.1f} | {row['cpu_s']:.1f} "
                 f"| {row['build_s']:.1f} | {row['peak_rss_mib']:,.0f} | {row['load_average']:.1f} "
+                f"| {row.get('traced_steps', '?')} ({row.get('traced_micro_steps', '?')}) "
                 f"| {json.dumps(answers) if answers else ''}{'; '.join(accumulations)} |"
             )
     lines += ["", "Cases:", ""]

@@ -153,28 +153,14 @@ class _Interruptible(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class _FusedAttentionForSpeed(TorchFunctionMode):
-    # Dropout sends the CPU's attention down the math path (s x s matrices the GPU's kernels
-    # never write); the fused kernels apply it on chip, so the speed pass runs without it.
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = dict(kwargs or {})
-        if func is F.scaled_dot_product_attention:
-            kwargs["dropout_p"] = 0.0
-            if len(args) > 4:
-                args = (*args[:4], 0.0, *args[5:])
-        return func(*args, **kwargs)
+class _SpeedPass(TorchFunctionMode):
+    """The speed pass's view of the step's calls: attention as the fused kernel, and the end of
+    each micro-step.
 
-
-class _MicroStepEnds(TorchFunctionMode):
-    """Notes `times`' running total as each micro-step's backward returns (the step calls
-    `torch.autograd.backward` once per micro-batch): the kernels between two ends are one
-    micro-step's, the forward of its micro-batch and its backward."""
+    Dropout sends the CPU's attention down the math path (s x s matrices the GPU's kernels
+    never write); the fused kernels apply it on chip, so the speed pass runs without it. The step
+    calls `torch.autograd.backward` once per micro-batch: `ends_s` notes `times`' running total
+    as each returns, the kernels between two ends being one micro-step's forward and backward."""
 
     def __init__(self, times: _KernelTimes) -> None:
         super().__init__()
@@ -188,7 +174,12 @@ class _MicroStepEnds(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = dict(kwargs or {})
+        if func is F.scaled_dot_product_attention:
+            kwargs["dropout_p"] = 0.0
+            if len(args) > 4:
+                args = (*args[:4], 0.0, *args[5:])
+        out = func(*args, **kwargs)
         if func is torch.autograd.backward:
             self.ends_s.append(self.times.time_s)
         return out
@@ -489,8 +480,8 @@ class EstimateRunner:
         step.checkpointing = key.checkpointing
         step.checkpoint_blocks(key.checkpointed_blocks)
         times = _KernelTimes(self.gpu, self.assumptions, bool(self.spec.training.tf32))
-        ends = _MicroStepEnds(times)
-        with self._mode, _sequences_not_packed(), ends, _FusedAttentionForSpeed(), times:
+        ends = _SpeedPass(times)
+        with self._mode, _sequences_not_packed(), ends, times:
             with self._checked():
                 step.run(key.micro_batch, key.accumulation_steps)
         if len(ends.ends_s) != key.accumulation_steps:
