@@ -510,7 +510,7 @@ def speed_case(name: str, profile: bool) -> dict[str, Any]:
         traced.append(accumulation_steps)
         return run(step, micro_batch, accumulation_steps)
 
-    TrainingStep.run = counted  # type: ignore[method-assign]
+    TrainingStep.run = counted  # type: ignore[method-assign, assignment]
     profiler = cProfile.Profile() if profile else None
     started, cpu_started = time.perf_counter(), time.process_time()
     if profiler is not None:
