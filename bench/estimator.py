@@ -476,6 +476,31 @@ SPEED_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], str, str]] = {
     ),
 }
 ACCUMULATIONS = (1, 8, 64, 2**20)
+# Read off the profiles below by hand (the "before" one: 1,308 profiled seconds).
+SPEED_NOTES = [
+    "Where the seconds go, 7B LoRA probe: the 7 traced steps (a warm-up, 2 trials without "
+    "checkpointing, 4 with) are 93 % of the time, the model's build with its adapters most of "
+    "the rest. Each traced step is about 41,000 aten ops (288,846 tracker calls over 7 steps), "
+    "and about 80 % of an op's cost is fake-tensor dispatch inside torch: the cache key "
+    "(`_prep_args_for_hash`, `extract_tensor_metadata`), outputs rebuilt from the cache entry "
+    "(`_get_output_tensor_from_cache_entry`, `FakeTensor.__new__`) and the dynamo-disable "
+    "wrapper around every dispatch mode (600,000 calls). The live-byte tracker and the "
+    "allocator model are a few percent; the FLOP counter runs only in speed passes, which a "
+    "probe has none of.",
+    "`builtins.compile` (75 s profiled, about 6 %) is this sandbox's: it sets "
+    "PYTHONDONTWRITEBYTECODE=1, so the modules an estimate imports lazily (the transformers "
+    "model, peft) are compiled from source in every run, before and after alike; an installed "
+    "package has its bytecode.",
+    "What changed: a warm EstimateRunner answers a trial or speed pass it traced before from "
+    "that trace (the tuner asks for the probe's sizes and the G = 2 probe's again when it "
+    "measures them), and the speed pass traces one step of 3 micro-steps, its middle one "
+    "standing for every other, instead of steps of 2 and 3 (5 micro-steps). A probe traces "
+    "what it did before (no trial repeats within a probe): its cost is unchanged.",
+    "What is left: the goals (8 s for both modes of a 7B LoRA probe, 15 s for 70B) need about "
+    "1/8 of the ops traced per step. A decoder's layers are identical, so tracing a few of "
+    "them and replaying the allocator model for the rest (their allocation events repeat with "
+    "the layer) would make a trial's cost independent of depth; it is not done here.",
+]
 
 
 def speed_spec(name: str) -> Spec:
@@ -676,6 +701,7 @@ def _write_speed(document: dict[str, Any]) -> None:
             )
     lines += ["", "Cases:", ""]
     lines += [f"- {name}: {what}" for name, (what, *_rest) in SPEED_CASES.items()]
+    lines += ["", *[line for note in SPEED_NOTES for line in (note, "")]]
     for label in ("before", "after"):
         row = document["runs"].get(label, {}).get("qwen7b-lora-probe")
         if row is None or "profile" not in row:

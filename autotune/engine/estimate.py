@@ -491,11 +491,14 @@ class EstimateRunner:
             )
         if key.accumulation_steps < 3:
             return _StepTimes(total_s=times.time_s, middle_s=0.0)
-        # A step makes all of its micro-batches before the first forward (`TrainingStep.run`),
-        # so a middle micro-step is its batch's making and the kernels between two ends.
+        # Before the first forward a step makes all of its micro-batches and sums their item
+        # counts (`TrainingStep.run`, `accumulate_gradients`), so a middle micro-step is its
+        # batch's making and counting, and the kernels between two ends.
+        workload = self._runner.workload
         making = _KernelTimes(self.gpu, self.assumptions, bool(self.spec.training.tf32))
         with self._mode, making:
-            self._runner.workload.make_batch(key.micro_batch, self._runner.device.torch_device)
+            batch = workload.make_batch(key.micro_batch, self._runner.device.torch_device)
+            _ = 0 + workload.num_items(batch)  # as the step's sum over its micro-batches adds
         middle_s = making.time_s + ends.ends_s[1] - ends.ends_s[0]
         return _StepTimes(total_s=times.time_s, middle_s=middle_s)
 
