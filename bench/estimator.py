@@ -496,6 +496,14 @@ SPEED_NOTES = [
     "measures them), and the speed pass traces one step of 3 micro-steps, its middle one "
     "standing for every other, instead of steps of 2 and 3 (5 micro-steps). A probe traces "
     "what it did before (no trial repeats within a probe): its cost is unchanged.",
+    "The committed rows (26 Nov 2026): the after rows ran at the commits shown, before "
+    "847dbcd, which adds a middle micro-step's token count to its time (about 1.5e-5 s per "
+    "middle micro-step of the 0.5B model: samples/s differ in the fifth digit; the cost is the "
+    "same). The accumulation row's G = 64 and 2^20 are answered from the traces of G = 8 (a "
+    "trial traces min(G, 5) micro-steps, a speed pass 3). llama70b-lora-zero3-probe and "
+    "llama8b-lora-tune did not finish on this box at load 18 in the time given (the 8B tune "
+    "ran over 25 minutes of wall time before and was stopped); the traced-step counts of "
+    "small-llama-lora-tune stand for what the reuse saves a tune, and the answers are equal.",
     "What is left: the goals (8 s for both modes of a 7B LoRA probe, 15 s for 70B) need about "
     "1/8 of the ops traced per step. A decoder's layers are identical, so tracing a few of "
     "them and replaying the allocator model for the rest (their allocation events repeat with "
