@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -476,7 +477,8 @@ SPEED_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], str, str]] = {
     ),
 }
 ACCUMULATIONS = (1, 8, 64, 2**20)
-# Read off the profiles below by hand (the "before" one: 1,308 profiled seconds).
+# Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
+# of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).
 SPEED_NOTES = [
     "Where the seconds go, 7B LoRA probe: the 7 traced steps (a warm-up, 2 trials without "
     "checkpointing, 4 with) are 93 % of the time, the model's build with its adapters most of "
@@ -487,7 +489,7 @@ SPEED_NOTES = [
     "wrapper around every dispatch mode (600,000 calls). The live-byte tracker and the "
     "allocator model are a few percent; the FLOP counter runs only in speed passes, which a "
     "probe has none of.",
-    "`builtins.compile` (75 s profiled, about 6 %) is this sandbox's: it sets "
+    "`builtins.compile` (24 of 416 profiled seconds, about 6 %) is this sandbox's: it sets "
     "PYTHONDONTWRITEBYTECODE=1, so the modules an estimate imports lazily (the transformers "
     "model, peft) are compiled from source in every run, before and after alike; an installed "
     "package has its bytecode.",
@@ -629,10 +631,7 @@ def _profile_lines(text: str) -> list[str]:
     kept = []
     for line in lines[start : start + 16]:
         line = line.replace(root, "")
-        if "site-packages/" in line:
-            head, _, tail = line.partition("/")
-            line = head + tail.split("site-packages/", 1)[1]
-        kept.append(line.rstrip())
+        kept.append(re.sub(r"\S*site-packages/", "", line).rstrip())
     return kept
 
 
