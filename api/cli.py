@@ -2,13 +2,15 @@
 points, so that it exists exactly where the `api` extra is installed.
 
     autotune serve [--host 127.0.0.1] [--port 8000] [--db URL] [--workers N]
-                   [--allow-factory-specs] [--no-estimates]
+                   [--allow-factory-specs] [--no-estimates] [--estimate-workers N]
+                   [--estimate-time-limit S] [--estimate-memory-limit SIZE]
 
 Settings come from the environment (`api.settings.Settings`, `AUTOTUNE_` prefix), read here.
 `serve` connects to the database before listening: when it cannot (refused, or no answer within
 the connect timeout) it says so in one line and exits 1 (EXIT_FAILURE: the database may come
 back, so this is not a usage error, exit 2, that the user must fix in the command). Where torch
-is installed, it also runs an estimate worker (`api.estimate_worker`) unless `--no-estimates`.
+is installed, it also runs a pool of estimate workers (`api.estimate_worker`), each given the
+per-run limits, unless `--no-estimates`.
 """
 
 from __future__ import annotations
@@ -17,12 +19,27 @@ import argparse
 import json
 import os
 import secrets
+import signal
 import sys
-from typing import TYPE_CHECKING
+from types import FrameType
+from typing import TYPE_CHECKING, NoReturn
 
 from api import estimate_worker
-from autotune.cli.options import Subcommands, port_number, positive_int
-from autotune.core.defaults import DEFAULT_DATA_DIR, EXIT_OK, SERVER_DATABASE_FILE
+from autotune.cli.options import (
+    Subcommands,
+    memory_size,
+    port_number,
+    positive_int,
+    positive_seconds,
+)
+from autotune.core.bytesize import format_bytes
+from autotune.core.defaults import (
+    DEFAULT_DATA_DIR,
+    ESTIMATE_MEMORY_LIMIT_BYTES,
+    ESTIMATE_TIME_LIMIT_S,
+    EXIT_OK,
+    SERVER_DATABASE_FILE,
+)
 from autotune.core.errors import AutotuneError
 
 if TYPE_CHECKING:
@@ -54,12 +71,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         generated["worker"] = secrets.token_urlsafe(24)
         settings = settings.model_copy(update={"worker_tokens": [generated["worker"]]})
     url = settings.resolved_database_url()
-    estimates, estimates_note = _estimate_supervisor(args, settings)
+    estimates, estimates_note = _estimate_pool(args, settings)
     app: FastAPI | None = None
     try:
         if args.workers == 1:
             app = create_app(
-                settings, estimate_worker=estimates.health if estimates is not None else None
+                settings, estimate_workers=estimates.health if estimates is not None else None
             )
         else:
             # Each process migrates on start; check once here so one line says what is wrong.
@@ -93,19 +110,39 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             f"API docs at {address}/docs)\n"
         )
     sys.stderr.flush()
+    # uvicorn stops on SIGTERM, then raises the signal again on its way out so that the process
+    # dies of it: before the `finally` below, which left the estimate workers running, orphaned
+    # (one busy with a run for as long as it took), and never killed when they ignored it.
+    # Raised here as an exception instead (also before uvicorn listens), the signal is raised
+    # again once the workers are stopped.
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    terminated = False
     try:
         _run_uvicorn(args, app, settings, url)
+    except _Terminated:
+        terminated = True
     finally:
         if estimates is not None:
             estimates.stop()
+        signal.signal(signal.SIGTERM, previous)
+    if terminated:
+        signal.raise_signal(signal.SIGTERM)
     return EXIT_OK
 
 
-def _estimate_supervisor(
+class _Terminated(Exception):  # noqa: N818 - a signal, not an error
+    """SIGTERM reached `serve`."""
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> NoReturn:
+    raise _Terminated
+
+
+def _estimate_pool(
     args: argparse.Namespace, settings: Settings
-) -> tuple[estimate_worker.Supervisor | None, str | None]:
-    """The estimate worker to run beside the server (not started yet), or None; and what to
-    tell the operator about it."""
+) -> tuple[estimate_worker.Pool | None, str | None]:
+    """The estimate workers to run beside the server (not started yet), or None; and what to
+    tell the operator about them."""
     if not args.estimates:
         return None, None
     missing = estimate_worker.missing_reason()
@@ -113,14 +150,20 @@ def _estimate_supervisor(
         missing = "--port 0 leaves the port to the system, and the worker could not find it"
     if missing is not None:
         return None, f"estimates need a worker: {missing}"
-    log_path = settings.data_dir / estimate_worker.LOG_FILE
-    server_url = estimate_worker.local_url(args.host, args.port)
-    supervisor = estimate_worker.Supervisor(
-        estimate_worker.command(server_url, settings.data_dir),
+    pool = estimate_worker.pool(
+        estimate_worker.local_url(args.host, args.port),
+        settings.data_dir,
         settings.worker_tokens[0],
-        log_path,
+        workers=args.estimate_workers,
+        time_limit_s=args.estimate_time_limit,
+        memory_limit_bytes=args.estimate_memory_limit,
     )
-    return supervisor, f"estimates run here (worker log: {log_path}; restarted if it stops)"
+    logs = settings.data_dir / f"{estimate_worker.WORKER_FILES}-N.log"
+    return pool, (
+        f"estimates run here on {args.estimate_workers} worker(s), each run at most "
+        f"{args.estimate_time_limit:g} s and {format_bytes(args.estimate_memory_limit)} "
+        f"(worker logs: {logs}; restarted if they stop)"
+    )
 
 
 def _run_uvicorn(
@@ -174,7 +217,32 @@ def register(commands: Subcommands) -> None:
         "--no-estimates",
         dest="estimates",
         action="store_false",
-        help="do not run the embedded estimate worker (estimate runs then wait for an "
+        help="do not run the embedded estimate workers (estimate runs then wait for an "
         "`autotune worker --device estimate`)",
+    )
+    serve.add_argument(
+        "--estimate-workers",
+        type=positive_int,
+        default=estimate_worker.DEFAULT_WORKERS,
+        metavar="N",
+        help="estimate workers to run (default "
+        f"{estimate_worker.DEFAULT_WORKERS}): each takes one run at a time, so a slow "
+        "estimate holds one and the others answer the rest",
+    )
+    serve.add_argument(
+        "--estimate-time-limit",
+        type=positive_seconds,
+        default=ESTIMATE_TIME_LIMIT_S,
+        metavar="S",
+        help="an estimate run that builds and traces longer fails, saying so (default "
+        f"{ESTIMATE_TIME_LIMIT_S:g})",
+    )
+    serve.add_argument(
+        "--estimate-memory-limit",
+        type=memory_size,
+        default=ESTIMATE_MEMORY_LIMIT_BYTES,
+        metavar="SIZE",
+        help="an estimate run that grows its worker's memory by more fails, saying so "
+        f"(default {format_bytes(ESTIMATE_MEMORY_LIMIT_BYTES)})",
     )
     serve.set_defaults(func=_cmd_serve)

@@ -35,9 +35,9 @@ class AppContext:
     version: str
     finished_runs: FinishedRunCache
     run_watch: RunWatch
-    # The embedded estimate worker's state (`api.estimate_worker.Supervisor.health`), when
-    # this process supervises one.
-    estimate_worker: Callable[[], EstimateWorkerHealth] | None = None
+    # The embedded estimate workers' states (`api.estimate_worker.Pool.health`), when this
+    # process supervises them.
+    estimate_workers: Callable[[], list[EstimateWorkerHealth]] | None = None
 
 
 async def get_context(request: Request) -> AppContext:

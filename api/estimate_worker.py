@@ -1,15 +1,21 @@
-"""The estimate worker that `autotune serve` runs beside itself, so that estimate runs (target
+"""The estimate workers that `autotune serve` runs beside itself, so that estimate runs (target
 kind "estimate": the step traced on fake tensors for a named GPU) need no worker of the user's.
 
-It is the ordinary `autotune worker --device estimate`, started as a child process through the
-command line: `api` imports neither torch nor `probes`. It exists only where both are installed
-(the `probe` extra); otherwise `serve` says that estimates need a worker. The child gets SIGTERM
+Each is the ordinary `autotune worker --device estimate`, started as a child process through the
+command line: `api` imports neither torch nor `probes`. They exist only where both are installed
+(the `probe` extra); otherwise `serve` says that estimates need a worker. A child gets SIGTERM
 when `serve` stops, and from the kernel when `serve` dies without stopping it (Linux).
 
-`Supervisor` keeps it running: a worker that exits (a crash, the kernel's OOM killer, a signal)
-is restarted after a back-off that doubles from `RESTART_BACKOFF_S` to `MAX_RESTART_BACKOFF_S`
-(reset once a worker has lived `STABLE_S`), each exit and restart logged; `GET /health` reports
-its state (`autotune.remote.protocol.EstimateWorkerHealth`).
+A worker takes one run at a time, so `serve` runs a `Pool` of them (`DEFAULT_WORKERS`,
+`serve --estimate-workers`): an estimate that traces for minutes (a model of thousands of
+layers, up to the per-run time limit) holds one, and the others answer the estimates submitted
+after it. Each has its own id, log and Optuna store (two processes writing one SQLite file
+would wait on each other's locks), and the per-run limits `serve` was given.
+
+`Supervisor` keeps one running: a worker that exits (a crash, the kernel's OOM killer, a
+signal) is restarted after a back-off that doubles from `RESTART_BACKOFF_S` to
+`MAX_RESTART_BACKOFF_S` (reset once a worker has lived `STABLE_S`), each exit and restart logged;
+`GET /health` reports each one's state (`autotune.remote.protocol.EstimateWorkerHealth`).
 """
 
 from __future__ import annotations
@@ -25,11 +31,15 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from autotune.core.defaults import ESTIMATE_MEMORY_LIMIT_BYTES, ESTIMATE_TIME_LIMIT_S
 from autotune.core.plugins import COMMAND_GROUP, plugins
 from autotune.remote.protocol import EstimateWorkerHealth, EstimateWorkerState
 
-WORKER_ID = "serve-estimates"
-LOG_FILE = "estimate-worker.log"  # in the data directory, beside its Optuna store
+WORKER_ID = "serve-estimates"  # worker n of the pool is serve-estimates-n
+# In the data directory: worker n logs to estimate-worker-n.log and keeps its Optuna store in
+# estimate-worker-n/.
+WORKER_FILES = "estimate-worker"
+DEFAULT_WORKERS = 2
 # Idle claims this often: an estimate POSTed with ?wait= starts within this (a claim is one
 # indexed query).
 POLL_INTERVAL_S = 0.5
@@ -69,8 +79,16 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def command(server_url: str, data_dir: Path) -> list[str]:
-    """`autotune worker --device estimate` against `server_url`, its store in `data_dir`."""
+def command(
+    server_url: str,
+    data_dir: Path,
+    *,
+    worker_id: str = WORKER_ID,
+    time_limit_s: float = ESTIMATE_TIME_LIMIT_S,
+    memory_limit_bytes: int = ESTIMATE_MEMORY_LIMIT_BYTES,
+) -> list[str]:
+    """`autotune worker --device estimate` against `server_url`, its store in `data_dir`, with
+    the per-run time and memory limits."""
     return [
         sys.executable,
         "-m",
@@ -81,11 +99,15 @@ def command(server_url: str, data_dir: Path) -> list[str]:
         "--server",
         server_url,
         "--worker-id",
-        WORKER_ID,
+        worker_id,
         "--poll-interval",
         str(POLL_INTERVAL_S),
         "--data-dir",
         str(data_dir),
+        "--estimate-time-limit",
+        repr(time_limit_s),
+        "--estimate-memory-limit",
+        str(memory_limit_bytes),
     ]
 
 
@@ -137,6 +159,7 @@ class Supervisor:
 
     Args:
         argv: the worker's command line (`command`).
+        worker_id: its id (in its command line), which health and the log lines name.
         worker_token: its bearer token (passed in its environment, never on the command line).
         log_path: where its output goes.
         log: one line per exit and restart (default: serve's standard error).
@@ -149,6 +172,7 @@ class Supervisor:
         worker_token: str,
         log_path: Path,
         *,
+        worker_id: str = WORKER_ID,
         log: Callable[[str], None] = _stderr_line,
         restart_backoff_s: float = RESTART_BACKOFF_S,
         max_restart_backoff_s: float = MAX_RESTART_BACKOFF_S,
@@ -156,6 +180,7 @@ class Supervisor:
         stop_grace_s: float = STOP_GRACE_S,
     ) -> None:
         self.argv = list(argv)
+        self.worker_id = worker_id
         self.worker_token = worker_token
         self.log_path = log_path
         self.log = log
@@ -181,6 +206,7 @@ class Supervisor:
         with self._lock:
             process = self._process
             return EstimateWorkerHealth(
+                worker_id=self.worker_id,
                 state=self._state,
                 pid=process.pid
                 if process is not None and self._state is EstimateWorkerState.RUNNING
@@ -222,9 +248,61 @@ class Supervisor:
                 self._restarts += 1
                 self._last_exit = reason
             self.log(
-                f"the estimate worker stopped ({reason}; log: {self.log_path}); "
+                f"the estimate worker {self.worker_id} stopped ({reason}; log: {self.log_path}); "
                 f"restarting it in {backoff_s:g} s"
             )
             if self._stopping.wait(backoff_s):
                 return
             backoff_s = min(backoff_s * 2, self.max_restart_backoff_s)
+
+
+class Pool:
+    """Several supervised estimate workers (see the module), started and stopped together."""
+
+    def __init__(self, supervisors: Sequence[Supervisor]) -> None:
+        self.supervisors = list(supervisors)
+
+    def start(self) -> None:
+        for supervisor in self.supervisors:
+            supervisor.start()
+
+    def health(self) -> list[EstimateWorkerHealth]:
+        """Each worker's state now, for `GET /health`."""
+        return [supervisor.health() for supervisor in self.supervisors]
+
+    def stop(self) -> None:
+        """Stop them all at once: each may take its grace to release the run it holds."""
+        stopping = [
+            threading.Thread(target=supervisor.stop, name=f"stop-{supervisor.worker_id}")
+            for supervisor in self.supervisors
+        ]
+        for thread in stopping:
+            thread.start()
+        for thread in stopping:
+            thread.join()
+
+
+def pool(
+    server_url: str,
+    data_dir: Path,
+    worker_token: str,
+    *,
+    workers: int = DEFAULT_WORKERS,
+    time_limit_s: float = ESTIMATE_TIME_LIMIT_S,
+    memory_limit_bytes: int = ESTIMATE_MEMORY_LIMIT_BYTES,
+) -> Pool:
+    """`workers` estimate workers against `server_url` (not started yet), each with its own
+    id, log and store under `data_dir`, and the per-run limits."""
+    supervisors = []
+    for number in range(1, workers + 1):
+        worker_id = f"{WORKER_ID}-{number}"
+        argv = command(
+            server_url,
+            data_dir / f"{WORKER_FILES}-{number}",
+            worker_id=worker_id,
+            time_limit_s=time_limit_s,
+            memory_limit_bytes=memory_limit_bytes,
+        )
+        log_path = data_dir / f"{WORKER_FILES}-{number}.log"
+        supervisors.append(Supervisor(argv, worker_token, log_path, worker_id=worker_id))
+    return Pool(supervisors)

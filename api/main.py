@@ -38,14 +38,14 @@ def create_app(
     settings: Settings,
     *,
     clock: Callable[[], datetime] = _utc_now,
-    estimate_worker: Callable[[], EstimateWorkerHealth] | None = None,
+    estimate_workers: Callable[[], list[EstimateWorkerHealth]] | None = None,
 ) -> FastAPI:
     """The API for `settings`; the schema is migrated to the newest revision before returning.
 
     Args:
         settings: everything configurable; nothing else is read from the environment.
         clock: the server's notion of now (aware UTC); tests pass a controllable one.
-        estimate_worker: the state of the estimate worker beside this server, for /health.
+        estimate_workers: the state of the estimate workers beside this server, for /health.
     """
     database = Database(
         settings.resolved_database_url(),
@@ -80,7 +80,7 @@ def create_app(
             max_claims=settings.max_claims,
             poll_s=settings.wait_poll_s,
         ),
-        estimate_worker=estimate_worker,
+        estimate_workers=estimate_workers,
     )
     register_error_handlers(app)
     app.add_middleware(SecurityHeaders)

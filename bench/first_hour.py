@@ -40,7 +40,7 @@ training:
   target_global_batch: 32
 """
 
-# (name, argv after `autotune`, spec file or None for the example's own path)
+# (name, argv after `autotune`, with {example} and {llama} standing for the spec files)
 COMMANDS = [
     (
         "probe examples/gpt2-tiny.yaml, emulated 1 GiB",

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 from autotune.core.candidates import Candidate, enumerate_candidates
-from autotune.core.schemas import DeviceInfo, Spec, TrialState
+from autotune.core.schemas import Spec, TrialState
 from autotune.core.throughput import Measurement
-from autotune.engine.devices.device import EmulatedDevice, StepOutcome
-from autotune.engine.runner import InProcessRunner
+from autotune.engine.devices.device import EmulatedDevice
+from autotune.engine.runner import ForwardingRunner, InProcessRunner, TrialRunner
 from autotune.engine.tuner import tune_session
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -46,37 +46,13 @@ CASES: list[tuple[str, dict[str, object], int]] = [
 SECONDS_PER_TRIAL = 1.0
 
 
-class TimedRunner:
-    """Delegates to a session and adds up the time spent in measurements."""
+class TimedRunner(ForwardingRunner):
+    """Forwards to a runner and adds up the time spent in measurements."""
 
-    def __init__(self, session: InProcessRunner) -> None:
-        self.session = session
+    def __init__(self, runner: TrialRunner) -> None:
+        super().__init__(runner)
         self.measure_s = 0.0
         self.measured: list[tuple[int, int, bool]] = []
-
-    @property
-    def spec(self) -> Spec:
-        return self.session.spec
-
-    @property
-    def device_info(self) -> DeviceInfo:
-        return self.session.device_info
-
-    @property
-    def supports_checkpointing(self) -> bool:
-        return self.session.supports_checkpointing
-
-    @property
-    def tokens_per_sample(self) -> int | None:
-        return self.session.tokens_per_sample
-
-    def warm_up(self, *, checkpointing: bool) -> StepOutcome:
-        return self.session.warm_up(checkpointing=checkpointing)
-
-    def trial(
-        self, micro_batch: int, accumulation_steps: int = 1, *, checkpointing: bool
-    ) -> StepOutcome:
-        return self.session.trial(micro_batch, accumulation_steps, checkpointing=checkpointing)
 
     def measure(
         self,
@@ -85,14 +61,16 @@ class TimedRunner:
         *,
         checkpointing: bool,
         target_seconds: float,
+        checkpointed_blocks: int | None = None,
     ) -> Measurement | None:
         started = time.perf_counter()
         try:
-            return self.session.measure(
+            return super().measure(
                 micro_batch,
                 accumulation_steps,
                 checkpointing=checkpointing,
                 target_seconds=target_seconds,
+                checkpointed_blocks=checkpointed_blocks,
             )
         finally:
             self.measure_s += time.perf_counter() - started

@@ -34,7 +34,15 @@ from autotune.cli.options import (
     non_negative_seconds,
     positive_seconds,
 )
-from autotune.core.defaults import DEFAULT_DATA_DIR, EXIT_FAILURE, EXIT_OK, worker_study_url
+from autotune.core.bytesize import format_bytes
+from autotune.core.defaults import (
+    DEFAULT_DATA_DIR,
+    ESTIMATE_MEMORY_LIMIT_BYTES,
+    ESTIMATE_TIME_LIMIT_S,
+    EXIT_FAILURE,
+    EXIT_OK,
+    worker_study_url,
+)
 from autotune.core.errors import SpecError
 
 
@@ -185,17 +193,18 @@ def register(commands: Subcommands) -> None:
     worker.add_argument(
         "--estimate-time-limit",
         type=positive_seconds,
-        default=300.0,
+        default=ESTIMATE_TIME_LIMIT_S,
         metavar="S",
-        help="--device estimate: a run that traces longer fails, saying so (default 300); "
+        help="--device estimate: a run that builds and traces longer fails, saying so "
+        f"(default {ESTIMATE_TIME_LIMIT_S:g}); "
         "cancel and shutdown stop a trace within seconds either way",
     )
     worker.add_argument(
         "--estimate-memory-limit",
         type=memory_size,
-        default=4 * 2**30,
+        default=ESTIMATE_MEMORY_LIMIT_BYTES,
         metavar="SIZE",
         help="--device estimate: a run that grows the worker's memory by more fails, saying "
-        "so (default 4GiB)",
+        f"so (default {format_bytes(ESTIMATE_MEMORY_LIMIT_BYTES)})",
     )
     worker.set_defaults(func=_cmd_worker)

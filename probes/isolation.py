@@ -39,16 +39,19 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from autotune.core.errors import AutotuneError
 from autotune.core.memory.allocator_config import config_from_environ
 from autotune.core.schemas import DeviceInfo, DeviceKind, Spec, StepOutcome
 from autotune.core.throughput import Measurement
 from probes.errors import TrialCrashed, TrialError
+
+if TYPE_CHECKING:
+    from autotune.engine.devices.cuda_runtime import CudaRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +84,10 @@ class ChildRequest:
     a trial or measurement (None: no warm-up, as in a session that never warmed up).
     `worker_pid` is the worker's process id; `spawned` says whether it is the parent too.
     `allowed_factories`: the worker's `--allow-factory` prefixes; a factory outside them is
-    refused in the child too, before anything is imported (`autotune.core.factoryaccess`)."""
+    refused in the child too, before anything is imported (`autotune.core.factoryaccess`).
+    `allocator_conf`: the `PYTORCH_ALLOC_CONF` the child's CUDA starts with (None: the worker's
+    environment as it is). `simulated_gpu`: a cuda device runs on the simulated CUDA backend of
+    this catalogue GPU (`autotune.engine.devices.simulated_cuda`), where no card is."""
 
     operation: Operation
     device_name: str
@@ -99,6 +105,8 @@ class ChildRequest:
     log_level: int = logging.WARNING
     allowed_factories: tuple[str, ...] = ()
     trace_fit: bool = False
+    allocator_conf: str | None = None
+    simulated_gpu: str | None = None
 
 
 @dataclass(frozen=True)
@@ -201,9 +209,31 @@ def _open_devices(device_name: str, memory_bytes: int | None) -> list[DeviceInfo
     return [open_device(device_name, memory_bytes, allocator_config=allocator_config).info]
 
 
+def use_allocator_conf(conf: str | None, environ: MutableMapping[str, str]) -> None:
+    """Give a child's CUDA the allocator settings `conf` (None: leave the environment as it
+    is). torch reads them once, when CUDA starts (its first tensor on the card), so this runs
+    before anything in the child can touch CUDA. `PYTORCH_CUDA_ALLOC_CONF` would win over
+    `PYTORCH_ALLOC_CONF` (`config_from_environ`), so it goes."""
+    if conf is None:
+        return
+    environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    environ["PYTORCH_ALLOC_CONF"] = conf
+
+
 def _perform(request: ChildRequest) -> object:
     if request.operation == "devices":
         return _open_devices(request.device_name, request.memory_bytes)
+    if request.simulated_gpu is None:
+        return _perform_on(request, None)
+    from autotune.core.gpus.catalogue import find_gpu
+    from autotune.engine.devices.simulated_cuda import SimulatedCuda
+
+    # It reads the allocator's settings from the environment as CUDA starts, as torch does.
+    with SimulatedCuda(find_gpu(request.simulated_gpu), environ=os.environ) as cuda:
+        return _perform_on(request, cuda)
+
+
+def _perform_on(request: ChildRequest, cuda: CudaRuntime | None) -> object:
     from autotune.engine.devices.device import open_device
     from autotune.engine.emulation.gpu_speed import timed_on_its_gpu
     from autotune.engine.runner import InProcessRunner
@@ -217,6 +247,7 @@ def _perform(request: ChildRequest) -> object:
         world_size=spec.training.world_size,
         # The child's entry point: torch reads the worker's environment, which it inherits.
         allocator_config=config_from_environ(os.environ),
+        cuda=cuda,
     )
     session = InProcessRunner(
         spec,
@@ -279,6 +310,7 @@ def child_main(connection: Connection, request: ChildRequest) -> None:
     """Entry point of a child process: perform `request`, send ("ok", result) or ("error",
     module, class name, message, traceback)."""
     _become_expendable(request.worker_pid, request.spawned)
+    use_allocator_conf(request.allocator_conf, os.environ)
     logging.basicConfig(
         level=request.log_level, format="%(levelname)s %(name)s (trial child): %(message)s"
     )
@@ -494,6 +526,9 @@ class ChildProcessRunner:
             worker's `--allow-factory`); by default none.
         trace_fit: the first child (`describe`) also traces the step at the search's fit
             points, which `fit_points` gives the probe (a `FitTracer`).
+        allocator_conf: the `PYTORCH_ALLOC_CONF` every child's CUDA starts with (None: the
+            worker's own environment).
+        simulated_gpu: run "cuda" devices on the simulated CUDA backend of this catalogue GPU.
     """
 
     def __init__(
@@ -508,8 +543,12 @@ class ChildProcessRunner:
         start_method: StartMethod = "spawn",
         allowed_factories: tuple[str, ...] = (),
         trace_fit: bool = False,
+        allocator_conf: str | None = None,
+        simulated_gpu: str | None = None,
     ) -> None:
         self.spec = spec
+        self.allocator_conf = allocator_conf
+        self.simulated_gpu = simulated_gpu
         self.trace_fit = trace_fit
         self.start_method = start_method
         self.allowed_factories = allowed_factories
@@ -541,6 +580,8 @@ class ChildProcessRunner:
             log_level=logging.getLogger("autotune").getEffectiveLevel(),
             allowed_factories=self.allowed_factories,
             trace_fit=self.trace_fit,
+            allocator_conf=self.allocator_conf,
+            simulated_gpu=self.simulated_gpu,
             **fields,
         )
         self.children_run += 1

@@ -48,10 +48,12 @@ from types import FrameType
 from typing import TypeVar
 
 from autotune.core.bytesize import format_bytes
+from autotune.core.defaults import ESTIMATE_MEMORY_LIMIT_BYTES, ESTIMATE_TIME_LIMIT_S
 from autotune.core.errors import FactoryRefused, ModelBuildError, SpecError
 from autotune.core.factoryaccess import check_factory_allowed
 from autotune.core.schemas import Sharding, Spec, StepOutcome, Trial, TrialState, TuneResult
 from autotune.engine.probe import FitTracer, probe_session
+from autotune.engine.remedy_trials import fits_nowhere, with_fit_advice
 from autotune.engine.runner import TrialRunner
 from autotune.engine.tuner import tune_session
 from autotune.remote.client import (
@@ -105,8 +107,8 @@ class WorkerConfig:
     trace_fit: bool = True
     # Per estimate run (traced in this process): its time, and how much it may grow this
     # process's resident memory; past either it fails (`EstimateLimitExceeded`).
-    estimate_time_limit_s: float = 300.0
-    estimate_memory_limit_bytes: int = 4 * 2**30
+    estimate_time_limit_s: float = ESTIMATE_TIME_LIMIT_S
+    estimate_memory_limit_bytes: int = ESTIMATE_MEMORY_LIMIT_BYTES
 
 
 class _LeaseKeeper:
@@ -407,7 +409,7 @@ class Worker:
                 runner = opened[-1] if opened else None
             else:
                 runner = self._runner_for(claim, device, keeper)
-                result = self._tune(claim, runner, progress, study_name)
+                result = self._tune(claim, runner, progress, study_name, keeper)
             self._patiently(
                 keeper, lambda: self.client.submit_result(claim.run_id, claim.lease_id, result)
             )
@@ -507,13 +509,13 @@ class Worker:
             if time.monotonic() > deadline_s:
                 raise EstimateLimitExceeded(
                     f"the estimate ran past its time limit of {config.estimate_time_limit_s:g} s "
-                    "per run (the worker's --estimate-time-limit)"
+                    "per run (the worker's --estimate-time-limit; serve's, for its own workers)"
                 )
             if _resident_bytes() > rss_limit_bytes:
                 raise EstimateLimitExceeded(
                     "the estimate grew the worker's memory by more than its limit of "
                     f"{format_bytes(config.estimate_memory_limit_bytes)} per run (the "
-                    "worker's --estimate-memory-limit)"
+                    "worker's --estimate-memory-limit; serve's, for its own workers)"
                 )
 
         return check
@@ -543,7 +545,12 @@ class Worker:
         )
 
     def _tune(
-        self, claim: Claim, runner: TrialRunner, progress: _Progress, study_name: str
+        self,
+        claim: Claim,
+        runner: TrialRunner,
+        progress: _Progress,
+        study_name: str,
+        keeper: _LeaseKeeper,
     ) -> TuneResult:
         spec = claim.spec
         # An estimate's trials are traces already; a child runner traces in its first child.
@@ -551,18 +558,40 @@ class Worker:
         if spec.training.target_global_batch is None:
             # Nothing to tune for: the probe alone answers (largest micro-batch per mode).
             probe = probe_session(runner, on_attempt=progress.attempt, tracer=tracer)
-            return TuneResult(
+            result = TuneResult(
                 spec=spec, device=runner.device_info, probe=probe, trials=[], recommendation=None
             )
-        return tune_session(
-            runner,
-            storage_url=self.config.storage_url,
-            study_name=study_name,
-            target_seconds=self.config.seconds_per_trial,
-            on_attempt=progress.attempt,
-            on_trial=progress.trial,
-            tracer=tracer,
-        )
+        else:
+            result = tune_session(
+                runner,
+                storage_url=self.config.storage_url,
+                study_name=study_name,
+                target_seconds=self.config.seconds_per_trial,
+                on_attempt=progress.attempt,
+                on_trial=progress.trial,
+                tracer=tracer,
+            )
+        return self._with_fit_advice(claim, result, keeper)
+
+    def _with_fit_advice(
+        self, claim: Claim, result: TuneResult, keeper: _LeaseKeeper
+    ) -> TuneResult:
+        """Where micro-batch 1 fits in no mode, what would make the spec fit, traced here (fake
+        tensors: nothing runs on the device) under the estimate's limits. Past them the result
+        goes without the advice: the probe's answer stands on its own."""
+        if not fits_nowhere(result.probe):
+            return result
+        try:
+            probe = with_fit_advice(
+                claim.spec,
+                result.probe,
+                allowed_factory_prefixes=list(self.config.allowed_factories),
+                interrupt=self._estimate_interrupt(keeper),
+            )
+        except EstimateLimitExceeded as limit:
+            logger.warning("run %d: no fit advice: %s", claim.run_id, limit)
+            return result
+        return result.model_copy(update={"probe": probe})
 
     def _tune_layouts(
         self,

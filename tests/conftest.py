@@ -275,7 +275,9 @@ def start_servers(
 
 
 def wait_for_health(url: str, process: subprocess.Popen[bytes], log_path: Path) -> None:
-    deadline = time.monotonic() + 30
+    # Generous: a healthy server answers in a second or two, but on a loaded machine importing
+    # the app (and `serve` starting its estimate workers) once took longer than 30 s.
+    deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"server exited early:\n{log_path.read_text()}")

@@ -33,10 +33,10 @@ async def read_health(context: ContextDep) -> Health:
         raise DatabaseUnavailable(
             f"the database did not answer within {context.settings.health_timeout_s:g} s"
         ) from None
-    estimates = context.estimate_worker
+    estimates = context.estimate_workers
     return Health(
         status="ok",
         database="ok",
         version=context.version,
-        estimate_worker=estimates() if estimates is not None else None,
+        estimate_workers=estimates() if estimates is not None else [],
     )

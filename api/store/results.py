@@ -157,6 +157,8 @@ def _store_result(session: Session, row: RunRow, result: TuneResult, now: dateti
     if result.recommendation is not None:
         session.add(RecommendationRow(run_id=row.id, **result.recommendation.model_dump()))
     row.infeasible = result.infeasible.model_dump(mode="json") if result.infeasible else None
+    advice = result.probe.fit_advice
+    row.fit_advice = advice.model_dump(mode="json") if advice is not None else None
     row.exports = _exports(result)
     row.layouts = [layout.model_dump(mode="json") for layout in result.layouts] or None
     row.worker_device = result.device.model_dump(mode="json")

@@ -121,6 +121,8 @@ class RunRow(TableBase):
     torch_version: Mapped[str | None] = mapped_column(String(32))
     study_name: Mapped[str | None] = mapped_column(String(100))
     infeasible: Mapped[dict[str, Any] | None]
+    # The protocol's FitAdvice, as JSON: what would make a spec that fits nowhere fit.
+    fit_advice: Mapped[dict[str, Any] | None]
     exports: Mapped[dict[str, Any] | None]
     # sharding: auto: every layout's LayoutOutcome, as JSON (revision 0014).
     layouts: Mapped[list[Any] | None]
@@ -142,6 +144,8 @@ class RecommendationRow(TableBase):
     num_blocks: Mapped[int | None]
     # Micro-batches below the chosen one that run out in its mode (JSON; null before 0009).
     runs_out_below: Mapped[list[Any] | None]
+    # PYTORCH_ALLOC_CONF it holds for when not the device's (null: the device's; before 0012).
+    allocator_conf: Mapped[str | None] = mapped_column(String(1000))
     world_size: Mapped[int]
     global_batch: Mapped[int]
     samples_per_s: Mapped[float]
@@ -171,6 +175,8 @@ class ModeRow(TableBase):
     traced: Mapped[dict[str, Any] | None]
     # Micro-batches below the max that run out (a JSON list; null before revision 0009).
     runs_out_below: Mapped[list[Any] | None]
+    # The protocol's AllocatorOption, as JSON (null when not evaluated, and before 0012).
+    expandable_segments: Mapped[dict[str, Any] | None]
 
 
 class AttemptRow(TableBase):

@@ -25,6 +25,8 @@ from typing import NoReturn
 from rich.console import Console
 from rich.table import Table
 
+from autotune.cli.config_files import FILE_HELP, add_config_args, read_training_file
+from autotune.cli.fit_advice_text import print_fit_advice
 from autotune.cli.options import (
     CommandParser,
     Subcommands,
@@ -46,7 +48,8 @@ from autotune.core.plugins import (
     is_missing_dependency,
     plugins,
 )
-from autotune.core.schemas import ProbeResult, StepOutcome
+from autotune.core.schemas import ProbeResult, SequenceProbeResult, Spec, StepOutcome
+from autotune.core.sequence_search import DEFAULT_STEP_TOKENS
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -59,13 +62,15 @@ DESCRIPTION = (
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
-    from autotune.core.specfile import load_spec
     from autotune.engine.probe import probe_session
+    from autotune.engine.remedy_trials import fits_nowhere, with_fit_advice
 
-    spec = load_spec(args.spec)
+    err = Console(stderr=True)
+    spec = read_training_file(args, err).spec
+    if args.max_seq_len:
+        return _probe_max_seq_len(args, spec)
     runner = open_runner(args, spec)
     info = runner.device_info
-    err = Console(stderr=True)
     err.print(
         f"probing [bold]{spec.model.label}[/bold] on {info.name} "
         f"(capacity {format_bytes(info.capacity_bytes)})"
@@ -80,11 +85,71 @@ def _cmd_probe(args: argparse.Namespace) -> int:
         )
     finally:
         progress.close()
+    if not args.no_advice and fits_nowhere(result):
+        err.print("micro-batch 1 fits in no mode: tracing the changes that would make it fit")
+        result = with_fit_advice(
+            spec, result, on_change=lambda label: err.print(f"  tracing: {label}")
+        )
     if args.json:
         sys.stdout.write(result.model_dump_json() + "\n")
     else:
         print_probe_table(Console(), result, headroom=spec.training.headroom)
+        if result.fit_advice is not None:
+            print_fit_advice(Console(), result.fit_advice)
     return 0
+
+
+def _probe_max_seq_len(args: argparse.Namespace, spec: Spec) -> int:
+    from autotune.engine.sequence_probe import probe_max_seq_len, sequence_cap
+
+    cap = sequence_cap(spec, step_tokens=args.seq_step, cap_tokens=args.seq_cap)
+    err = Console(stderr=True)
+    err.print(
+        f"probing [bold]{spec.model.label}[/bold] for the longest sequence at micro-batch "
+        f"{args.micro_batch} (multiples of {args.seq_step} tokens, up to {cap})"
+    )
+
+    def attempted(checkpointing: bool, seq_len: int, outcome: StepOutcome) -> None:
+        verdict = "fits" if outcome.fits else "out of memory"
+        err.print(
+            f"  checkpointing {'on' if checkpointing else 'off'}: {seq_len} tokens {verdict}, "
+            f"peak {format_bytes(outcome.peak_bytes)}"
+        )
+
+    result = probe_max_seq_len(
+        spec,
+        lambda changed: open_runner(args, changed),
+        micro_batch=args.micro_batch,
+        step_tokens=args.seq_step,
+        cap_tokens=cap,
+        on_attempt=attempted,
+    )
+    if args.json:
+        sys.stdout.write(result.model_dump_json() + "\n")
+    else:
+        print_sequence_table(Console(), result)
+    return 0
+
+
+def print_sequence_table(console: Console, result: SequenceProbeResult) -> None:
+    table = Table(
+        title=f"{result.device.name}: capacity {format_bytes(result.device.capacity_bytes)}, "
+        f"micro-batch {result.micro_batch}"
+    )
+    table.add_column("checkpointing")
+    table.add_column(f"longest sequence (x{result.step_tokens})", justify="right")
+    table.add_column("peak at it", justify="right")
+    table.add_column("trials", justify="right")
+    for mode in result.modes:
+        at_max = [a for a in mode.attempts if a.seq_len == mode.max_seq_len and a.fits]
+        cap = f" (cap {result.cap_tokens})" if mode.capped else ""
+        table.add_row(
+            "on" if mode.checkpointing else "off",
+            f"{mode.max_seq_len}{cap}",
+            format_bytes(at_max[0].peak_bytes) if at_max else "-",
+            str(len(mode.attempts)),
+        )
+    console.print(table)
 
 
 def print_probe_table(console: Console, result: ProbeResult, *, headroom: float) -> None:
@@ -136,10 +201,39 @@ def build_parser() -> argparse.ArgumentParser:
     probe = commands.add_parser(
         "probe", help="exact max micro-batch, without and with checkpointing"
     )
-    probe.add_argument("spec", help="spec file (YAML or JSON)")
+    probe.add_argument("spec", metavar="FILE", help=FILE_HELP)
+    add_config_args(probe)
     add_device_args(probe, estimate=True)
     add_trace_arg(probe)
     probe.add_argument("--json", action="store_true", help="print one JSON object")
+    probe.add_argument(
+        "--no-advice",
+        action="store_true",
+        help="when micro-batch 1 fits in no mode, do not trace what would make it fit",
+    )
+    sequence = probe.add_argument_group("longest sequence (--max-seq-len)")
+    sequence.add_argument(
+        "--max-seq-len",
+        action="store_true",
+        help="find the longest sequence that fits at --micro-batch instead, in both modes",
+    )
+    sequence.add_argument(
+        "--micro-batch", type=positive_int, default=1, help="samples per step (default 1)"
+    )
+    sequence.add_argument(
+        "--seq-step",
+        type=positive_int,
+        default=DEFAULT_STEP_TOKENS,
+        metavar="TOKENS",
+        help=f"the answer is a multiple of it (default {DEFAULT_STEP_TOKENS})",
+    )
+    sequence.add_argument(
+        "--seq-cap",
+        type=positive_int,
+        default=None,
+        metavar="TOKENS",
+        help="the longest sequence tried (default: the model's max positions)",
+    )
     probe.set_defaults(func=_cmd_probe, extra="probe")
 
     step = commands.add_parser("step", help="run one training step at one micro-batch")

@@ -22,6 +22,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from autotune.cli.config_files import FILE_HELP, add_config_args, read_training_file
 from autotune.cli.export_text import add_export_arg, print_exports, print_one_export
 from autotune.cli.options import (
     Subcommands,
@@ -75,12 +76,11 @@ def _local_gpu_target() -> CudaTarget:
     return CudaTarget(name=gpus[0].name, memory_bytes=gpus[0].total_memory_bytes)
 
 
-def _load_spec(text: str) -> Spec:
+def _load_spec(args: argparse.Namespace) -> Spec:
+    text = args.spec
     if text in PRESETS and not os.path.exists(text):
         return Spec(model=ModelSpec(preset=text))
-    from autotune.core.specfile import load_spec
-
-    return load_spec(text)
+    return read_training_file(args, Console(stderr=True)).spec
 
 
 def _client(args: argparse.Namespace) -> ServerClient:
@@ -88,7 +88,7 @@ def _client(args: argparse.Namespace) -> ServerClient:
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
-    spec = _load_spec(args.spec)
+    spec = _load_spec(args)
     device: AnyTarget
     if args.estimate is not None:
         device = EstimateTarget(gpu=args.estimate)
@@ -287,7 +287,8 @@ def _add_client_args(parser: argparse.ArgumentParser) -> None:
 def register_submit(commands: Subcommands) -> None:
     """`autotune submit`."""
     submit = commands.add_parser("submit", help="submit a spec to a server")
-    submit.add_argument("spec", help="spec file (YAML or JSON) or a preset name")
+    submit.add_argument("spec", metavar="FILE", help=FILE_HELP + ", or a preset name")
+    add_config_args(submit)
     target = submit.add_mutually_exclusive_group()
     target.add_argument(
         "--device",

@@ -23,7 +23,15 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
+from autotune.cli.config_files import (
+    FILE_HELP,
+    add_config_args,
+    add_write_arg,
+    read_training_file,
+    write_back,
+)
 from autotune.cli.export_text import add_export_arg, print_exports, print_one_export
+from autotune.cli.fit_advice_text import print_fit_advice
 from autotune.cli.options import (
     Subcommands,
     add_device_args,
@@ -59,10 +67,12 @@ def default_database_url() -> str:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from autotune.core.specfile import load_spec
+    from autotune.engine.remedy_trials import fits_nowhere, with_fit_advice
     from autotune.engine.tuner import tune_session
 
-    spec = load_spec(args.spec)
+    err = Console(stderr=True)
+    converted = read_training_file(args, err)
+    spec = converted.spec
     target_global_batch = spec.training.required_target_global_batch()
     indivisible = indivisible_target(target_global_batch, spec.training.world_size)
     if indivisible is not None:
@@ -93,7 +103,6 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     else:
         runner = open_layout(spec)
     info = runner.device_info
-    err = Console(stderr=True)
     # The default database and the plain loop of the human output go to ./data: say so.
     if args.db is None or (args.export is None and not args.json):
         err.print(
@@ -135,6 +144,12 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             )
     finally:
         progress.close()
+    if not args.no_advice and fits_nowhere(result.probe):
+        err.print("micro-batch 1 fits in no mode: tracing the changes that would make it fit")
+        probe = with_fit_advice(
+            spec, result.probe, on_change=lambda label: err.print(f"  tracing: {label}")
+        )
+        result = result.model_copy(update={"probe": probe})
     _record_locally(result, storage_url, err)
     if args.json:
         sys.stdout.write(tune_json(result) + "\n")
@@ -151,6 +166,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                 " (pip install optuna-dashboard)",
                 soft_wrap=True,
             )
+    # The file's diff goes where it does not mix with a machine-read output.
+    write_back(args, converted, result, err if args.json or args.export else Console())
     return EXIT_OK if result.recommendation is not None else EXIT_FAILURE
 
 
@@ -220,6 +237,8 @@ def print_tune_result(
     if rec is None:
         assert result.infeasible is not None
         print_infeasible(console, result.infeasible)
+        if result.probe.fit_advice is not None:
+            print_fit_advice(console, result.probe.fit_advice)
         return
     layout = f", layout {LAYOUT_NAMES[rec.sharding]}" if result.layouts and rec.sharding else ""
     console.print(
@@ -331,7 +350,11 @@ def register(commands: Subcommands) -> None:
     tune = commands.add_parser(
         "tune", help="the micro-batch x accumulation x checkpointing with the best samples/s"
     )
-    tune.add_argument("spec", help="spec file (YAML or JSON) with training.target_global_batch")
+    tune.add_argument(
+        "spec", metavar="FILE", help=FILE_HELP + "; a spec needs training.target_global_batch"
+    )
+    add_config_args(tune)
+    add_write_arg(tune)
     add_device_args(tune, estimate=True)
     add_trace_arg(tune)
     output = tune.add_mutually_exclusive_group()
@@ -345,5 +368,10 @@ def register(commands: Subcommands) -> None:
         type=positive_seconds,
         default=1.0,
         help="how long each measurement's timed steps take (default 1.0)",
+    )
+    tune.add_argument(
+        "--no-advice",
+        action="store_true",
+        help="when micro-batch 1 fits in no mode, do not trace what would make it fit",
     )
     tune.set_defaults(func=_cmd_tune)

@@ -16,6 +16,12 @@ SERVER_DATABASE_FILE = "autotune.db"
 # file would wait on each other's locks.
 WORKER_STUDY_FILE = "worker-optuna.db"
 
+# Per estimate run, traced in a worker's own process (`autotune worker --device estimate`, and
+# the workers `autotune serve` runs): how long it may take, and how much it may grow the
+# worker's resident memory; past either it fails saying so.
+ESTIMATE_TIME_LIMIT_S = 300.0
+ESTIMATE_MEMORY_LIMIT_BYTES = 4 * 2**30
+
 ENV_SERVER_URL = "AUTOTUNE_SERVER"
 ENV_TOKEN = "AUTOTUNE_TOKEN"
 ENV_DATABASE_URL = "AUTOTUNE_DATABASE_URL"

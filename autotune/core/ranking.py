@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autotune.core.schemas import Trial
+from autotune.core.schemas import Trial, TrialState
+
+
+def recommendable(trials: Sequence[Trial], *, budget_bytes: int) -> list[Trial]:
+    """What a recommendation is chosen from: the complete trials with samples/s whose peak
+    leaves the headroom free (at most `budget_bytes`), else every complete one."""
+    complete = [t for t in trials if t.state is TrialState.COMPLETE and t.samples_per_s]
+    within = [t for t in complete if t.peak_bytes is not None and t.peak_bytes <= budget_bytes]
+    return within or complete
 
 
 def speed_band(trial: Trial) -> tuple[float, float]:

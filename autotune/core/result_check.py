@@ -14,7 +14,8 @@ Each invariant is written next to the code that guarantees it:
   (`autotune.core.gpus.cuda_reserve.budget_for`), a real GPU's at most its total memory;
 * the probe, per mode (`probe.probe_session`, `search.find_max_micro_batch`): modes are plain,
   then checkpointed; every attempt is a distinct size in [1, cap]; the max is certified from both
-  sides (an attempt at the max fits, one at max + 1 does not unless the max is the cap); fitting
+  sides (an attempt at the max fits, one at max + 1 does not unless the max is the cap); a size
+  below the max that ran out is listed in `runs_out_below` (memory is not monotone in b); fitting
   attempts stay within capacity; 0 <= recommended <= max; the accumulating max, when set, is at
   most the recommended one (`tuner._probe_accumulation`); a traced fit, when given, predicted
   a size within the cap from two or more distinct fitting steps (`engine.fit_points`);
@@ -24,8 +25,9 @@ Each invariant is written next to the code that guarantees it:
   time and a peak within capacity (an estimate's step: its compute plus its exposed
   communication, exposed at most all of it); an out-of-memory trial has no throughput;
 * the answer (`tuner._recommend`): a recommendation iff some trial completed, equal to the
-  fastest trial of the pool it is chosen from, for the spec's world size, hitting the target,
-  with exports that say the same; otherwise an explanation, and no candidate left unmeasured.
+  trial `ranking.choose` picks from the pool (the fastest, or a simpler one tied with it within
+  the measured noise), for the spec's world size, hitting the target, with exports that say the
+  same; otherwise an explanation, and no candidate left unmeasured.
 
 `check_attempt` and `check_trial` hold one streamed attempt or trial to the same rules, as far
 as they can be judged alone (the server checks each as it arrives, against the largest capacity
@@ -43,7 +45,7 @@ from autotune.core.exports import ZERO_STAGES
 from autotune.core.gpus.catalogue import UnknownGpu, find_gpu
 from autotune.core.gpus.cuda_reserve import budget_for
 from autotune.core.parallel.layout_choice import LAYOUT_ORDER, layout_candidates
-from autotune.core.ranking import choose
+from autotune.core.ranking import choose, recommendable
 from autotune.core.schemas import (
     DeviceInfo,
     DeviceKind,
@@ -88,6 +90,7 @@ def check_result(spec: Spec, result: TuneResult) -> list[Violation]:
         check.mode(index, mode)
     check.trials()
     check.answer()
+    check.fit_advice()
     return check.violations
 
 
@@ -323,6 +326,18 @@ class _Check:
         if not all(point.fits for point in traced.fit_points):
             self.fail(f"{field}.fit_points", "a fit point that does not fit fits no model")
 
+    def fit_advice(self) -> None:
+        """What would make it fit is said only where micro-batch 1 fits in no mode, and every
+        remedy fits its GPU (docs/design.md#what-would-make-it-fit)."""
+        advice = self.result.probe.fit_advice
+        if advice is None:
+            return
+        if any(mode.max_micro_batch > 0 for mode in self.result.probe.modes):
+            self.fail("probe.fit_advice", "given, but micro-batch 1 fits")
+        for index, remedy in enumerate(advice.remedies):
+            if remedy.peak_bytes > remedy.capacity_bytes:
+                self.fail(f"probe.fit_advice.remedies[{index}].peak_bytes", "above its capacity")
+
     def _accumulating_limit(self, checkpointing: bool) -> int:
         accumulating = self.modes[checkpointing].accumulating_micro_batch
         return accumulating or 0
@@ -410,24 +425,13 @@ class _Check:
         if not math.isclose(step_s, compute_s + exposed_s, rel_tol=1e-6):
             self.fail(f"{at}.step_time_s", "is not compute_time_s + exposed_communication_s")
 
-    def _pool(self) -> list[Trial]:
-        """What `tuner._recommend` chooses from: complete trials within the headroom budget,
-        else every complete trial."""
-        complete = [
-            t for t in self.result.trials if t.state is TrialState.COMPLETE and t.samples_per_s
-        ]
-        within = [
-            t for t in complete if t.peak_bytes is not None and t.peak_bytes <= self.budget_bytes
-        ]
-        return within or complete
-
     def answer(self) -> None:
         result = self.result
         if self.spec.training.target_global_batch is None:
             self._probe_only()
             return
         rec = result.recommendation
-        pool = self._pool()
+        pool = recommendable(self.result.trials, budget_bytes=self.budget_bytes)
         if rec is None:
             self._no_recommendation(bool(pool))
             return

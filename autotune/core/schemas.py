@@ -487,6 +487,25 @@ class Spec(FrozenModel):
             fields.pop("inter_node_gbps", None)
         return dumped
 
+    def with_training(self, changes: dict[str, Any]) -> Spec:
+        """This spec with `changes` to its training section, validated again. A token target
+        is dropped with a new `seq_len` (it was a number of samples of the old length), and a
+        change of the ranks (`world_size`, or `nodes` and `gpus_per_node`) replaces all of the
+        topology's fields.
+
+        Raises:
+            pydantic.ValidationError: the changed spec is not valid.
+        """
+        training = self.training.model_dump(exclude_unset=True)
+        if "seq_len" in changes:
+            training.pop("target_global_tokens", None)
+        if changes.keys() & {"world_size", "nodes", "gpus_per_node"}:
+            for name in ("world_size", "nodes", "gpus_per_node", "shard_group_size"):
+                training.pop(name, None)
+        return Spec.model_validate(
+            {"model": self.model.model_dump(exclude_unset=True), "training": training | changes}
+        )
+
     @model_validator(mode="after")
     def _inputs_match_model(self) -> Spec:
         token_model = self.model.is_token_model
@@ -704,6 +723,29 @@ class TracedFit(FrozenModel):
     fit_points: list[StepOutcome] = Field(max_length=8)
 
 
+class AllocatorOption(FrozenModel):
+    """The same mode under other caching-allocator settings (`allocator_conf`: the device's
+    with `expandable_segments:True`): traced first, verified by a search of its own when the
+    trace predicts a larger answer or no sizes running out where the device's settings have
+    some."""
+
+    allocator_conf: str = Field(max_length=ALLOCATOR_CONF_MAX)
+    traced_max_micro_batch: int | None = Field(
+        default=None, ge=0, description="The largest size the traced step predicts to fit."
+    )
+    max_micro_batch: int | None = Field(
+        default=None, ge=0, description="Verified by trials; None: not run (no gain traced)."
+    )
+    recommended_micro_batch: int | None = Field(default=None, ge=0)
+    runs_out_below: MicroBatches = Field(default_factory=list, max_length=4096)
+    trials: int = Field(default=0, ge=0, description="Real trials the verification took.")
+    recommended: bool = Field(
+        default=False,
+        description="The settings raise the mode's answer, or fit every size up to it where "
+        "the device's settings leave some running out.",
+    )
+
+
 class ModeProbe(FrozenModel):
     """The search result for one checkpointing mode."""
 
@@ -731,11 +773,89 @@ class ModeProbe(FrozenModel):
         "allocation replay that agreed with every trial. A short last batch of such a size "
         "runs out too.",
     )
+    expandable_segments: AllocatorOption | None = Field(
+        default=None,
+        description="The mode under expandable segments, when evaluated (the device's "
+        "settings do not have them, and the probe was given a session with them).",
+    )
+
+
+REMEDY_LABEL_MAX = 200  # characters of a remedy's description
+
+
+class Remedy(FrozenModel):
+    """One change to a spec that fits nowhere which makes it fit, verified by a traced trial of
+    the changed spec on the same GPU (`autotune.engine.remedy_trials`)."""
+
+    change: str = Field(max_length=REMEDY_LABEL_MAX, description="The change, for people.")
+    spec_diff: dict[str, Any] = Field(
+        max_length=8,
+        description='The changed training fields and their new values, e.g. {"weights": "bf16"}.',
+    )
+    checkpointing: bool = Field(description="The mode the trial fitted in (plain tried first).")
+    micro_batch: int = Field(ge=1, description="The micro-batch of the verifying trial.")
+    seq_len: int | None = Field(default=None, ge=1, description="Tokens per sample.")
+    world_size: int = Field(ge=1)
+    peak_bytes: int = Field(ge=0, description="The verifying trial's peak, per GPU.")
+    capacity_bytes: int = Field(ge=0, description="The capacity of one GPU for that spec.")
+    samples_per_s: PositiveRate | None = Field(
+        default=None,
+        description="Estimated for the whole job (every GPU) at that micro-batch, without "
+        "accumulation; None without a named GPU (no speed).",
+    )
+    samples_per_s_per_gpu: PositiveRate | None = None
+    tokens_per_s: PositiveRate | None = Field(default=None, description="The whole job's.")
+
+
+class FitAdvice(FrozenModel):
+    """What would make a spec fit that fits in no checkpointing mode, even at micro-batch 1:
+    the changes verified to fit, fastest first, and what was tried without success."""
+
+    remedies: list[Remedy] = Field(max_length=32, description="Fastest (job samples/s) first.")
+    still_too_large: list[Annotated[str, Field(max_length=REMEDY_LABEL_MAX)]] = Field(
+        default_factory=list, max_length=32, description="Changes tried that do not fit alone."
+    )
+    not_modelled: list[Annotated[str, Field(max_length=ASSUMPTION_MAX)]] = Field(
+        default_factory=list, max_length=8, description="Changes that would help, not modelled."
+    )
 
 
 class ProbeResult(FrozenModel):
     device: DeviceInfo
     modes: list[ModeProbe]
+    fit_advice: FitAdvice | None = Field(
+        default=None,
+        description="When micro-batch 1 fits in no mode and the changes were looked for: what "
+        "would make the spec fit.",
+    )
+
+
+class SequenceTrial(FrozenModel):
+    """One step of the longest-sequence search: a sequence length and whether it fitted."""
+
+    seq_len: int = Field(ge=1)
+    fits: bool
+    peak_bytes: int = Field(ge=0)
+
+
+class SequenceModeProbe(FrozenModel):
+    """The longest sequence that fits in one checkpointing mode."""
+
+    checkpointing: bool
+    max_seq_len: int = Field(ge=0, description="0: not even one step of tokens fits.")
+    capped: bool = Field(description="True when max_seq_len is the longest tried (the cap).")
+    attempts: list[SequenceTrial]
+
+
+class SequenceProbeResult(FrozenModel):
+    """`autotune probe --max-seq-len`: the longest sequence, a multiple of `step_tokens` up to
+    `cap_tokens`, whose training step fits at `micro_batch`."""
+
+    device: DeviceInfo
+    micro_batch: int = Field(ge=1)
+    step_tokens: int = Field(ge=1)
+    cap_tokens: int = Field(ge=1)
+    modes: list[SequenceModeProbe]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -833,6 +953,13 @@ class Recommendation(FrozenModel):
         "(memory is not monotone in the micro-batch): every batch must keep micro_batch "
         "samples, a short last batch included.",
     )
+    allocator_conf: str | None = Field(
+        default=None,
+        max_length=ALLOCATOR_CONF_MAX,
+        description="PYTORCH_ALLOC_CONF the recommendation holds for when it is not the "
+        "device's (expandable segments, where they fit every size up to micro_batch); every "
+        "export sets it. None: the device's settings.",
+    )
 
     samples_per_s: PositiveRate = Field(description="Per GPU (one rank's samples/s).")
     tokens_per_s: PositiveRate | None = Field(default=None, description="Per GPU.")
@@ -898,6 +1025,12 @@ class Exports(FrozenModel):
         max_length=4096,
         description="Micro-batches below the exported one that run out: every text says to "
         "keep each batch at the exported size.",
+    )
+    allocator_conf: str | None = Field(
+        default=None,
+        max_length=ALLOCATOR_CONF_MAX,
+        description="PYTORCH_ALLOC_CONF the exported run was measured with, which every text "
+        "sets (the recommendation's allocator_conf); None: the device's own.",
     )
     tokens_per_sample: int | None = Field(
         default=None,

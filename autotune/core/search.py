@@ -45,7 +45,10 @@ Algorithm (the memory model and the proof: docs/design.md#search, docs/design.md
    there is the model's miss: the next one down is tried, 2 misses at most. The search stops
    when the size above the answer runs out and no model predicts a larger one
    (docs/design.md#memory-that-is-not-monotone). Predictions in steps 0 and 2 take the largest
-   size predicted to fit too, not the first predicted to run out.
+   size predicted to fit too, not the first predicted to run out. A search that closed with no
+   allocation model (a hint that was the answer and whose next size ran out leaves one trace,
+   no pair) first takes one more trial at b=2, when the answer's trial recorded allocations: a
+   model on b=2 and the answer can see past the dip, where the hint's two trials could not.
 
 Call budget: ceil(log2(cap)) + 2. Every fallback call is clamped into the window where both
 outcomes still leave a bisection that ends within the budget, so a search without a model never
@@ -54,7 +57,8 @@ slack): each missed prediction round adds 2 calls to the budget (4 for an overes
 near misses come from allocator rounding), the extra trace of step 3 and a wrong hint 1 each,
 which keeps room to look right next to a near miss first. Worst case: ceil(log2(cap)) + 2 + 7
 (+ 1 with a wrong hint, + 4 with a traced prediction that missed); a right prediction finishes
-in 4, a right traced one in 2.
+in 4, a right traced one in 2, a right hint in 2 (3 when its next size is a dip's first: the fit
+point at b=2 of step 5, and the trials past the dip after it).
 
 Invariants: no size is tried twice or above the cap, and the answer is certified: it fitted and
 the next size did not, unless it is the cap, and no model the trials left predicts a larger size
@@ -268,6 +272,17 @@ class _Search:
         self.gallop, self.step = _Gallop.UP, 1
         return True
 
+    def try_below(self, micro_batch: int) -> StepOutcome:
+        """Try a size below the closed bracket's fitting end, for its trace alone: the bracket
+        stays (a size that runs out there is a dip, reported with the answer)."""
+        if not self.done or not 1 <= micro_batch < self.lo or self.tried(micro_batch):
+            raise AssertionError(f"search bug: {micro_batch} below the answer {self.lo}")
+        lo, hi = self.lo, self.hi
+        self.lo, self.hi = micro_batch - 1, micro_batch + 1  # `trial` checks the bracket
+        observation = self.trial(micro_batch)
+        self.lo, self.hi = lo, hi
+        return observation
+
     def try_fit_points(self, first: int) -> None:
         """Try `first` and, if it fits with a series and a model is possible, `first + 1`."""
         if self.done or not self.lo < first < self.hi:
@@ -408,6 +423,18 @@ class _Search:
             self.gallop = _Gallop.BISECT
 
 
+def _fit_point_below(search: _Search) -> None:
+    """Step 5's model when the search closed without one (a hint that was the answer, whose
+    next size ran out, leaves one trace): one more trial at b=2, fitted with the answer's trace.
+    Only when the answer's trial recorded its allocations, as a model past a dip needs."""
+    answer = next((a for a in search.attempts if a.micro_batch == search.lo), None)
+    if answer is None or not answer.allocations or search.lo <= 2 or search.tried(2):
+        return
+    logger.info("closed at %d without a model: one more fit point at 2", search.lo)
+    if search.try_below(2).fits:
+        search.refit()
+
+
 def _look_past_dips(search: _Search, models: Sequence[AllocationModel]) -> None:
     """Step 5: while a model predicts a size above the closed bracket to fit, try the largest
     such size; close the bracket it opens (its next size first). Stops at the cap, when no
@@ -525,6 +552,8 @@ def find_max_micro_batch(
             search.follow_prediction(search.predict(model, capacity_bytes, search.attempts))
     while not search.done:
         search.gallop_or_bisect()
+    if capacity_bytes is not None and not dip_models and search.allocation_model is None:
+        _fit_point_below(search)
     if search.allocation_model is not None and search.allocation_model not in dip_models:
         dip_models.append(search.allocation_model)
     _look_past_dips(search, dip_models)

@@ -96,11 +96,11 @@ def parse_spec(data: Any) -> Spec:
         raise SpecError(describe_validation_error(error)) from None
 
 
-def load_spec(path: str | Path) -> Spec:
-    """Read and validate a YAML or JSON spec file.
+def read_spec_data(path: str | Path) -> Any:
+    """The parsed content of a YAML or JSON file (a spec, or a training config read as one).
 
     Raises:
-        SpecError: the file is missing, unparsable or invalid.
+        SpecError: the file is missing or unparsable.
     """
     path = Path(path)
     try:
@@ -109,14 +109,22 @@ def load_spec(path: str | Path) -> Spec:
         raise SpecError(f"{path}: cannot read spec file ({error.strerror})") from None
     if path.suffix == ".json":
         try:
-            data = json.loads(text)
+            return json.loads(text)
         except json.JSONDecodeError as error:
             raise SpecError(f"{path}: not valid json: {_syntax_error(error)}") from None
         except (RecursionError, ValueError) as error:
             first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise SpecError(f"{path}: not valid json: {first_line}") from None
-    else:
-        data = parse_spec_text(text, source=str(path))
+    return parse_spec_text(text, source=str(path))
+
+
+def load_spec(path: str | Path) -> Spec:
+    """Read and validate a YAML or JSON spec file.
+
+    Raises:
+        SpecError: the file is missing, unparsable or invalid.
+    """
+    data = read_spec_data(path)
     try:
         return parse_spec(data)
     except SpecError as error:

@@ -150,14 +150,3 @@ def speed_label(device: DeviceInfo) -> str:
     if device.speed is SpeedSource.ROOFLINE:
         return f"estimated for {device.gpu}"
     return "source not recorded"
-
-
-def target_speed_label(device_label: str) -> str:
-    """`speed_label` from a run's stored device label alone (`emulated:1073741824`,
-    `emulated:H100 80GB`, `estimate:T4`, or a CUDA GPU's name), for a listing of runs."""
-    kind, _, what = device_label.partition(":")
-    if kind == "emulated":
-        return CPU_TIMING if what.isdigit() else f"estimated for {what}"
-    if kind == "estimate":
-        return f"estimated for {what}"
-    return "measured"

@@ -20,6 +20,7 @@ import contextlib
 import importlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -128,16 +129,23 @@ class _KernelTimes(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 class _Interruptible(TorchFunctionMode):
-    """Calls `check` every `_CHECK_EVERY_OPS` torch calls of a trace: a trace of a large model
-    takes minutes, and a cancel, a shutdown or a limit must stop it within seconds (`check`
-    raises to stop). It checks at the Python level, before a call enters torch: raised from a
-    dispatch mode, the exception could cross a C++ frame that cannot pass it on, and the
-    process aborted ("Fatal Python error: Aborted" under checkpointed attention)."""
+    """Calls `check` every `_CHECK_EVERY_OPS` torch calls of a build or a trace: building or
+    tracing a large model takes minutes, and a cancel, a shutdown or a limit must stop it within
+    seconds (`check` raises to stop). It checks at the Python level, before a call enters torch:
+    raised from a dispatch mode, the exception could cross a C++ frame that cannot pass it on,
+    and the process aborted ("Fatal Python error: Aborted" under checkpointed attention).
+
+    A stop is final: once `check` raised, every later torch call raises it again, and leaving
+    the mode raises it whatever happened meanwhile. Code between here and the check may catch
+    it (a model's own `try`, a library that turns any error into its own, as the build does
+    with a config's ValueError), and the stop must neither be lost nor reported as that code's
+    error."""
 
     def __init__(self, check: Callable[[], None]) -> None:
         super().__init__()
         self.check = check
         self.ops = 0
+        self.stop: BaseException | None = None
 
     def __torch_function__(
         self,
@@ -146,15 +154,38 @@ class _Interruptible(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if self.stop is not None:
+            raise self.stop
         self.ops += 1
         if self.ops % _CHECK_EVERY_OPS == 0:
-            self.check()
+            try:
+                self.check()
+            except BaseException as stop:
+                self.stop = stop
+                raise
         return func(*args, **(kwargs or {}))
 
+    def __exit__(self, *exc_info: Any) -> None:
+        super().__exit__(*exc_info)  # type: ignore[no-untyped-call]
+        stop = self.stop
+        if stop is not None and exc_info[1] is not stop:
+            raise stop.with_traceback(None) from exc_info[1]
 
-class _FusedAttentionForSpeed(TorchFunctionMode):
-    # Dropout sends the CPU's attention down the math path (s x s matrices the GPU's kernels
-    # never write); the fused kernels apply it on chip, so the speed pass runs without it.
+
+class _SpeedPass(TorchFunctionMode):
+    """The speed pass's view of the step's calls: attention as the fused kernel, and the end of
+    each micro-step.
+
+    Dropout sends the CPU's attention down the math path (s x s matrices the GPU's kernels
+    never write); the fused kernels apply it on chip, so the speed pass runs without it. The step
+    calls `torch.autograd.backward` once per micro-batch: `ends_s` notes `times`' running total
+    as each returns, the kernels between two ends being one micro-step's forward and backward."""
+
+    def __init__(self, times: _KernelTimes) -> None:
+        super().__init__()
+        self.times = times
+        self.ends_s: list[float] = []
+
     def __torch_function__(
         self,
         func: Callable[..., Any],
@@ -167,7 +198,10 @@ class _FusedAttentionForSpeed(TorchFunctionMode):
             kwargs["dropout_p"] = 0.0
             if len(args) > 4:
                 args = (*args[:4], 0.0, *args[5:])
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func is torch.autograd.backward:
+            self.ends_s.append(self.times.time_s)
+        return out
 
 
 @contextmanager
@@ -207,6 +241,33 @@ class _TraceMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         return self
 
 
+@dataclass(frozen=True)
+class _TrialKey:
+    """What a traced step depends on once the runner is warm (the spec is the runner's)."""
+
+    micro_batch: int
+    accumulation_steps: int
+    checkpointing: bool
+    checkpointed_blocks: int | None
+
+
+def _trial_key(
+    micro_batch: int, accumulation_steps: int, checkpointing: bool, checkpointed_blocks: int | None
+) -> _TrialKey:
+    # Blocks count only while checkpointing (the step ignores them otherwise).
+    blocks = checkpointed_blocks if checkpointing else None
+    return _TrialKey(micro_batch, accumulation_steps, checkpointing, blocks)
+
+
+@dataclass(frozen=True)
+class _StepTimes:
+    """A traced step's roofline time, and that of its middle micro-step (0 with fewer than
+    three)."""
+
+    total_s: float
+    middle_s: float
+
+
 def check_traceable(spec: Spec) -> None:
     """Refuse what reads tensor values inside a step: fake tensors have none."""
     training = spec.training
@@ -222,8 +283,12 @@ def check_traceable(spec: Spec) -> None:
         )
 
 
-# Up to this many micro-steps, tracing them all is no dearer than extrapolating (2 + 3).
+# A trial traces at most this many micro-steps: the middle ones allocate nothing the first did
+# not, so the peak of more is the peak of these (`EstimateRunner.trial`).
 _TRACED_ACCUMULATION = 5
+# The speed pass traces at most this many: a first, a middle and a last micro-step, the middle
+# one's time standing for every other (`EstimateRunner.step_time_s`).
+_TIMED_ACCUMULATION = 3
 _CHECK_EVERY_OPS = 64
 
 
@@ -284,13 +349,15 @@ class EstimateRunner:
         """The emulated GPU to estimate for: a named `gpu` (memory and speed) or a bare
         `capacity_bytes` (memory only: a speed needs the card's peaks), with the caching
         allocator's settings (torch's defaults when None). `interrupt` is called often while
-        tracing (every few dozen operations) and raises to stop the estimate."""
+        the model is built and traced (every few dozen operations) and raises to stop the
+        estimate: a stop while building raises from here."""
         check_traceable(spec)
         self._interrupt = interrupt
         self._mode = _TraceMode(allow_non_fake_inputs=True)
         self.gpu = gpu
         self.assumptions = assumptions or RooflineAssumptions()
-        with self._mode:
+        # Building a model of thousands of layers takes minutes too: checked as a trace is.
+        with self._mode, self._checked():
             device = EmulatedDevice(capacity_bytes, gpu=gpu, allocator_config=allocator_config)
             # The snapshot that undoes an out-of-memory inside the optimizer step is fake too:
             # it costs nothing, and it keeps the state a trial starts from the emulated GPU's.
@@ -304,6 +371,14 @@ class EstimateRunner:
             if gpu is not None and spec.training.world_size > 1
             else None
         )
+        # Traced trials and speed passes once the runner is warm, by what was traced: after a
+        # warm-up a trial starts from the same state whatever ran before (gradients freed, an
+        # optimizer step that ran out undone from the snapshot) and a fresh allocator, so the
+        # same trial traces the same outcome. The tuner asks for many again (the probe's
+        # sizes, the G = 2 probe's, its measurements of them).
+        self._warm = False
+        self._outcomes: dict[_TrialKey, StepOutcome] = {}
+        self._step_times: dict[_TrialKey, _StepTimes] = {}
 
     @property
     def communication_assumption(self) -> str | None:
@@ -347,8 +422,12 @@ class EstimateRunner:
         return _Interruptible(self._interrupt) if self._interrupt else contextlib.nullcontext()
 
     def warm_up(self, *, checkpointing: bool = False) -> StepOutcome:
+        self._outcomes.clear()
+        self._step_times.clear()
         with self._mode, _sequences_not_packed(), self._checked():
-            return self._runner.warm_up(checkpointing=checkpointing)
+            outcome = self._runner.warm_up(checkpointing=checkpointing)
+        self._warm = outcome.fits
+        return outcome
 
     def trial(
         self,
@@ -361,14 +440,27 @@ class EstimateRunner:
         """The traced step. A long accumulation is traced as `_TRACED_ACCUMULATION` micro-steps:
         the middle ones allocate nothing the first did not (gradients accumulate in place), so
         the peak of more is the peak of these, and `accumulation_steps` of 2^40 costs what 5
-        do (each traced micro-step of a large model costs seconds, and its records memory)."""
+        do (each traced micro-step of a large model costs seconds, and its records memory).
+        Once warm, a trial traced before is answered from its first trace."""
+        key = _trial_key(
+            micro_batch,
+            min(accumulation_steps, _TRACED_ACCUMULATION),
+            checkpointing,
+            checkpointed_blocks,
+        )
+        known = self._outcomes.get(key)
+        if known is not None:
+            return known
         with self._mode, _sequences_not_packed(), self._checked():
-            return self._runner.trial(
+            outcome = self._runner.trial(
                 micro_batch,
-                min(accumulation_steps, _TRACED_ACCUMULATION),
+                key.accumulation_steps,
                 checkpointing=checkpointing,
                 checkpointed_blocks=checkpointed_blocks,
             )
+        if self._warm:
+            self._outcomes[key] = outcome
+        return outcome
 
     def step_time_s(
         self,
@@ -382,33 +474,54 @@ class EstimateRunner:
         when checkpointing).
 
         A step's middle micro-steps run the same kernels (gradients accumulate; only the first
-        allocates them and only the last synchronises ranks), so a long accumulation is traced
-        as 2 and 3 micro-steps, their difference being one middle micro-step: five traced
-        micro-steps instead of `accumulation_steps` (an 8B model traces one in seconds)."""
-        mode = (checkpointing, checkpointed_blocks)
-        if accumulation_steps <= _TRACED_ACCUMULATION:
-            return self._kernel_times(micro_batch, accumulation_steps, *mode).time_s
-        two_s = self._kernel_times(micro_batch, 2, *mode).time_s
-        three_s = self._kernel_times(micro_batch, 3, *mode).time_s
-        return two_s + (accumulation_steps - 2) * (three_s - two_s)
-
-    def _kernel_times(
-        self,
-        micro_batch: int,
-        accumulation_steps: int,
-        checkpointing: bool,
-        checkpointed_blocks: int | None,
-    ) -> _KernelTimes:
-        step = self._runner.step
-        step.checkpointing = checkpointing
-        step.checkpoint_blocks(checkpointed_blocks if checkpointing else None)
+        allocates them and only the last synchronises ranks), so a longer accumulation is
+        traced as 3 micro-steps, the time of the middle one standing for each of the
+        `accumulation_steps` - 3 others: any accumulation costs three traced micro-steps (an
+        8B model traces one in seconds)."""
         if self.gpu is None:
             raise SpecError("estimate: a speed needs a named GPU (--estimate NAME), not a size")
+        key = _trial_key(
+            micro_batch,
+            min(accumulation_steps, _TIMED_ACCUMULATION),
+            checkpointing,
+            checkpointed_blocks,
+        )
+        times = self._step_times.get(key)
+        if times is None:
+            times = self._kernel_times(key)
+            if self._warm:
+                self._step_times[key] = times
+        if accumulation_steps <= _TIMED_ACCUMULATION:
+            return times.total_s
+        return times.total_s + (accumulation_steps - _TIMED_ACCUMULATION) * times.middle_s
+
+    def _kernel_times(self, key: _TrialKey) -> _StepTimes:
+        assert self.gpu is not None
+        step = self._runner.step
+        step.checkpointing = key.checkpointing
+        step.checkpoint_blocks(key.checkpointed_blocks)
         times = _KernelTimes(self.gpu, self.assumptions, bool(self.spec.training.tf32))
-        with self._mode, _sequences_not_packed(), _FusedAttentionForSpeed(), times:
+        ends = _SpeedPass(times)
+        with self._mode, _sequences_not_packed(), ends, times:
             with self._checked():
-                step.run(micro_batch, accumulation_steps)
-        return times
+                step.run(key.micro_batch, key.accumulation_steps)
+        if len(ends.ends_s) != key.accumulation_steps:
+            raise RuntimeError(
+                f"estimate: a step of {key.accumulation_steps} micro-steps ran "
+                f"{len(ends.ends_s)} backward passes; its middle micro-step is unknown"
+            )
+        if key.accumulation_steps < 3:
+            return _StepTimes(total_s=times.time_s, middle_s=0.0)
+        # Before the first forward a step makes all of its micro-batches and sums their item
+        # counts (`TrainingStep.run`, `accumulate_gradients`), so a middle micro-step is its
+        # batch's making and counting, and the kernels between two ends.
+        workload = self._runner.workload
+        making = _KernelTimes(self.gpu, self.assumptions, bool(self.spec.training.tf32))
+        with self._mode, making:
+            batch = workload.make_batch(key.micro_batch, self._runner.device.torch_device)
+            _ = 0 + workload.num_items(batch)  # as the step's sum over its micro-batches adds
+        middle_s = making.time_s + ends.ends_s[1] - ends.ends_s[0]
+        return _StepTimes(total_s=times.time_s, middle_s=middle_s)
 
     def measure(
         self,

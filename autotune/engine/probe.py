@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from itertools import pairwise
 from typing import Protocol
 
 from autotune.core.errors import SpecError
 from autotune.core.memory.allocation_trace import AllocationModel
-from autotune.core.memory.allocator_config import AllocatorConfig, parse_alloc_conf
+from autotune.core.memory.allocator_config import (
+    AllocatorConfig,
+    canonical_conf,
+    parse_alloc_conf,
+)
 from autotune.core.schemas import (
+    AllocatorOption,
     DeviceInfo,
     ModeProbe,
     ProbeResult,
@@ -269,16 +276,110 @@ def probe(spec: Spec, device: Device, *, on_attempt: AttemptCallback | None = No
     return probe_session(InProcessRunner(spec, device), on_attempt=on_attempt)
 
 
+@dataclass(frozen=True)
+class ExpandableSegments:
+    """The same spec on the same device with the allocator's expandable segments, for the probe
+    to evaluate (`evaluate_expandable_segments`): a session of its own, since a process's CUDA
+    reads the settings once, as it starts; and what traces that session's fit points."""
+
+    session: TrialRunner
+    tracer: FitTracer
+
+
+def with_expandable_segments(info: DeviceInfo) -> str | None:
+    """The device's allocator settings with expandable segments, as one `PYTORCH_ALLOC_CONF`
+    string; None when it has them already (nothing to evaluate)."""
+    config = device_allocator_config(info) or AllocatorConfig()
+    if config.expandable_segments:
+        return None
+    conf = canonical_conf(replace(config, expandable_segments=True))
+    assert conf is not None  # differs from the defaults by expandable segments at least
+    return conf
+
+
+def evaluate_expandable_segments(
+    session: TrialRunner,
+    mode: ModeProbe,
+    *,
+    traced: Sequence[StepOutcome],
+    on_attempt: AttemptCallback | None = None,
+) -> AllocatorOption:
+    """`mode` again on `session`, whose allocator has expandable segments
+    (docs/design.md#expandable-segments-as-a-knob): the traced step's allocations replayed
+    under those settings predict the answer and the sizes that run out; only when that is a
+    larger answer, or no size up to the answer running out where `mode` has some, does a search
+    of real trials verify it (from the traced fit points). Recommended when the trials confirm
+    either."""
+    info = session.device_info
+    conf = info.allocator_conf or ""
+    predicted = _traced_answer(traced, info, session.spec.training.max_micro_batch)
+    if predicted is None:
+        return AllocatorOption(allocator_conf=conf)
+    largest, dips = predicted
+    if not (largest > mode.max_micro_batch or (mode.runs_out_below and not dips)):
+        return AllocatorOption(allocator_conf=conf, traced_max_micro_batch=largest)
+    if not session.warm_up(checkpointing=mode.checkpointing).fits:
+        return AllocatorOption(allocator_conf=conf, traced_max_micro_batch=largest, trials=1)
+    verified = probe_mode(
+        session, checkpointing=mode.checkpointing, on_attempt=on_attempt, traced=traced
+    )
+    better = verified.max_micro_batch > mode.max_micro_batch
+    steadier = (
+        bool(mode.runs_out_below)
+        and not verified.runs_out_below
+        and verified.max_micro_batch >= mode.max_micro_batch
+    )
+    return AllocatorOption(
+        allocator_conf=conf,
+        traced_max_micro_batch=largest,
+        max_micro_batch=verified.max_micro_batch,
+        recommended_micro_batch=verified.recommended_micro_batch,
+        runs_out_below=verified.runs_out_below,
+        trials=len(verified.attempts),
+        recommended=better or steadier,
+    )
+
+
+def _traced_answer(
+    traced: Sequence[StepOutcome], info: DeviceInfo, cap: int
+) -> tuple[int, tuple[int, ...]] | None:
+    """The largest size up to `cap` the traced allocations predict to fit on `info`, and the
+    sizes below it predicted to run out; None without two traced steps with allocations."""
+    points = sorted(
+        (p for p in traced if p.fits and p.allocations and p.micro_batch >= 2),
+        key=lambda point: point.micro_batch,
+    )
+    config = device_allocator_config(info)
+    capacity_bytes = info.capacity_bytes
+    for first, second in pairwise(points):
+        assert first.allocations is not None and second.allocations is not None
+        if first.micro_batch == second.micro_batch:
+            continue
+        model = AllocationModel.fit(
+            first.micro_batch, first.allocations, second.micro_batch, second.allocations
+        )
+        if model is None:
+            continue
+        largest = model.largest_fitting(capacity_bytes, config, above=0, high=cap + 1) or 0
+        dips = tuple(
+            b for b in range(2, largest) if not model.replay(b, capacity_bytes, config).fits
+        )
+        return largest, dips
+    return None
+
+
 def probe_session(
     session: TrialRunner,
     *,
     on_attempt: AttemptCallback | None = None,
     tracer: FitTracer | None = None,
     on_phase: PhaseCallback | None = None,
+    expandable: ExpandableSegments | None = None,
 ) -> ProbeResult:
     """`probe` on an existing session, which stays usable (warm, in steady state) afterwards.
     With a `tracer`, each mode's first fit comes from the traced step: two real trials per
-    mode when the trace is right (docs/design.md#cheaper-real-probes)."""
+    mode when the trace is right (docs/design.md#cheaper-real-probes). With `expandable`, each
+    mode is evaluated under expandable segments too (`ModeProbe.expandable_segments`)."""
     modes_to_probe = [False, True] if session.supports_checkpointing else [False]
     if not session.supports_checkpointing:
         logger.warning("this model cannot toggle gradient checkpointing; probing without only")
@@ -320,6 +421,20 @@ def probe_session(
             on_attempt=on_attempt,
             traced=tracer.fit_points(checkpointing=checkpointing) if tracer is not None else (),
         )
+        if expandable is not None:
+            if on_phase is not None:
+                on_phase(
+                    f"checkpointing {'on' if checkpointing else 'off'}: the same under "
+                    "expandable segments, traced (and verified if they help)",
+                    None,
+                )
+            option = evaluate_expandable_segments(
+                expandable.session,
+                mode,
+                traced=expandable.tracer.fit_points(checkpointing=checkpointing),
+                on_attempt=on_attempt,
+            )
+            mode = mode.model_copy(update={"expandable_segments": option})
         modes.append(mode)
         # Checkpointing only ever removes saved activations, so the plain max is a good first
         # guess for the checkpointed search; the search still verifies it.

@@ -18,7 +18,7 @@ from autotune.core.schemas import DeviceInfo, Phase, Spec, StepOutcome
 from autotune.core.throughput import Measurement, measure_throughput
 from autotune.engine.devices.device import Device
 from autotune.engine.training.step import TrainingStep
-from autotune.engine.training.workload import build_workload
+from autotune.engine.training.workload import Workload, build_workload
 
 
 class TrialRunner(Protocol):
@@ -206,15 +206,20 @@ class InProcessRunner:
         *,
         allowed_factory_prefixes: Sequence[str] | None = None,
         keeps_state: bool = True,
+        workload: Workload | None = None,
     ) -> None:
         """`allowed_factory_prefixes`: see `autotune.engine.training.workload.build_factory`.
         `keeps_state`: the session outlives an out-of-memory inside `optimizer.step()`, so the
         warm-up snapshots the model and optimizer state to host memory to undo it. A process
         that exits after one trial passes False: the copy would cost host memory the size of
-        the whole training state (18 GB for a 1.5B-parameter model) for nothing."""
+        the whole training state (18 GB for a 1.5B-parameter model) for nothing.
+        `workload`: one built already (a live module, `autotune.python_api`), not from the
+        spec's model source."""
         self.spec = spec
         self.device = device
-        self.workload = build_workload(spec, allowed_factory_prefixes=allowed_factory_prefixes)
+        self.workload = workload or build_workload(
+            spec, allowed_factory_prefixes=allowed_factory_prefixes
+        )
         self.step = TrainingStep(self.workload, spec.training, device.torch_device)
         self.keeps_state = keeps_state
         self._snapshot: object | None = None
@@ -247,6 +252,11 @@ class InProcessRunner:
             if self.keeps_state:
                 self._snapshot = self.step.snapshot()
         return outcome
+
+    def restore(self) -> None:
+        """Back to the state after the warm-up (nothing before it)."""
+        if self._snapshot is not None:
+            self.step.restore(self._snapshot)
 
     def trial(
         self,

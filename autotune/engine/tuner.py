@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from autotune.core.candidates import Candidate, enumerate_candidates, explain_infeasible
 from autotune.core.exports import build_exports
-from autotune.core.ranking import choose
+from autotune.core.ranking import choose, recommendable
 from autotune.core.result_check import check_result
 from autotune.core.schemas import (
     Infeasible,
@@ -27,7 +27,6 @@ from autotune.core.schemas import (
     Spec,
     StepOutcome,
     Trial,
-    TrialState,
     TuneResult,
 )
 from autotune.core.search import fewest_fitting, find_max_micro_batch
@@ -384,9 +383,7 @@ def _recommend(
     leaves the headroom free (else among all that fit): the fastest, or a simpler one tied
     with it within the measured noise."""
     budget_bytes = int(capacity_bytes * (1.0 - spec.training.headroom))
-    complete = [t for t in trials if t.state is TrialState.COMPLETE and t.samples_per_s]
-    within = [t for t in complete if t.peak_bytes is not None and t.peak_bytes <= budget_bytes]
-    pool = within or complete
+    pool = recommendable(trials, budget_bytes=budget_bytes)
     if not pool:
         return None
     best = choose(pool)
@@ -417,6 +414,19 @@ def _with_dips(recommendation: Recommendation, probe_result: ProbeResult) -> Rec
     if mode is None:
         return recommendation
     below = [b for b in mode.runs_out_below if b < recommendation.micro_batch]
+    option = mode.expandable_segments
+    if (
+        below
+        and option is not None
+        and option.recommended
+        and option.max_micro_batch is not None
+        and recommendation.micro_batch <= option.max_micro_batch
+        and not option.runs_out_below
+    ):
+        # Under expandable segments every size up to the answer fits, verified by trials: the
+        # same step, with no batch size to keep out of. (A larger answer they allow would need
+        # its throughput measured under them: not done here.)
+        return recommendation.model_copy(update={"allocator_conf": option.allocator_conf})
     return recommendation.model_copy(update={"runs_out_below": below})
 
 

@@ -44,6 +44,7 @@ from autotune.core.schemas import (
     DeviceInfo,
     DeviceKind,
     Exports,
+    FitAdvice,
     FrozenModel,
     Infeasible,
     Layouts,
@@ -54,7 +55,7 @@ from autotune.core.schemas import (
     Trial,
     TuneResult,
 )
-from autotune.core.throughput import speed_label, target_speed_label
+from autotune.core.throughput import CPU_TIMING, speed_label
 
 API_PREFIX = "/api/v1"
 # Databases store 64-bit signed integers; anything larger in a payload is refused with a 422
@@ -263,6 +264,17 @@ class EstimateTarget(_UnsetLeftOut):
         return budget_for(find_gpu(self.gpu), world_size).capacity_bytes
 
 
+def _label_speed(label: str) -> str:
+    """`speed_label` from a target's stored `label` alone (`emulated:1073741824`,
+    `emulated:H100 80GB`, `estimate:T4`, or a CUDA GPU's name), for a listing of runs."""
+    kind, _, what = label.partition(":")
+    if kind == "emulated":
+        return CPU_TIMING if what.isdigit() else f"estimated for {what}"
+    if kind == "estimate":
+        return f"estimated for {what}"
+    return "measured"
+
+
 def _with_allocator(identity: dict[str, Any], allocator_conf: str | None) -> dict[str, Any]:
     # Only when set: a run on torch's default settings keeps the fingerprint it always had.
     return identity if allocator_conf is None else {**identity, "allocator_conf": allocator_conf}
@@ -406,7 +418,7 @@ class RunSummary(FrozenModel):
     @property
     def speed_label(self) -> str:
         """Where its samples/s come from (`autotune.core.throughput.speed_label`)."""
-        return target_speed_label(self.device)
+        return _label_speed(self.device)
 
 
 class Run(FrozenModel):
@@ -439,6 +451,10 @@ class Run(FrozenModel):
     study_name: str | None = None
     recommendation: Recommendation | None = None
     infeasible: Infeasible | None = None
+    fit_advice: FitAdvice | None = Field(
+        default=None,
+        description="When micro-batch 1 fits in no mode: the changes that would make it fit.",
+    )
     exports: Exports | None = None
     layouts: Layouts = Field(
         default_factory=list,
@@ -459,7 +475,7 @@ class Run(FrozenModel):
         """Where its samples/s come from: its worker's device, else its target."""
         if self.worker_device is not None:
             return speed_label(self.worker_device)
-        return target_speed_label(self.device.label)
+        return _label_speed(self.device.label)
 
 
 class Submitted(FrozenModel):
@@ -515,8 +531,9 @@ class EstimateWorkerState(StrEnum):
 
 
 class EstimateWorkerHealth(FrozenModel):
-    """The estimate worker `autotune serve` runs beside itself (`api.estimate_worker`)."""
+    """One of the estimate workers `autotune serve` runs beside itself (`api.estimate_worker`)."""
 
+    worker_id: str = Field(description="The id its runs record as their worker.")
     state: EstimateWorkerState
     pid: int | None = Field(default=None, description="Its process id while it runs.")
     restarts: int = Field(description="Times it exited and was started again.")
@@ -527,10 +544,10 @@ class Health(FrozenModel):
     status: Literal["ok"]
     database: Literal["ok"]
     version: str
-    estimate_worker: EstimateWorkerHealth | None = Field(
-        default=None,
-        description="The embedded estimate worker; None where this server process runs none "
-        "(--no-estimates, no torch, or several server processes).",
+    estimate_workers: list[EstimateWorkerHealth] = Field(
+        default_factory=list,
+        description="The embedded estimate workers (serve --estimate-workers); none where this "
+        "server process runs none (--no-estimates, no torch, or several server processes).",
     )
 
 

@@ -43,6 +43,8 @@ LORA: dict[str, Any] | None = None
 # none (DDP) | zero1 (ZeroRedundancyOptimizer) | zero2, zero3 (FSDP2) | hybrid (FSDP2, 2-D mesh)
 SHARDING = "none"
 SHARD_GROUP_SIZE = 1  # hybrid: ranks that shard among themselves
+# The caching allocator's settings measured (PYTORCH_ALLOC_CONF), None: the environment's own.
+ALLOCATOR_CONF: str | None = None
 
 # autotune-template: task
 
@@ -308,6 +310,9 @@ def leave_process_group() -> None:
 
 
 def main() -> None:
+    if ALLOCATOR_CONF is not None:
+        # Before anything touches CUDA: torch reads the settings once, as CUDA starts.
+        os.environ["PYTORCH_ALLOC_CONF"] = ALLOCATOR_CONF
     if WORLD_SIZE > 1:
         dist.init_process_group()  # torchrun provides the rendezvous environment
     losses = demo()

@@ -59,6 +59,41 @@ def _problems(response: Any) -> str:
     return " ".join(".".join(map(str, p["loc"])) + " " + p["msg"] for p in body["detail"])
 
 
+# -- item 2: estimate runs have no bound and cannot be stopped -------------------------------
+# Replayed where a worker runs them: tests/probes_tests/test_estimate_limits.py (2^40 micro-steps
+# of accumulation on an mlp; the time and memory limits; a cancel, a shutdown and the time limit
+# while a 2,000-layer llama traces or is still being built), tests/autotune_tests/engine/
+# test_estimate.py (a stop raised inside a build that catches it), and through `serve` in
+# tests/api_tests/test_cli_server.py (one slow estimate does not starve the others; serve's
+# limits reach its workers). The real process and its signal are here.
+
+
+@pytest.mark.e2e
+def test_sigterm_stops_an_estimate_worker_building_a_huge_model(
+    live_server: LiveServer, tmp_path: Path
+) -> None:
+    """A 2,000-layer llama held the only estimate worker for 9 minutes, and SIGTERM was ignored
+    (SIGKILL needed): now the worker releases the run and exits 0 after its grace (10 s)."""
+    from tests.probes_tests.factories import llama_spec
+    from tests.probes_tests.live import start_worker, stop_worker
+
+    worker = start_worker(live_server.url, tmp_path, "estimates", memory=None)
+    try:
+        worker.wait_for_log("waiting for runs", timeout_s=180)
+        with ServerClient(live_server.url, token=CLIENT_TOKEN) as user:
+            run_id = user.submit_run(llama_spec(2000), EstimateTarget(gpu="T4")).id
+            worker.wait_for_log(rf"run {run_id}: claimed", timeout_s=60)
+            # stop_worker fails the test ("ignored SIGTERM") unless the worker exits by itself.
+            assert stop_worker(worker, timeout_s=60) == 0
+            run = user.get_run(run_id)
+        assert run.status is RunStatus.QUEUED, run  # handed back for another worker
+        assert [f.error_type for f in run.failures] == ["WorkerShutdown"]
+    finally:
+        if worker.process.poll() is None:
+            worker.process.kill()
+            worker.process.wait()
+
+
 # -- item 4: worker results are trusted beyond consistency ----------------------------------
 
 

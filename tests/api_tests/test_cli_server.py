@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx2
 import pytest
@@ -31,6 +32,7 @@ from tests.api_tests.factories import (
     tune_result,
 )
 from tests.conftest import CLIENT_TOKEN, WORKER_TOKEN, LiveServer, free_port, wait_for_health
+from tests.probes_tests.factories import llama_spec
 
 pytestmark = pytest.mark.slow
 
@@ -182,14 +184,30 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
-def _serve_estimates(tmp_path: Path, data_dir: Path) -> tuple[str, subprocess.Popen[bytes]]:
+def _serve_estimates(
+    tmp_path: Path, data_dir: Path, *args: str
+) -> tuple[str, subprocess.Popen[bytes]]:
     return _serve(
         tmp_path,
+        *args,
         estimates=True,
         AUTOTUNE_CLIENT_TOKENS=CLIENT_TOKEN,
         AUTOTUNE_WORKER_TOKENS=WORKER_TOKEN,
         AUTOTUNE_DATA_DIR=str(data_dir),
     )
+
+
+def _wait_for_estimate_workers(
+    process: subprocess.Popen[bytes], data_dir: Path, workers: int, *, starts: int = 1
+) -> None:
+    """Until each of `serve`'s first `workers` estimate workers has started `starts` times and
+    waits for runs (each imports torch first)."""
+    deadline_s = time.monotonic() + 180
+    for number in range(1, workers + 1):
+        log = data_dir / f"estimate-worker-{number}.log"
+        while not log.is_file() or log.read_text().count("waiting for runs") < starts:
+            assert process.poll() is None and time.monotonic() < deadline_s, log
+            time.sleep(0.1)
 
 
 def test_serve_alone_answers_an_estimate(tmp_path: Path) -> None:
@@ -198,7 +216,7 @@ def test_serve_alone_answers_an_estimate(tmp_path: Path) -> None:
     printed, not asserted: a time bound failed this test on a loaded machine (the brief keeps
     speed targets in bench/, never in unit tests)."""
     data_dir = tmp_path / "data"
-    url, process = _serve_estimates(tmp_path, data_dir)
+    url, process = _serve_estimates(tmp_path, data_dir, "--estimate-workers", "1")
     spec = Spec.model_validate(
         {
             "model": {"preset": "mlp"},
@@ -208,11 +226,7 @@ def test_serve_alone_answers_an_estimate(tmp_path: Path) -> None:
     target = EstimateTarget(gpu="H100 80GB")
     try:
         # Waited for once serve is up, its estimate worker included (it imports torch meanwhile).
-        worker_log = data_dir / "estimate-worker.log"
-        deadline_s = time.monotonic() + 120
-        while not worker_log.is_file() or "waiting for runs" not in worker_log.read_text():
-            assert process.poll() is None and time.monotonic() < deadline_s, worker_log
-            time.sleep(0.1)
+        _wait_for_estimate_workers(process, data_dir, 1)
         with ServerClient(url, token=CLIENT_TOKEN) as user:
             started_s = time.monotonic()
             submitted = user.submit_run(spec, target, wait_s=10)
@@ -220,7 +234,7 @@ def test_serve_alone_answers_an_estimate(tmp_path: Path) -> None:
             elapsed_s = time.monotonic() - started_s
             assert run.status is RunStatus.SUCCEEDED, run
             print(f"estimate answered in {elapsed_s:.1f} s")
-            assert run.worker_id == "serve-estimates"
+            assert run.worker_id == "serve-estimates-1"
             assert run.device == target
             assert run.worker_device is not None
             assert run.worker_device.kind is DeviceKind.ESTIMATE
@@ -241,11 +255,9 @@ def test_serve_alone_answers_an_estimate(tmp_path: Path) -> None:
         process.terminate()
         process.wait(timeout=30)
     assert "estimates run here" in (tmp_path / "serve.log").read_text()
-    # The estimate worker stopped with the server (its command line names the data directory).
-    deadline_s = time.monotonic() + 30
-    while _processes_mentioning(str(data_dir)):
-        assert time.monotonic() < deadline_s, _processes_mentioning(str(data_dir))
-        time.sleep(0.1)
+    # The estimate worker stopped before the server exited (its command line names the data
+    # directory): uvicorn's SIGTERM once ended serve first and orphaned it.
+    assert _processes_mentioning(str(data_dir)) == []
 
 
 @pytest.mark.e2e
@@ -253,22 +265,19 @@ def test_serve_restarts_its_estimate_worker_and_health_reports_it(tmp_path: Path
     """The estimate worker killed (as the OOM killer would): `serve` logs it, starts another
     after a back-off, /health says so throughout, and estimates are answered again."""
     data_dir = tmp_path / "data"
-    url, process = _serve_estimates(tmp_path, data_dir)
-    worker_log = data_dir / "estimate-worker.log"
+    url, process = _serve_estimates(tmp_path, data_dir, "--estimate-workers", "1")
 
-    def wait_for_workers(count: int) -> None:
-        deadline_s = time.monotonic() + 120
-        while not worker_log.is_file() or worker_log.read_text().count("waiting for runs") < count:
-            assert process.poll() is None and time.monotonic() < deadline_s, worker_log
-            time.sleep(0.1)
+    def health() -> dict[str, Any]:
+        (worker,) = httpx2.get(f"{url}/health").json()["estimate_workers"]
+        return worker  # type: ignore[no-any-return]
 
     try:
-        wait_for_workers(1)
-        first = httpx2.get(f"{url}/health").json()["estimate_worker"]
+        _wait_for_estimate_workers(process, data_dir, 1)
+        first = health()
         assert first["state"] == "running" and first["restarts"] == 0
         os.kill(first["pid"], 9)
-        wait_for_workers(2)
-        second = httpx2.get(f"{url}/health").json()["estimate_worker"]
+        _wait_for_estimate_workers(process, data_dir, 1, starts=2)
+        second = health()
         assert second["state"] == "running" and second["restarts"] == 1, second
         assert second["last_exit"] == "killed by SIGKILL"
         spec = Spec.model_validate({"model": {"preset": "mlp"}})
@@ -278,7 +287,80 @@ def test_serve_restarts_its_estimate_worker_and_health_reports_it(tmp_path: Path
     finally:
         process.terminate()
         process.wait(timeout=30)
-    assert "the estimate worker stopped (killed by SIGKILL" in (tmp_path / "serve.log").read_text()
+    assert (
+        "the estimate worker serve-estimates-1 stopped (killed by SIGKILL"
+        in (tmp_path / "serve.log").read_text()
+    )
+
+
+def _wait_for_status(
+    user: ServerClient, run_id: int, statuses: set[RunStatus], timeout_s: float = 180
+) -> None:
+    deadline_s = time.monotonic() + timeout_s
+    while user.get_run(run_id).status not in statuses:
+        assert time.monotonic() < deadline_s, user.get_run(run_id)
+        time.sleep(0.2)
+
+
+@pytest.mark.e2e
+def test_serve_gives_its_estimate_workers_its_limits(tmp_path: Path) -> None:
+    """`serve --estimate-time-limit 2`: its estimate worker fails a run past 2 s, saying so."""
+    data_dir = tmp_path / "data"
+    url, process = _serve_estimates(
+        tmp_path, data_dir, "--estimate-workers", "1", "--estimate-time-limit", "2"
+    )
+    try:
+        _wait_for_estimate_workers(process, data_dir, 1)
+        with ServerClient(url, token=CLIENT_TOKEN) as user:
+            run_id = user.submit_run(llama_spec(60), EstimateTarget(gpu="T4")).id
+            run = user.wait_for_run(run_id, timeout_s=180, poll_s=0.5)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert run.status is RunStatus.FAILED, run
+    assert "ran past its time limit of 2 s per run" in (run.error or ""), run.error
+    assert "each run at most 2 s and 4.00 GiB" in (tmp_path / "serve.log").read_text()
+
+
+@pytest.mark.e2e
+def test_a_slow_estimate_does_not_starve_the_others_and_its_cancel_is_honoured(
+    tmp_path: Path,
+) -> None:
+    """Through `serve` and its two estimate workers (the default): while one builds a llama of
+    2,000 layers (minutes of work), an estimate submitted after it is answered by the other;
+    the slow one is still running then. Cancelled, its worker drops it (within seconds, from
+    inside the build: tests/probes_tests/test_estimate_limits.py proves it without a clock)
+    and both workers live on (issue 25, item 2)."""
+    data_dir = tmp_path / "data"
+    url, process = _serve_estimates(tmp_path, data_dir)
+    try:
+        _wait_for_estimate_workers(process, data_dir, 2)
+        with ServerClient(url, token=CLIENT_TOKEN) as user:
+            slow_id = user.submit_run(llama_spec(2000), EstimateTarget(gpu="T4")).id
+            _wait_for_status(user, slow_id, {RunStatus.RUNNING})
+            small = Spec.model_validate({"model": {"preset": "mlp"}})
+            small_id = user.submit_run(small, EstimateTarget(gpu="T4")).id
+            answered = user.wait_for_run(small_id, timeout_s=180, poll_s=0.5)
+            slow = user.get_run(slow_id)
+            assert answered.status is RunStatus.SUCCEEDED, answered
+            assert slow.status is RunStatus.RUNNING, slow  # still building or tracing
+            assert {answered.worker_id, slow.worker_id} == {
+                "serve-estimates-1",
+                "serve-estimates-2",
+            }
+            user.cancel_run(slow_id)
+            slow_log = data_dir / f"estimate-worker-{slow.worker_id[-1]}.log"
+            deadline_s = time.monotonic() + 120
+            while f"run {slow_id}: cancelled; dropping it" not in slow_log.read_text():
+                assert time.monotonic() < deadline_s, slow_log.read_text()
+                time.sleep(0.2)
+            health = httpx2.get(f"{url}/health").json()["estimate_workers"]
+            assert [w["state"] for w in health] == ["running", "running"]
+            assert [w["restarts"] for w in health] == [0, 0]
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    assert _processes_mentioning(str(data_dir)) == []  # both stopped before serve exited
 
 
 def test_submit_wait_that_times_out_exits_124_with_the_run_s_state(

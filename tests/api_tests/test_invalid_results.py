@@ -40,6 +40,10 @@ def _probe_on_another_device(data: Data) -> None:
     data["probe"]["device"]["name"] = "NVIDIA H100 80GB HBM3"
 
 
+def _advice_although_it_fits(data: Data) -> None:
+    data["probe"]["fit_advice"] = {"remedies": [], "not_modelled": ["offload"]}
+
+
 # The defects of issue 8 (7): what a worker token could store and have served as cached.
 BAD_RESULTS: list[tuple[Callable[[Data], None], str]] = [
     (_recommend(global_batch=999), "recommendation.global_batch"),
@@ -52,6 +56,7 @@ BAD_RESULTS: list[tuple[Callable[[Data], None], str]] = [
     (_recommend(peak_bytes=5 * GIB), "recommendation.peak_bytes"),
     (_no_recommendation, "recommendation"),
     (_probe_on_another_device, "probe.device"),
+    (_advice_although_it_fits, "probe.fit_advice"),
 ]
 
 

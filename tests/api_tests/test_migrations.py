@@ -161,6 +161,35 @@ def test_the_run_allocator_settings_go_down_and_up(db_url: str) -> None:
     database.dispose()
 
 
+def test_the_expandable_segments_columns_go_down_and_up(db_url: str) -> None:
+    from alembic import command
+
+    database = Database(db_url)
+    migrate(database)
+
+    def columns() -> set[tuple[str, str]]:
+        with database.engine.connect() as connection:
+            inspector = inspect(connection)
+            return {
+                (table, c["name"])
+                for table in ("autotune_probe_modes", "autotune_recommendations")
+                for c in inspector.get_columns(table)
+            }
+
+    added = {
+        ("autotune_probe_modes", "expandable_segments"),
+        ("autotune_recommendations", "allocator_conf"),
+    }
+    assert added <= columns()
+    with database.engine.connect() as connection:
+        command.downgrade(alembic_config(connection), "0011")
+        connection.commit()
+    assert not added & columns()
+    migrate(database)
+    assert added <= columns()
+    database.dispose()
+
+
 def test_the_layout_columns_go_down_and_up(db_url: str) -> None:
     from alembic import command
 
@@ -178,7 +207,7 @@ def test_the_layout_columns_go_down_and_up(db_url: str) -> None:
     runs, recommendations = columns()
     assert "layouts" in runs and "sharding" in recommendations
     with database.engine.connect() as connection:
-        command.downgrade(alembic_config(connection), "0011")
+        command.downgrade(alembic_config(connection), "0013")
         connection.commit()
     runs, recommendations = columns()
     assert "layouts" not in runs and "sharding" not in recommendations

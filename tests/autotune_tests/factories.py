@@ -129,6 +129,23 @@ def tiny_classifier_without_checkpointing(training: TrainingSpec) -> Workload:
     return Workload(model, make_batch, loss_sum, num_items)
 
 
+SWALLOWING_LAYERS = 400
+
+
+def swallows_errors(training: TrainingSpec) -> Workload:
+    """A build that catches every error while making its layers (as a library's best-effort
+    initialisation may) and goes on: `SWALLOWING_LAYERS` layers, those that failed left out."""
+    layers: list[nn.Module] = []
+    for _ in range(SWALLOWING_LAYERS):
+        try:
+            layer = nn.Linear(4, 4)
+            nn.init.normal_(layer.weight)
+            layers.append(layer)
+        except Exception:  # noqa: S112 - what such a build does, on purpose
+            continue
+    return _sum_of_squares(nn.Sequential(*layers), 4)
+
+
 def returns_a_module(training: TrainingSpec) -> nn.Module:
     """Wrong: returns the bare model instead of a Workload."""
     return nn.Linear(4, 4)
@@ -159,11 +176,11 @@ def elementwise(training: TrainingSpec) -> Workload:
     """Large activations, cheap steps: `training.input_shape` = (features,), 2^18 (1 MiB of
     fp32 a sample) by default. For allocator behaviour that needs large tensors."""
     features = training.input_shape[0] if training.input_shape else 2**18
-    return _squared_output_workload(_Elementwise(features), features)
+    return _sum_of_squares(_Elementwise(features), features)
 
 
-def _squared_output_workload(model: nn.Module, features: int) -> Workload:
-    """`model` on random samples of `features` floats, its loss the squared outputs' sum."""
+def _sum_of_squares(model: nn.Module, features: int) -> Workload:
+    """`model` on random inputs of `features` floats a sample; the loss, its outputs' squares."""
 
     def make_batch(micro_batch: int, device: torch.device) -> Batch:
         return torch.randn(micro_batch, features, device=device)
@@ -192,7 +209,7 @@ class _LinearStack(nn.Module):
 
 
 def _linear_stack(width: int, layers: int) -> Workload:
-    return _squared_output_workload(_LinearStack(width, layers), width)
+    return _sum_of_squares(_LinearStack(width, layers), width)
 
 
 def linear_stack_4k(training: TrainingSpec) -> Workload:

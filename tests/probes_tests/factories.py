@@ -187,3 +187,23 @@ def wide_spec(
             max_micro_batch=max_micro_batch,
         ),
     )
+
+
+def llama_spec(layers: int) -> Spec:
+    """An estimate's slow model: a narrow transformers llama of `layers` layers. At 60 its
+    steps trace for tens of seconds; at 2,000 its build alone takes minutes (issue 25)."""
+    return Spec.model_validate(
+        {
+            "model": {
+                "hf_config": {
+                    "model_type": "llama",
+                    "num_hidden_layers": layers,
+                    "hidden_size": 64,
+                    "num_attention_heads": 4,
+                    "intermediate_size": 128,
+                    "vocab_size": 256,
+                }
+            },
+            "training": {"seq_len": 16, "target_global_batch": 64},
+        }
+    )

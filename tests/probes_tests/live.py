@@ -95,14 +95,15 @@ def start_worker(
     log_dir: Path,
     name: str,
     *,
-    memory: str,
+    memory: str | None,
     start_method: str = "forkserver",
     extra_args: tuple[str, ...] = (),
     token: str = WORKER_TOKEN,
     allow_factories: tuple[str, ...] = ("tests",),
 ) -> WorkerProcess:
-    """`autotune worker` on an emulated GPU of `memory`, run from the repository root so that
-    the test factories are importable in its children, and allowed (`--allow-factory`)."""
+    """`autotune worker` on an emulated GPU of `memory` (None: `--device estimate`), run from
+    the repository root so that the test factories are importable in its children, and allowed
+    (`--allow-factory`)."""
     mark = new_mark()
     log_path = log_dir / f"{name}.log"
     env = {**os.environ, "AUTOTUNE_TOKEN": token, MARK_VARIABLE: mark}
@@ -114,10 +115,7 @@ def start_worker(
         "worker",
         "--server",
         server_url,
-        "--device",
-        "cpu",
-        "--memory",
-        memory,
+        *(("--device", "estimate") if memory is None else ("--device", "cpu", "--memory", memory)),
         "--worker-id",
         name,
         "--db",

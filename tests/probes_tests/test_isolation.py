@@ -19,8 +19,11 @@ from typing import Any
 import pytest
 
 from autotune.core.errors import FactoryRefused, ModelBuildError
+from autotune.core.gpus.catalogue import find_gpu
+from autotune.core.memory.allocator_config import parse_alloc_conf
 from autotune.core.schemas import ModelSpec, Spec, SpeedSource, TrainingSpec
 from autotune.engine.devices.device import open_device
+from autotune.engine.devices.simulated_cuda import SimulatedCuda
 from autotune.engine.fit_points import tracer_for
 from autotune.engine.probe import probe_session
 from autotune.engine.runner import InProcessRunner
@@ -134,6 +137,40 @@ def test_child_trials_equal_the_same_trials_in_one_process() -> None:
     # One describe child, one warm-up, seven trials and measurements.
     assert runner.children_run == 9
     assert _trial_children() == set()
+
+
+def test_a_child_s_cuda_starts_with_the_allocator_settings_it_is_given() -> None:
+    """The run's allocator settings reach the child's CUDA before it starts: on the simulated
+    CUDA backend, which reads PYTORCH_ALLOC_CONF as CUDA initializes (as torch does once, at its
+    first tensor), a child's trial reserves what a process started with expandable segments
+    reserves, not what the defaults do; the device reports the settings."""
+    spec = Spec.model_validate(
+        {"model": {"preset": "gpt2-tiny"}, "training": {"seq_len": 16, "max_micro_batch": 64}}
+    )
+    conf = "expandable_segments:True"
+    worker_setting = os.environ.get("PYTORCH_ALLOC_CONF")
+    peaks = {}
+    for setting in (None, conf):
+        config = parse_alloc_conf(setting) if setting else None
+        with SimulatedCuda(find_gpu("T4"), allocator_config=config) as cuda:
+            session = InProcessRunner(
+                spec, open_device("cuda:0", cuda=cuda, allocator_config=config)
+            )
+            session.warm_up(checkpointing=False)
+            peaks[setting] = session.trial(32, checkpointing=False).peak_bytes
+    assert peaks[None] != peaks[conf]  # at b = 32 the settings reserve differently
+    runner = ChildProcessRunner(
+        spec,
+        "cuda:0",
+        None,
+        start_method="forkserver",
+        allocator_conf=conf,
+        simulated_gpu="T4",
+    )
+    assert runner.device_info.allocator_conf == conf
+    assert runner.warm_up(checkpointing=False).fits
+    assert runner.trial(32, checkpointing=False).peak_bytes == peaks[conf]
+    assert os.environ.get("PYTORCH_ALLOC_CONF") == worker_setting  # the worker's is left as is
 
 
 def test_children_open_a_named_gpu_for_the_world_size_of_the_run() -> None:

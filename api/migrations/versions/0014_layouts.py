@@ -1,7 +1,7 @@
 """sharding: auto: the layout a recommendation was measured with, and every layout's outcome.
 
 Revision ID: 0014
-Revises: 0011
+Revises: 0013
 Create Date: 2026-11-26
 """
 
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0014"
-down_revision: str | None = "0011"
+down_revision: str | None = "0013"
 branch_labels: str | None = None
 depends_on: str | None = None
 

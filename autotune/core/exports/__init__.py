@@ -73,6 +73,7 @@ def build_exports(
         token_model=token_model,
         transformers_version=transformers_version,
         runs_out_below=list(run.runs_out_below),
+        allocator_conf=run.allocator_conf,
     )
 
 
@@ -93,6 +94,7 @@ def _measured(exports: Exports) -> MeasuredRun:
         training=exports.training,
         token_model=exports.token_model,
         runs_out_below=tuple(exports.runs_out_below),
+        allocator_conf=exports.allocator_conf,
     )
 
 

@@ -20,9 +20,21 @@ from typing import Any
 
 from autotune.core.exports.measured import ZERO_STAGES, MeasuredRun
 from autotune.core.exports.notes import comment, shared_notes
-from autotune.core.schemas import OptimizerName, Precision, Sharding
+from autotune.core.schemas import OptimizerName, Sharding
 
-_AUTOCAST_DTYPES = {Precision.BF16: "bfloat16", Precision.FP16: "float16"}
+# Our name for each setting -> DeepSpeed's top-level key.
+DEEPSPEED_KEYS = {
+    "global_batch": "train_batch_size",
+    "micro_batch": "train_micro_batch_size_per_gpu",
+    "accumulation": "gradient_accumulation_steps",
+    "bf16": "bf16",  # bf16 weights (DeepSpeed's bf16 optimizer)
+    "fp16": "fp16",
+    "autocast": "torch_autocast",  # fp32 weights under autocast
+    "optimizer": "optimizer",
+    "zero": "zero_optimization",
+    "untested_optimizer": "zero_allow_untested_optimizer",
+}
+_K = DEEPSPEED_KEYS
 # ZeRO's tested optimizers (deepspeed/runtime/zero/utils.py ZERO_SUPPORTED_OPTIMIZERS) include
 # torch's AdamW; the others need the flag.
 _OPTIMIZERS: dict[OptimizerName, dict[str, Any] | None] = {
@@ -35,9 +47,9 @@ _OPTIMIZERS: dict[OptimizerName, dict[str, Any] | None] = {
 
 def deepspeed_config(run: MeasuredRun) -> dict[str, Any]:
     config: dict[str, Any] = {
-        "train_batch_size": run.global_batch,
-        "train_micro_batch_size_per_gpu": run.micro_batch,
-        "gradient_accumulation_steps": run.accumulation_steps,
+        _K["global_batch"]: run.global_batch,
+        _K["micro_batch"]: run.micro_batch,
+        _K["accumulation"]: run.accumulation_steps,
     }
     zero = run.sharding is not Sharding.NONE
     if run.bf16_weights:
@@ -46,16 +58,16 @@ def deepspeed_config(run: MeasuredRun) -> dict[str, Any]:
             # The smallest copy DeepSpeed can keep: bf16 master weights, gradients and states.
             bf16["bf16_master_weights_and_grads"] = True
             bf16["bf16_optimizer_states"] = True
-        config["bf16"] = bf16
-    elif run.precision is not Precision.FP32:
-        config["torch_autocast"] = {"enabled": True, "dtype": _AUTOCAST_DTYPES[run.precision]}
+        config[_K["bf16"]] = bf16
+    elif run.autocast_dtype is not None:
+        config[_K["autocast"]] = {"enabled": True, "dtype": run.autocast_dtype}
     optimizer = _OPTIMIZERS[run.optimizer]
     if optimizer is not None:
-        config["optimizer"] = {"type": optimizer["type"], "params": dict(optimizer["params"])}
+        config[_K["optimizer"]] = {"type": optimizer["type"], "params": dict(optimizer["params"])}
     if zero:
-        config["zero_optimization"] = {"stage": ZERO_STAGES[run.sharding]}
+        config[_K["zero"]] = {"stage": ZERO_STAGES[run.sharding]}
         if run.optimizer is not OptimizerName.ADAMW:
-            config["zero_allow_untested_optimizer"] = True
+            config[_K["untested_optimizer"]] = True
     return config
 
 

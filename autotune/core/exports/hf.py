@@ -20,9 +20,24 @@ from typing import Any
 
 from autotune.core.exports.deepspeed import deepspeed_config
 from autotune.core.exports.measured import MeasuredRun, lora_snippet
-from autotune.core.exports.notes import comment, shared_notes
+from autotune.core.exports.notes import allocator_lines, comment, shared_notes
 from autotune.core.schemas import OptimizerName, Precision, Sharding
 
+# Our name for each setting -> its `TrainingArguments` field (the checkpointing flag's name
+# depends on the version: `hf_checkpointing_key`).
+HF_KEYS = {
+    "micro_batch": "per_device_train_batch_size",
+    "accumulation": "gradient_accumulation_steps",
+    "bf16": "bf16",  # autocast flags: the weights stay as the model was loaded
+    "fp16": "fp16",
+    "tf32": "tf32",
+    "optimizer": "optim",
+    "optimizer_args": "optim_args",
+    "deepspeed": "deepspeed",
+    "fsdp": "fsdp",
+    "fsdp_config": "fsdp_config",
+}
+_K = HF_KEYS
 _ACTIVATION_CHECKPOINTING_SINCE_MAJOR = 5
 _FSDP2_SINCE_MAJOR = 5
 # TrainingArguments' `optim` for each measured optimizer, and its `optim_args`.
@@ -71,8 +86,8 @@ def hf_arguments(run: MeasuredRun, transformers_version: str | None) -> dict[str
     """`TrainingArguments` keyword arguments (`parallelism_config` as accelerate's
     `ParallelismConfig` keyword arguments)."""
     hf: dict[str, Any] = {
-        "per_device_train_batch_size": run.micro_batch,
-        "gradient_accumulation_steps": run.accumulation_steps,
+        _K["micro_batch"]: run.micro_batch,
+        _K["accumulation"]: run.accumulation_steps,
         # Partial checkpointing is set on the model (the text says how): the Trainer's flag
         # would checkpoint every layer.
         hf_checkpointing_key(transformers_version): run.checkpointing
@@ -80,19 +95,19 @@ def hf_arguments(run: MeasuredRun, transformers_version: str | None) -> dict[str
     }
     training = run.training
     if training.tf32 is not None:
-        hf["tf32"] = training.tf32
+        hf[_K["tf32"]] = training.tf32
     if training.precision is not Precision.FP32:
-        hf[training.precision.value] = True  # TrainingArguments' bf16 / fp16 autocast flags
+        hf[_K[training.precision.value]] = True  # TrainingArguments' bf16 / fp16 autocast flags
     if run.optimizer in OPTIM:
         optim, optim_args = OPTIM[run.optimizer]
-        hf["optim"] = optim
+        hf[_K["optimizer"]] = optim
         if optim_args is not None:
-            hf["optim_args"] = optim_args
+            hf[_K["optimizer_args"]] = optim_args
     elif run.optimizer is OptimizerName.ADAMW_8BIT and run.fsdp2:
         # transformers builds torchao's AdamW8bit itself, with no 32-bit embedding states.
-        hf["optim"] = run.eight_bit_adamw.hf_optim
+        hf[_K["optimizer"]] = run.eight_bit_adamw.hf_optim
     if run.sharding is Sharding.ZERO1:
-        hf["deepspeed"] = deepspeed_config(run)
+        hf[_K["deepspeed"]] = deepspeed_config(run)
     elif run.fsdp2:
         hf.update(_fsdp_arguments(run, transformers_version))
     return hf
@@ -135,6 +150,7 @@ def render_hf(run: MeasuredRun, hf: dict[str, Any]) -> str:
         + comment(shared_notes(run))
         + _packing_lines(run)
         + _sharding_lines(run, hf)
+        + allocator_lines(run)
         + f"{imports}\nargs = TrainingArguments(\n{kwargs}    # ... your other arguments\n)\n"
         + _ddp_lines(run)
         + _optimizer_lines(run)
@@ -201,9 +217,7 @@ def _sharding_lines(run: MeasuredRun, hf: dict[str, Any]) -> str:
 def _ddp_lines(run: MeasuredRun) -> str:
     # No TrainingArguments key reaches DDP's gradient_as_bucket_view; the Trainer's accelerator
     # reads its DDP kwargs only when train() wraps the model.
-    if run.world_size == 1 or run.sharding not in (Sharding.NONE, Sharding.ZERO1):
-        return ""
-    if run.sharding is Sharding.ZERO1:
+    if run.world_size == 1 or run.sharding is not Sharding.NONE:
         return ""
     return (
         f"\n# {run.world_size} ranks: the memory was measured for DDP with "

@@ -20,7 +20,7 @@ from typing import Any
 
 from autotune.core.exports.hf import partial_lines
 from autotune.core.exports.measured import MeasuredRun, lora_snippet
-from autotune.core.exports.notes import comment, shared_notes
+from autotune.core.exports.notes import allocator_lines, comment, shared_notes
 from autotune.core.schemas import OptimizerName, Precision, Sharding
 
 DDP_KWARGS = {"gradient_as_bucket_view": True}
@@ -106,6 +106,7 @@ def render_lightning(run: MeasuredRun, lightning: dict[str, Any]) -> str:
         "# Lightning: the Trainer owns accumulation and precision; batch_size is per rank, in\n"
         "# your datamodule; the rest lives in your LightningModule (below).\n"
         + comment(shared_notes(run))
+        + allocator_lines(run)
         + f"import lightning as L\n{strategy_import}\n"
         f"trainer = L.Trainer({trainer_kwargs})\n"
         f"datamodule = YourDataModule({_kwargs(lightning['datamodule'])})\n"

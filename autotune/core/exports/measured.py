@@ -27,6 +27,8 @@ OUTPUT_HEAD = "lm_head"
 # DeepSpeed's ZeRO stage for each sharding; hybrid is stage 3 over all ranks there (DeepSpeed
 # 0.19 removed MiCS, its only way to shard within groups: the DeepSpeed text says so).
 ZERO_STAGES = {Sharding.ZERO1: 1, Sharding.ZERO2: 2, Sharding.ZERO3: 3, Sharding.HYBRID: 3}
+# torch's name of the dtype each mixed precision autocasts to (fp32 runs without autocast).
+_AUTOCAST_DTYPES = {Precision.BF16: "bfloat16", Precision.FP16: "float16"}
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class MeasuredRun:
     training: TrainingSpec
     token_model: bool
     runs_out_below: tuple[int, ...] = ()  # smaller micro-batches that run out
+    allocator_conf: str | None = None  # PYTORCH_ALLOC_CONF to set, when not the device's own
 
     @classmethod
     def of(
@@ -69,11 +72,17 @@ class MeasuredRun:
             training=training or TrainingSpec(),
             token_model=token_model,
             runs_out_below=tuple(rec.runs_out_below),
+            allocator_conf=rec.allocator_conf,
         )
 
     @property
     def precision(self) -> Precision:
         return self.training.precision
+
+    @property
+    def autocast_dtype(self) -> str | None:
+        """torch's name of the dtype the step autocasts to; None for fp32 (no autocast)."""
+        return _AUTOCAST_DTYPES.get(self.precision)
 
     @property
     def bf16_weights(self) -> bool:

@@ -10,8 +10,11 @@ keeping every batch at the measured size when smaller sizes run out.
 
 from __future__ import annotations
 
-from autotune.core.exports.measured import MeasuredRun
+from autotune.core.exports.measured import ZERO_STAGES, MeasuredRun
 from autotune.core.schemas import Sharding
+
+# The variable torch 2.13 reads (`PYTORCH_CUDA_ALLOC_CONF`, the older name, still wins if set).
+ALLOCATOR_VARIABLE = "PYTORCH_ALLOC_CONF"
 
 
 def shared_notes(run: MeasuredRun) -> list[str]:
@@ -33,7 +36,26 @@ def shared_notes(run: MeasuredRun) -> list[str]:
             f"{run.micro_batch}, the last one too: drop_last=True in the DataLoader",
             "(dataloader_drop_last / drop_last in the configs), or pack samples",
         ]
+    conf = run.allocator_conf
+    if conf is not None:
+        lines += [
+            f"measured with the caching allocator's {conf}: set PYTORCH_ALLOC_CONF={conf}",
+            "before CUDA starts (torch reads it once); in a shell, before the launcher:",
+            f"PYTORCH_ALLOC_CONF={conf} accelerate launch / torchrun / deepspeed / axolotl ...",
+        ]
     return lines
+
+
+def allocator_lines(run: MeasuredRun) -> str:
+    """Python that sets the measured allocator settings, to run before torch is imported (and
+    so before CUDA starts, when torch reads them); empty when the device's own were measured."""
+    if run.allocator_conf is None:
+        return ""
+    return (
+        "import os\n\n"
+        "# Before torch is imported: CUDA reads the allocator's settings once, as it starts.\n"
+        f"os.environ[{ALLOCATOR_VARIABLE!r}] = {run.allocator_conf!r}\n"
+    )
 
 
 def _sizes(sizes: tuple[int, ...]) -> str:
@@ -83,7 +105,7 @@ def data_parallel_note(run: MeasuredRun) -> str:
             f"torch FSDP2 ({how});",
             "gradients reduce-scattered after every micro-batch.",
         ]
-    stage = {Sharding.ZERO1: 1, Sharding.ZERO2: 2}.get(run.sharding, 3)
+    stage = ZERO_STAGES[run.sharding]
     return comment(
         [f"{run.world_size} ranks, ZeRO stage {stage}: memory per rank was measured with"]
         + measured

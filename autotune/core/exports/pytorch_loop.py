@@ -18,7 +18,6 @@ from autotune.core.schemas import OptimizerName, Precision, Sharding
 
 _TEMPLATES = "autotune.templates"
 _TASK_MARKER = "# autotune-template: task\n"
-_AUTOCAST_DTYPES = {Precision.BF16: "bfloat16", Precision.FP16: "float16"}
 
 
 def _template(name: str) -> str:
@@ -94,7 +93,7 @@ def _setup_lines(run: MeasuredRun) -> str:
         scaler = " with a GradScaler" if run.precision is Precision.FP16 else ""
         lines.append(
             "fp32 weights, forward under "
-            f"torch.autocast(dtype=torch.{_AUTOCAST_DTYPES[run.precision]}){scaler}.\n"
+            f"torch.autocast(dtype=torch.{run.autocast_dtype}){scaler}.\n"
         )
     if run.optimizer is OptimizerName.ADAMW_8BIT:
         eight_bit = run.eight_bit_adamw
@@ -156,7 +155,6 @@ def pytorch_loop(run: MeasuredRun) -> str:
     if loop.count(_TASK_MARKER) != 1:
         raise AssertionError(f"template train_loop.py: no single {_TASK_MARKER!r}")
     loop = loop.replace(_TASK_MARKER, task)
-    autocast = None if run.precision is Precision.FP32 else _AUTOCAST_DTYPES[run.precision]
     for name, value in (
         ("MICRO_BATCH", str(run.micro_batch)),
         ("ACCUMULATION_STEPS", str(run.accumulation_steps)),
@@ -169,12 +167,13 @@ def pytorch_loop(run: MeasuredRun) -> str:
             if run.checkpointed_blocks is not None
             else "None",
         ),
-        ("AUTOCAST_DTYPE", _string(autocast)),
+        ("AUTOCAST_DTYPE", _string(run.autocast_dtype)),
         ("WEIGHTS_DTYPE", _string("bfloat16" if run.bf16_weights else "float32")),
         ("OPTIMIZER", _string(run.optimizer.value)),
         ("LORA", _literal(run.lora)),
         ("SHARDING", _string(run.sharding.value)),
         ("SHARD_GROUP_SIZE", str(run.training.shard_group_size or 1)),
+        ("ALLOCATOR_CONF", _string(run.allocator_conf)),
     ):
         loop = _set_constant(loop, name, value)
     return f"{header}\n{_import_block(loop_imports + task_imports)}\n{loop}"

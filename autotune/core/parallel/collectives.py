@@ -99,10 +99,8 @@ def bus_bytes_per_s(group: Group, topology: Topology) -> float:
 def _ring_latency_s(
     collective: Collective, group: Group, topology: Topology, latency: CollectiveLatency
 ) -> float:
-    steps = {
-        Collective.ALL_REDUCE: 2 * (group.ranks - 1),
-        Collective.BROADCAST: group.ranks - 1,
-    }.get(collective, group.ranks - 1)
+    # n - 1 ring steps; an all-reduce is a reduce-scatter then an all-gather, twice as many.
+    steps = (2 if collective is Collective.ALL_REDUCE else 1) * (group.ranks - 1)
     network_steps = steps * (group.nodes - 1) // max(group.ranks - 1, 1)
     intra_s = latency.ring_nvlink_s if topology.intra_kind == "nvlink" else latency.ring_pcie_s
     return (

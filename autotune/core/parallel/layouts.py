@@ -23,14 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from autotune.core.memory.gradient_buckets import BUCKET_CAP_BYTES, FIRST_BUCKET_CAP_BYTES
 from autotune.core.parallel.collectives import Collective, Group
 from autotune.core.parallel.topology import Topology
 from autotune.core.schemas import Phase, Sharding, TrainingSpec
-
-# DDP closes its first bucket at 1 MiB and the others at bucket_cap_mb (25 MiB): how many
-# all-reduces carry the gradients (docs/design.md#data-parallel).
-DDP_FIRST_BUCKET_BYTES = 2**20
-DDP_BUCKET_BYTES = 25 * 2**20
 
 Cadence = Literal["micro_step", "optimizer_step"]
 
@@ -100,9 +96,12 @@ class Transfer:
 
 
 def _ddp_buckets(size_bytes: int) -> int:
-    if size_bytes <= DDP_FIRST_BUCKET_BYTES:
+    """How many all-reduces carry the gradients: DDP closes its first bucket at 1 MiB and the
+    others at bucket_cap_mb (25 MiB; `autotune.core.memory.gradient_buckets` places them
+    tensor by tensor, docs/design.md#data-parallel)."""
+    if size_bytes <= FIRST_BUCKET_CAP_BYTES:
         return 1
-    return 1 + -(-(size_bytes - DDP_FIRST_BUCKET_BYTES) // DDP_BUCKET_BYTES)
+    return 1 + -(-(size_bytes - FIRST_BUCKET_CAP_BYTES) // BUCKET_CAP_BYTES)
 
 
 def _ddp(model: ModelParameters, world: Group) -> list[Transfer]:
@@ -192,7 +191,7 @@ def layout_transfers(
                 Transfer(
                     "updated parameter broadcast (ZeroRedundancyOptimizer)",
                     Collective.BROADCAST,
-                    sum(p.numel * p.element_size for p in trained),
+                    model.trainable_bytes,
                     len(trained),
                     world,
                     Phase.OPTIMIZER,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import uuid
 import weakref
+from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from types import TracebackType
@@ -40,7 +41,7 @@ from autotune.core.gpus.cuda_reserve import (
     context_bytes,
 )
 from autotune.core.memory.allocator import AllocatorOutOfMemory, BlockId, CachingAllocator
-from autotune.core.memory.allocator_config import AllocatorConfig
+from autotune.core.memory.allocator_config import AllocatorConfig, config_from_environ
 from autotune.engine.devices.cuda_runtime import CudaProperties
 from autotune.engine.devices.nvml import NvmlLibrary
 from autotune.engine.devices.simulated_nvml import NvmlDevice, NvmlState, SimulatedNvml
@@ -105,6 +106,9 @@ class SimulatedCuda:
         nvml_installed: False: no pynvml at all.
         other_processes_bytes: memory other processes hold on the device.
         allocator_config: the caching allocator's settings (torch's defaults when None).
+        environ: the process environment CUDA reads the allocator's settings from when it
+            initializes, as torch does at the first tensor on the card (`PYTORCH_ALLOC_CONF`,
+            `PYTORCH_CUDA_ALLOC_CONF`); they replace `allocator_config` then. None: not read.
         cudnn_max_elements: the largest convolution input cuDNN accepts.
     """
 
@@ -119,8 +123,10 @@ class SimulatedCuda:
         nvml_installed: bool = True,
         other_processes_bytes: int = 0,
         allocator_config: AllocatorConfig | None = None,
+        environ: Mapping[str, str] | None = None,
         cudnn_max_elements: int = CUDNN_MAX_ELEMENTS,
     ) -> None:
+        self._environ = environ
         self.gpu = gpu
         self.mig = mig
         self._nvml_state = nvml
@@ -191,6 +197,12 @@ class SimulatedCuda:
         self._check_index(index)
         if self._session is None:
             raise RuntimeError("enter the SimulatedCuda (a `with` block) before using it")
+        if self._environ is not None and self.context_bytes == 0:
+            # torch's caching allocator reads its settings once, as CUDA starts: what the
+            # environment says then holds for the process's life.
+            config = config_from_environ(self._environ)
+            self._allocator.reconfigure(config)
+            self._allocator.set_memory_fraction(config.per_process_memory_fraction)
         torch.zeros(1)  # as torch's first tensor on the device: the context and one block
 
     def properties(self, index: int) -> CudaProperties:
@@ -269,6 +281,11 @@ class SimulatedCuda:
         return SimulatedNvml(card, mig_device=slice_device, state=self._nvml_state)
 
     # -- the device's memory ----------------------------------------------------------------
+
+    @property
+    def allocator_config(self) -> AllocatorConfig:
+        """The caching allocator's settings in force (read from `environ` at initialization)."""
+        return self._allocator.config
 
     @property
     def outside_allocator_bytes(self) -> int:

@@ -428,6 +428,12 @@ class _HfCheckpointing:
             layer.gradient_checkpointing = self._count is None or index < self._count
 
 
+def hf_checkpointing(model: nn.Module) -> _HfCheckpointing:
+    """The checkpointing switch (all layers, or the first k) of a transformers model that
+    supports it, for a workload built around a model someone already has."""
+    return _HfCheckpointing(model)
+
+
 # ---------------------------------------------------------------------------------------------
 # Source 4: user factories.
 

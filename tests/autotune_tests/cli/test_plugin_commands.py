@@ -174,7 +174,7 @@ def test_tune_records_through_the_installed_recorder_and_skips_it_without_the_se
     (tmp_path / "spec.yaml").write_text(
         "model: {preset: mlp}\ntraining: {target_global_batch: 8}\n"
     )
-    argv = ["tune", "spec.yaml", "--device", "cpu", "--memory", "20MiB"]
+    argv = ["tune", "spec.yaml", "--device", "cpu", "--memory", "20MiB", "--no-advice"]
     argv += ["--seconds-per-trial", "0.05", "--db", f"sqlite:///{tmp_path / 'runs.db'}"]
     recorded = autotune({}, *argv, cwd=tmp_path)
     assert recorded.returncode == 1, recorded.stderr

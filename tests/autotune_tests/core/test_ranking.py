@@ -3,7 +3,7 @@ configuration is within the measured noise of it."""
 
 from __future__ import annotations
 
-from autotune.core.ranking import choose, ties_with
+from autotune.core.ranking import choose, recommendable, ties_with
 from autotune.core.schemas import Trial, TrialState
 
 
@@ -50,3 +50,16 @@ def test_a_difference_beyond_the_noise_is_kept() -> None:
 def test_no_spread_means_no_tie() -> None:
     assert choose([measured(0, 32, 2, 100.0, 0.0), measured(1, 16, 4, 100.5, 0.0)]).number == 1
     assert choose([]) is None
+
+
+def test_recommendable_keeps_the_headroom_when_it_can() -> None:
+    roomy = measured(0, 8, 4, 90.0, 0.0).model_copy(update={"peak_bytes": 800})
+    tight = measured(1, 16, 2, 120.0, 0.0).model_copy(update={"peak_bytes": 990})
+    out_of_memory = Trial(
+        number=2, micro_batch=32, accumulation_steps=1, checkpointing=False, state=TrialState.OOM
+    )
+    trials = [roomy, tight, out_of_memory]
+    assert recommendable(trials, budget_bytes=900) == [roomy]
+    # Nothing within the headroom: every complete trial, never one that ran out.
+    assert recommendable(trials, budget_bytes=500) == [roomy, tight]
+    assert recommendable([out_of_memory], budget_bytes=900) == []

@@ -1076,6 +1076,38 @@ def test_past_a_dip_predictions_that_miss_are_tried_twice_at_most(
     )
 
 
+def test_a_hint_at_the_edge_of_a_dip_takes_one_more_fit_point_to_look_past_it() -> None:
+    # The plain answer as a hint for checkpointing, at a size whose next one runs out: the
+    # hint and its next size close the bracket with one trace, no model. One trial at b=2 fits
+    # a model with the hint's trace, which sees the largest size that fits past the dip.
+    device = AllocatorDevice(24 * MiB, trace=split_cache_allocations)
+    largest = device.brute_force_max(64)
+    edges = [b for b in range(3, largest) if device.outcome(b).fits and b + 1 in dips(device)]
+    assert edges and largest == 44
+    hint = edges[0]
+    result = find_max_micro_batch(
+        device.fits, cap=64, capacity_bytes=device.capacity_bytes, known_fitting=hint
+    )
+    assert result.max_micro_batch == largest
+    assert device.calls == [hint, hint + 1, 2, largest, largest + 1]
+    assert result.runs_out_below == runs_out_below(device, largest)
+
+
+def test_a_hint_without_allocations_closes_without_a_fit_point_below() -> None:
+    # No allocations recorded: no model could look past a dip, so no trial is spent on one.
+    device = AllocatorDevice(24 * MiB, trace=split_cache_allocations, record_allocations=False)
+    hint = next(b for b in range(3, 44) if device.outcome(b).fits and b + 1 in dips(device))
+    result = find_max_micro_batch(
+        device.fits, cap=64, capacity_bytes=device.capacity_bytes, known_fitting=hint
+    )
+    assert device.calls == [hint, hint + 1]
+    assert result.max_micro_batch == hint
+
+
+def dips(device: AllocatorDevice) -> set[int]:
+    return {b for b in range(2, 65) if not device.outcome(b).fits}
+
+
 def test_allocation_model_largest_fitting_scans_past_dips() -> None:
     model = AllocationModel.fit(2, split_cache_allocations(2), 3, split_cache_allocations(3))
     assert model is not None

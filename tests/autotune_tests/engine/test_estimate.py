@@ -93,6 +93,33 @@ def test_every_trial_is_the_emulated_gpus_to_the_byte(name: str) -> None:
             )
 
 
+def test_a_warm_runner_answers_a_trial_again_as_a_fresh_runner_traces_it() -> None:
+    """A warm runner answers a trial it traced before from that trace (the tuner asks for the
+    probe's sizes again): each answer, asked in any order and again, is what a fresh warm runner
+    traces for that trial alone, so what the answers are kept by is all a trial depends on."""
+    spec = _spec("llama-tiny", world_size=2)
+    capacity_bytes = _capacities(spec)[0]  # the plain step fits about 3 samples
+    runner = EstimateRunner(spec, capacity_bytes=capacity_bytes)
+    assert runner.warm_up().fits
+    trials = [
+        (4, 1, False, None),
+        (4, 1, True, None),
+        (2, 1, False, None),
+        (2, 2, False, None),
+        (2, 8, False, None),
+        (2, 1, True, 1),
+        (2, 1, False, 1),  # blocks are ignored without checkpointing
+        (4, 1, True, 2),
+    ]
+    first = [runner.trial(b, g, checkpointing=c, checkpointed_blocks=k) for b, g, c, k in trials]
+    assert {outcome.fits for outcome in first} == {True, False}
+    for (b, g, c, k), outcome in reversed(list(zip(trials, first, strict=True))):
+        assert runner.trial(b, g, checkpointing=c, checkpointed_blocks=k) == outcome
+        fresh = EstimateRunner(spec, capacity_bytes=capacity_bytes)
+        assert fresh.warm_up().fits
+        assert fresh.trial(b, g, checkpointing=c, checkpointed_blocks=k) == outcome, (b, g, c, k)
+
+
 @pytest.mark.parametrize("weights", ["fp32", "bf16"])
 def test_saved_modules_beside_adapters_trace_as_on_the_emulated_gpu(weights: str) -> None:
     """peft deep-copies `modules_to_save`; the copies' fake tensors trace in the estimate's own
@@ -175,12 +202,15 @@ def test_the_speed_is_a_roofline_on_the_named_card() -> None:
     assert any("roofline" in line for line in a100.device_info.assumptions)
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_a_long_accumulation_is_timed_from_two_and_three_micro_steps(world_size: int) -> None:
+@pytest.mark.parametrize(("name", "world_size"), [("cnn", 1), ("cnn", 2), ("llama-tiny", 1)])
+def test_a_long_accumulation_is_timed_from_two_and_three_micro_steps(
+    name: str, world_size: int
+) -> None:
     """The middle micro-steps of a step run the same kernels (the first allocates the
-    gradients, the last synchronises the ranks): 5 micro-steps traced in full are 2 and 3
-    micro-steps' times extrapolated, and so is a step of 8 (which is not traced in full)."""
-    spec = _spec("cnn", world_size=world_size)
+    gradients, the last synchronises the ranks): steps of 5 and 8 micro-steps, timed from the
+    middle one of 3 traced, are 2 and 3 micro-steps traced in full and extrapolated."""
+    # A token model's step also counts each micro-batch's tokens before the first forward.
+    spec = _spec(name, world_size=world_size)
     runner = EstimateRunner(spec, gpu=budget_for(find_gpu("H100 80GB"), world_size))
     assert runner.warm_up().fits
     for checkpointing in (False, True):
@@ -236,3 +266,32 @@ def test_what_reads_values_inside_a_step_is_refused_by_name(
 ) -> None:
     with pytest.raises(SpecError, match=field):
         EstimateRunner(_spec("gpt2-tiny", **training), capacity_bytes=HUGE_BYTES)
+
+
+class _Stop(Exception):
+    """What a worker's check raises to stop an estimate (a cancel, a shutdown, a limit)."""
+
+
+def test_a_stop_while_the_model_is_built_is_raised_even_where_the_build_catches_it() -> None:
+    """The check runs while the model is built (a 2,000-layer model takes minutes), and a build
+    that catches every error of its layers still ends in the stop: every torch call after it
+    raises it again, and the build's end raises it."""
+    checks: list[int] = []
+
+    def stop_at_the_third_check() -> None:
+        checks.append(len(checks))
+        if len(checks) >= 3:
+            raise _Stop("stopped")
+
+    spec = Spec.model_validate(
+        {"model": {"factory": "tests.autotune_tests.factories:swallows_errors"}}
+    )
+    with pytest.raises(_Stop, match="stopped"):
+        EstimateRunner(
+            spec,
+            capacity_bytes=HUGE_BYTES,
+            allowed_factory_prefixes=["tests"],
+            interrupt=stop_at_the_third_check,
+        )
+    # Called until it stopped, never again: the stop was kept, not asked again.
+    assert len(checks) == 3

@@ -129,7 +129,9 @@ def test_fp16_is_traced_as_bf16_and_the_trials_verify_it() -> None:
         # and llama-tiny too, at 2.5x and 3x: 2 trials per mode, checked by hand).
         assert [a.micro_batch for a in mode.attempts] == [b, b + 1]
         assert mode.traced.predicted_max_micro_batch == b
-    assert _sizes(untraced) == [[2, 3, 16, 17], [16, 17]]  # the plain max is the hint
+    # The plain max is the hint; it fits and 17 runs out, which leaves one trace: one more fit
+    # point at 2 gives a model that looks past a dip (none here).
+    assert _sizes(untraced) == [[2, 3, 16, 17], [16, 17, 2]]
 
 
 @pytest.mark.slow

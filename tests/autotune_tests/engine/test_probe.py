@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
+from autotune.core.memory.allocation_trace import replay_encoded
+from autotune.core.memory.allocator_config import parse_alloc_conf
 from autotune.core.presets import PRESETS
-from autotune.core.schemas import Phase, Spec, StepOutcome
+from autotune.core.schemas import DeviceInfo, DeviceKind, ModeProbe, Phase, Spec, StepOutcome
+from autotune.core.throughput import Measurement
 from autotune.engine.devices.device import EmulatedDevice
-from autotune.engine.probe import probe, run_step
+from autotune.engine.estimate import EstimateRunner
+from autotune.engine.probe import ExpandableSegments, probe, probe_session, run_step
 from autotune.engine.runner import InProcessRunner
 
 # The smallest preset of each family: within a family the presets differ only in size, which the
@@ -72,6 +78,29 @@ def test_probe_is_frugal_on_a_preset() -> None:
     result = probe(spec, EmulatedDevice(capacity_for_about_four(spec) * 3))
     for mode in result.modes:
         assert len(mode.attempts) <= 4, [a.micro_batch for a in mode.attempts]
+
+
+@pytest.mark.e2e
+def test_a_checkpointed_probe_hinted_at_the_edge_of_a_dip_answers_the_largest_that_fits() -> None:
+    # bench/results/estimator.md's llama-tiny row at about 162 MiB (the b=2 peak and one more
+    # sample, from the estimate at 2 and 8): the plain answer, 9, is the checkpointed mode's
+    # hint, and 10 runs out there. It answered 9 from those two trials; 18 is the largest size
+    # that fits, which one more fit point at b=2 lets the allocation model see.
+    spec = preset_spec("llama-tiny", precision="bf16")
+    estimate = EstimateRunner(spec, capacity_bytes=HUGE_BYTES)
+    assert estimate.warm_up().fits
+    two, eight = estimate.trial(2).peak_bytes, estimate.trial(8).peak_bytes
+    capacity_bytes = two + (eight - two) // 6
+    result = probe_session(InProcessRunner(spec, EmulatedDevice(capacity_bytes)))
+    plain, checkpointed = result.modes
+    tried = [attempt.micro_batch for attempt in checkpointed.attempts]
+    assert tried[:3] == [plain.max_micro_batch, plain.max_micro_batch + 1, 2]
+    assert checkpointed.max_micro_batch == 18
+    fresh = InProcessRunner(spec, EmulatedDevice(capacity_bytes))
+    assert fresh.warm_up(checkpointing=True).fits
+    assert not fresh.trial(19, checkpointing=True).fits
+    assert fresh.trial(18, checkpointing=True).fits
+    assert not fresh.trial(plain.max_micro_batch + 1, checkpointing=True).fits
 
 
 def test_headroom_lowers_the_recommendation_not_the_max() -> None:
@@ -189,3 +218,137 @@ def test_an_out_of_memory_says_which_allocation_failed_and_what_memory_held(
     # It travels with the attempt (JSON, the server, the run page) and only with an OOM.
     assert StepOutcome.model_validate_json(outcome.model_dump_json()).oom == oom
     assert runner.trial(1).oom is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Expandable segments as a knob: each mode again under them, traced, then verified.
+
+KiB = 2**10
+MiB = 2**20
+EXPANDABLE = "expandable_segments:True"
+
+
+def freed_then_growing(micro_batch: int) -> tuple[int, ...]:
+    """An encoded allocation trace: a temporary freed at once, then two tensors that grow with
+    b; the default allocator's segment rounding runs out at 17 on 40 MiB, expandable segments'
+    pages do not."""
+    b = micro_batch
+    return (512 * KiB * b, -1, 6 * MiB + MiB * b, MiB * b)
+
+
+class ReplayedSession:
+    """A session whose steps replay an allocation trace through the caching-allocator model
+    with its device's settings, as the emulated GPU's trials do; records the sizes it ran."""
+
+    def __init__(
+        self, trace: Callable[[int], tuple[int, ...]], capacity_bytes: int, conf: str | None
+    ) -> None:
+        self.trace = trace
+        self.config = parse_alloc_conf(conf) if conf else None
+        self.spec = preset_spec("mlp")
+        self.device_info = DeviceInfo(
+            kind=DeviceKind.EMULATED,
+            name="replayed",
+            total_memory_bytes=capacity_bytes,
+            capacity_bytes=capacity_bytes,
+            allocator_conf=conf,
+        )
+        self.supports_checkpointing = False
+        self.tokens_per_sample = None
+        self.num_blocks = None
+        self.calls: list[int] = []
+
+    def outcome(self, micro_batch: int) -> StepOutcome:
+        trace = self.trace(micro_batch)
+        replayed = replay_encoded(trace, self.device_info.capacity_bytes, self.config)
+        return StepOutcome(
+            micro_batch=micro_batch,
+            fits=replayed.fits,
+            peak_bytes=replayed.stats.peak_reserved_bytes,
+            series=(replayed.stats.peak_allocated_bytes,) if replayed.fits else None,
+            allocations=trace if replayed.fits else None,
+        )
+
+    def warm_up(self, *, checkpointing: bool) -> StepOutcome:
+        return self.outcome(1)
+
+    def trial(
+        self,
+        micro_batch: int,
+        accumulation_steps: int = 1,
+        *,
+        checkpointing: bool,
+        checkpointed_blocks: int | None = None,
+    ) -> StepOutcome:
+        self.calls.append(micro_batch)
+        return self.outcome(micro_batch)
+
+    def measure(
+        self,
+        micro_batch: int,
+        accumulation_steps: int,
+        *,
+        checkpointing: bool,
+        target_seconds: float,
+        checkpointed_blocks: int | None = None,
+    ) -> Measurement | None:
+        raise AssertionError("a probe measures nothing")
+
+    def fit_points(self, *, checkpointing: bool) -> list[StepOutcome]:
+        """Traced: the same steps, never counted as trials."""
+        return [self.outcome(2), self.outcome(3)]
+
+    def largest_fitting(self) -> int:
+        return max(b for b in range(1, 65) if self.outcome(b).fits)
+
+
+def _probe_with_expandable(
+    trace: Callable[[int], tuple[int, ...]], capacity_bytes: int
+) -> tuple[ReplayedSession, ReplayedSession, list[ModeProbe]]:
+    default = ReplayedSession(trace, capacity_bytes, None)
+    expandable = ReplayedSession(trace, capacity_bytes, EXPANDABLE)
+    result = probe_session(default, expandable=ExpandableSegments(expandable, expandable))
+    return default, expandable, result.modes
+
+
+def test_expandable_segments_that_raise_the_answer_are_verified_and_recommended() -> None:
+    default, expandable, modes = _probe_with_expandable(freed_then_growing, 40 * MiB)
+    (mode,) = modes
+    assert mode.max_micro_batch == default.largest_fitting() == 16
+    option = mode.expandable_segments
+    assert option is not None and option.allocator_conf == EXPANDABLE
+    assert option.traced_max_micro_batch == option.max_micro_batch == 17
+    assert expandable.largest_fitting() == 17
+    # The trace was right: verified from both sides in 2 trials.
+    assert expandable.calls == [17, 18] and option.trials == 2
+    assert option.recommended
+
+
+def test_expandable_segments_that_lower_the_answer_are_not_recommended() -> None:
+    # Two tensors, the first freed, then a larger one: the default allocator's cache fits 44 past
+    # a dip (26-39 run out); expandable segments have no dip, which the trace predicts, but
+    # stop at 25: verified by trials, not recommended.
+    def split_cache(micro_batch: int) -> tuple[int, ...]:
+        b = micro_batch
+        return (256 * KiB * b, 256 * KiB * b, -1, MiB + 256 * KiB * b)
+
+    default, expandable, modes = _probe_with_expandable(split_cache, 24 * MiB)
+    (mode,) = modes
+    assert mode.max_micro_batch == 44 and mode.runs_out_below
+    option = mode.expandable_segments
+    assert option is not None
+    assert option.traced_max_micro_batch == option.max_micro_batch == 25
+    assert option.runs_out_below == [] and not option.recommended
+    assert expandable.calls == [25, 26]
+
+
+def test_expandable_segments_that_change_nothing_cost_no_trial() -> None:
+    def steady(micro_batch: int) -> tuple[int, ...]:
+        return (20 * MiB, 2 * MiB * micro_batch)
+
+    default, expandable, modes = _probe_with_expandable(steady, 64 * MiB)
+    option = modes[0].expandable_segments
+    assert option is not None and option.traced_max_micro_batch is not None
+    assert option.traced_max_micro_batch <= modes[0].max_micro_batch
+    assert option.max_micro_batch is None and not option.recommended
+    assert expandable.calls == []

@@ -13,10 +13,20 @@ import pytest
 
 from autotune.core.candidates import Candidate
 from autotune.core.ranking import choose, ties_with
-from autotune.core.schemas import Spec, TrialState, TuneResult
+from autotune.core.schemas import (
+    AllocatorOption,
+    DeviceInfo,
+    DeviceKind,
+    ModeProbe,
+    ProbeResult,
+    Recommendation,
+    Spec,
+    TrialState,
+    TuneResult,
+)
 from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.runner import InProcessRunner
-from autotune.engine.tuner import default_trial_budget, priority_candidates, tune
+from autotune.engine.tuner import _with_dips, default_trial_budget, priority_candidates, tune
 from tests.probes_tests.factories import wide_spec
 
 # The module's tunings are shared (`tuned`): its tests run in one xdist worker.
@@ -284,3 +294,47 @@ def test_steps_that_fit_only_without_the_headroom_are_explained(tmp_path: Path) 
     assert result.infeasible.reason.startswith(
         f"micro-batches up to {mode.max_micro_batch} fit, but none leaves the 5% headroom free"
     )
+
+
+@pytest.mark.parametrize(
+    ("expandable_max", "expandable_dips", "recommended", "holds_for_expandable"),
+    [(20, [], True, True), (17, [], True, False), (20, [9], True, False), (20, [], False, False)],
+    ids=["dips-removed", "below-the-pick", "dips-left", "not-recommended"],
+)
+def test_a_recommendation_above_dips_holds_for_expandable_segments_that_remove_them(
+    expandable_max: int, expandable_dips: list[int], recommended: bool, holds_for_expandable: bool
+) -> None:
+    conf = "expandable_segments:True"
+    mode = ModeProbe(
+        checkpointing=False,
+        max_micro_batch=20,
+        recommended_micro_batch=20,
+        capped=False,
+        attempts=[],
+        runs_out_below=[10, 13],
+        expandable_segments=AllocatorOption(
+            allocator_conf=conf,
+            traced_max_micro_batch=expandable_max,
+            max_micro_batch=expandable_max,
+            runs_out_below=expandable_dips,
+            recommended=recommended,
+        ),
+    )
+    device = DeviceInfo(
+        kind=DeviceKind.EMULATED, name="cpu", total_memory_bytes=2000, capacity_bytes=2000
+    )
+    rec = Recommendation(
+        micro_batch=18,
+        accumulation_steps=1,
+        checkpointing=False,
+        world_size=1,
+        global_batch=18,
+        samples_per_s=1.0,
+        peak_bytes=1000,
+        capacity_bytes=2000,
+    )
+    chosen = _with_dips(rec, ProbeResult(device=device, modes=[mode]))
+    if holds_for_expandable:
+        assert chosen.allocator_conf == conf and chosen.runs_out_below == []
+    else:
+        assert chosen.allocator_conf is None and chosen.runs_out_below == [10, 13]

@@ -143,6 +143,37 @@ def test_every_export_says_to_keep_batches_out_of_the_sizes_that_run_out() -> No
     )
 
 
+def test_every_export_sets_the_allocator_settings_the_recommendation_holds_for() -> None:
+    conf = "expandable_segments:True"
+    rec = _rec(18, 2).model_copy(update={"allocator_conf": conf})
+    exports = _exports(rec)
+    assert exports.allocator_conf == conf
+    texts = render_exports(type(exports).model_validate_json(exports.model_dump_json()))
+    for name, text in texts.items():
+        if name == "deepspeed":
+            continue  # JSON: its notes are in deepspeed_notes
+        assert f"PYTORCH_ALLOC_CONF={conf}" in text or f'"{conf}"' in text, name
+    # The Python texts set it before torch (or anything importing it) is imported.
+    for name, first_import in (("hf", "from transformers"), ("lightning", "import lightning")):
+        text = texts[name]
+        assert f"os.environ['PYTORCH_ALLOC_CONF'] = '{conf}'" in text, name
+        assert text.index("os.environ[") < text.index(first_import), name
+        compile(text, f"<{name}>", "exec")
+    loop = texts["pytorch_loop"]
+    compile(loop, "<loop>", "exec")
+    assert f'ALLOCATOR_CONF: str | None = "{conf}"' in loop
+    # Set first thing in main(), before anything touches CUDA.
+    main = loop[loop.index("def main() -> None:") :].splitlines()[1:4]
+    assert main[0] == "    if ALLOCATOR_CONF is not None:"
+    assert main[2] == '        os.environ["PYTORCH_ALLOC_CONF"] = ALLOCATOR_CONF'
+    assert f"PYTORCH_ALLOC_CONF={conf}" in texts["deepspeed_notes"]
+    yaml.safe_load(texts["axolotl"])
+    # The device's own settings: nothing is said or set.
+    plain = render_exports(_exports(_rec(18, 2)))
+    assert not any("PYTORCH_ALLOC_CONF" in plain[name] for name in plain if name != "pytorch_loop")
+    assert "ALLOCATOR_CONF: str | None = None" in plain["pytorch_loop"]
+
+
 def test_every_export_on_several_ranks_says_how_ddp_was_measured() -> None:
     exports = _exports(_rec(8, 4, world=2))
     texts = render_exports(exports)

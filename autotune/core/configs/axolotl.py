@@ -1,0 +1,226 @@
+"""An Axolotl YAML config as a spec. Key names are the export's (`AXOLOTL_KEYS`, read from
+Axolotl's schema); the defaults are that schema's where the file leaves a key out.
+
+Mapped: `base_model` (or `--model`), `sequence_len`, `sample_packing`, `micro_batch_size` x
+`gradient_accumulation_steps` (x one rank) as the target global batch, `adapter: lora` with
+`lora_*`, `bf16`/`fp16`/`tf32`, `optimizer`, `gradient_checkpointing` (both modes are probed).
+Refused: a quantized base (`adapter: qlora`, `load_in_4bit`, `load_in_8bit`): autotune builds
+the base in bf16 or fp32 and has no model of 4- or 8-bit weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from autotune.core.configs.conversion import (
+    SEARCH_CAP,
+    ConfigFormat,
+    Converted,
+    build_spec,
+    positive_int,
+    refuse,
+)
+from autotune.core.configs.model_source import model_source
+from autotune.core.configs.optimizer_names import optimizer_named
+from autotune.core.exports.axolotl import AXOLOTL_KEYS
+from autotune.core.schemas import LoraSpec, Precision, WeightsDtype
+
+_K = AXOLOTL_KEYS
+# Axolotl's schema defaults (utils/schemas/config.py, training.py) for keys a file leaves out.
+DEFAULT_SEQUENCE_LEN = 512
+DEFAULT_OPTIMIZER = "adamw_torch_fused"
+# peft's LoraConfig defaults, which Axolotl passes on when lora_r / lora_alpha are unset.
+DEFAULT_LORA_R = 8
+DEFAULT_LORA_ALPHA = 8
+BASE_MODEL = "base_model"
+# Keys that do not change what a training step holds in memory.
+_NOT_MEMORY = frozenset(
+    {
+        "base_model_config",
+        "model_type",
+        "tokenizer_type",
+        "tokenizer_config",
+        "strict",
+        "trust_remote_code",
+        "datasets",
+        "test_datasets",
+        "dataset_prepared_path",
+        "val_set_size",
+        "output_dir",
+        "hub_model_id",
+        "hub_strategy",
+        "chat_template",
+        "eval_sample_packing",
+        "num_epochs",
+        "max_steps",
+        "lr_scheduler",
+        "learning_rate",
+        "warmup_ratio",
+        "warmup_steps",
+        "weight_decay",
+        "max_grad_norm",
+        "logging_steps",
+        "evals_per_epoch",
+        "eval_steps",
+        "saves_per_epoch",
+        "save_steps",
+        "save_total_limit",
+        "save_first_step",
+        "resume_from_checkpoint",
+        "auto_resume_from_checkpoints",
+        "special_tokens",
+        "tokens",
+        "loss_watchdog_threshold",
+        "loss_watchdog_patience",
+        "lora_model_dir",
+        "early_stopping_patience",
+        "seed",
+        "train_on_inputs",
+        "group_by_length",
+        "dataset_processes",
+        "shuffle_merged_datasets",
+        "load_best_model_at_end",
+        "gradient_checkpointing_kwargs",
+        "eval_batch_size",
+        "pad_to_sequence_len",
+    }
+)
+_QUANTIZED_BASE = ("load_in_4bit", "load_in_8bit")
+
+
+def is_axolotl(data: dict[str, Any]) -> bool:
+    return BASE_MODEL in data or _K["micro_batch"] in data
+
+
+def convert(data: dict[str, Any], path: Path, *, model: str | None) -> Converted:
+    """Raises:
+    SpecError: a setting autotune cannot model, or a value Axolotl would not take.
+    """
+    notes: list[str] = []
+    used = {BASE_MODEL}
+    adapter = data.get(_K["adapter"])
+    if adapter == "qlora":
+        raise refuse(
+            _K["adapter"],
+            "qlora trains adapters on a 4-bit base, which autotune does not model (it builds "
+            "the base in bf16 or fp32); size the run with adapter: lora",
+        )
+    for key in _QUANTIZED_BASE:
+        if data.get(key):
+            raise refuse(key, "a quantized base, which autotune does not model")
+        used.add(key)
+    if model is None and not isinstance(data.get(BASE_MODEL), str):
+        raise refuse(BASE_MODEL, "missing: a hub id or a local model directory is needed")
+    source = (
+        model_source(model, key="--model")
+        if model
+        else model_source(data[BASE_MODEL], key=BASE_MODEL)
+    )
+    if model is not None:
+        notes.append(f"{BASE_MODEL}: replaced by --model {model}")
+
+    seq_len = positive_int(data, _K["sequence_len"], DEFAULT_SEQUENCE_LEN)
+    if not data.get(_K["sample_packing"]):
+        notes.append(
+            f"{_K['sample_packing']}: off; every sample sized at {_K['sequence_len']} "
+            f"{seq_len} (the longest it may be)"
+        )
+    micro = positive_int(data, _K["micro_batch"], 1)
+    accumulation = positive_int(data, _K["accumulation"], 1)
+    used |= {_K["sequence_len"], _K["sample_packing"], _K["micro_batch"], _K["accumulation"]}
+    notes.append(
+        f"target global batch {micro * accumulation} = {_K['micro_batch']} {micro} x "
+        f"{_K['accumulation']} {accumulation} x 1 rank (the file does not say how many)"
+    )
+
+    precision, weights = _precision(data, notes)
+    used |= {_K["bf16"], _K["fp16"], _K["tf32"], "bfloat16", "float16"}
+    optimizer_name = data.get(_K["optimizer"]) or DEFAULT_OPTIMIZER
+    optimizer, differs = optimizer_named(_K["optimizer"], optimizer_name)
+    if differs:
+        notes.append(f"{_K['optimizer']}: {optimizer_name} {differs}")
+    used |= {_K["optimizer"], _K["optimizer_args"]}
+
+    lora = _lora(data, adapter, notes, used)
+    checkpointing = data.get(_K["checkpointing"])
+    if checkpointing not in (None, True, False):
+        notes.append(
+            f"{_K['checkpointing']}: {checkpointing!r} measured as checkpointing in GPU memory"
+        )
+    used.add(_K["checkpointing"])
+    for key in (_K["deepspeed"], "fsdp", _K["fsdp_config"], _K["fsdp_version"]):
+        if data.get(key):
+            notes.append(f"{key}: shards across ranks; sized for one GPU, nothing sharded")
+        used.add(key)
+
+    notes += [
+        f"{key}: not modelled"
+        for key, value in data.items()
+        if key not in used
+        and key not in _NOT_MEMORY
+        and value is not None
+        and not key.startswith(("wandb_", "mlflow_", "comet_"))
+    ]
+    spec = build_spec(
+        source,
+        seq_len=seq_len,
+        precision=precision,
+        weights=weights,
+        tf32=data.get(_K["tf32"]) if isinstance(data.get(_K["tf32"]), bool) else None,
+        optimizer=optimizer,
+        lora=lora,
+        # A micro-batch above what one rank takes per step never serves the file's batch.
+        max_micro_batch=min(SEARCH_CAP, micro * accumulation),
+        target_global_batch=micro * accumulation,
+    )
+    return Converted(
+        spec=spec,
+        format=ConfigFormat.AXOLOTL,
+        path=path,
+        data=data,
+        unmapped=tuple(notes),
+    )
+
+
+def _precision(data: dict[str, Any], notes: list[str]) -> tuple[Precision, WeightsDtype]:
+    """Axolotl's `bf16: true` loads the weights in bf16 and trains them so (`resolve_dtype`);
+    its default `auto` does that on any GPU with bf16."""
+    bf16 = data.get(_K["bf16"], "auto") or data.get("bfloat16")
+    if data.get(_K["fp16"]) or data.get("float16"):
+        notes.append(
+            f"{_K['fp16']}: fp16 weights measured as fp32 weights under fp16 autocast "
+            "(more memory than the run)"
+        )
+        return Precision.FP16, WeightsDtype.FP32
+    if bf16 == "auto":
+        notes.append(f"{_K['bf16']}: auto taken as true (a GPU with bf16)")
+    if bf16:
+        return Precision.BF16, WeightsDtype.BF16
+    return Precision.FP32, WeightsDtype.FP32
+
+
+def _lora(
+    data: dict[str, Any], adapter: object, notes: list[str], used: set[str]
+) -> LoraSpec | None:
+    used |= {_K["adapter"], _K["lora_r"], _K["lora_alpha"], _K["lora_dropout"]}
+    used |= {_K["lora_target_modules"], _K["lora_modules_to_save"], "lora_target_linear"}
+    if adapter is None:
+        return None
+    if adapter != "lora":
+        raise refuse(_K["adapter"], f"{adapter!r}: autotune models lora adapters only")
+    targets: Any = data.get(_K["lora_target_modules"])
+    if data.get("lora_target_linear") or targets is None:
+        targets = "all-linear"
+    elif isinstance(targets, str):
+        targets = [targets]
+    try:
+        return LoraSpec(
+            r=data.get(_K["lora_r"]) or DEFAULT_LORA_R,
+            alpha=data.get(_K["lora_alpha"]) or DEFAULT_LORA_ALPHA,
+            dropout=data.get(_K["lora_dropout"]) or 0.0,
+            target_modules=targets,
+            modules_to_save=list(data.get(_K["lora_modules_to_save"]) or []),
+        )
+    except ValueError as error:
+        raise refuse(_K["adapter"], str(error).splitlines()[0]) from None

@@ -1,0 +1,102 @@
+"""`autotune tune|probe FILE` on real Axolotl example configs (tests/data/axolotl/SOURCE.md),
+with a tiny model of the same family standing in for the hub model: the recommendation as a
+diff against the file, `--write` changing only its keys, and refusals that exit 2 naming the
+field (autotune/cli/config_files.py)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from autotune.cli.main import main
+from autotune.core.configs.writeback import unified_diff
+from tests.autotune_tests.core.configs.models import (
+    AXOLOTL_EXAMPLES,
+    tiny_llama_directory,
+    tiny_qwen3_directory,
+)
+from tests.autotune_tests.core.configs.test_writeback import axolotl_validated, changed_lines
+
+LONG_CONTEXT = {"max_position_embeddings": 4096}  # the examples train at 2048 and 4096 tokens
+
+
+def tune(tmp_path: Path, config: Path, model: Path, *extra: str) -> int:
+    # An estimate for a named GPU: the examples' 2048-4096 tokens, traced, in seconds.
+    return main(
+        [
+            "tune",
+            str(config),
+            "--model",
+            str(model),
+            "--estimate",
+            "T4",
+            "--trials",
+            "1",
+            "--json",
+            "--db",
+            f"sqlite:///{tmp_path / 'runs.db'}",
+            *extra,
+        ]
+    )
+
+
+def copied(tmp_path: Path, name: str) -> tuple[Path, str]:
+    config = tmp_path / name
+    shutil.copy(AXOLOTL_EXAMPLES / name, config)
+    return config, config.read_text()
+
+
+@pytest.mark.e2e
+def test_tune_prints_the_diff_and_leaves_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config, before = copied(tmp_path, "llama-3-lora-1b.yml")
+    model = tiny_llama_directory(tmp_path, **LONG_CONTEXT)
+    assert tune(tmp_path, config, model) == 0
+    err = capsys.readouterr().err
+    assert f"read {config} (Axolotl config); not mapped or assumed:" in err
+    assert "attn_implementation: not modelled" in err
+    assert f"--- {config} (before)" in err and "+micro_batch_size: " in err
+    assert config.read_text() == before
+
+
+@pytest.mark.e2e
+def test_tune_write_changes_only_the_recommended_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config, before = copied(tmp_path, "qwen3-8b-lora-fused-attn.yaml")
+    model = tiny_qwen3_directory(tmp_path, **LONG_CONTEXT)
+    assert tune(tmp_path, config, model, "--write") == 0
+    after = config.read_text()
+    err = capsys.readouterr().err
+    assert unified_diff(before, after, str(config)) in err
+    assert f"wrote {config}" in err
+    changed = {line[1:].split(":")[0] for line in changed_lines(before, after)}
+    assert changed <= {"micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing"}
+    assert "micro_batch_size" in changed  # 1 x 4 on a T4 becomes 4 x 1 for the tiny model
+    # The comments stay, and Axolotl's own schema takes the file.
+    assert "# Opt-in fused RMSNorm + RoPE Triton kernel for Qwen3 attention." in after
+    validated = axolotl_validated(after)
+    assert validated.micro_batch_size * validated.gradient_accumulation_steps == 4  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", ["llama-3-qlora-1b.yml", "qwen3-32b-qlora.yaml"])
+def test_a_qlora_config_exits_2_naming_the_adapter(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["probe", str(AXOLOTL_EXAMPLES / name), "--estimate", "T4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("autotune: error: ")
+    assert f"{name}: adapter: qlora trains adapters on a 4-bit base" in err
+
+
+def test_a_deepspeed_file_without_a_model_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "ds.json"
+    config.write_text('{"train_micro_batch_size_per_gpu": 4}')
+    assert main(["probe", str(config), "--estimate", "T4"]) == 2
+    assert "ds.json: --model: a DeepSpeed config names no model" in capsys.readouterr().err

@@ -1,0 +1,94 @@
+"""`autotune.probe`, `autotune.tune` and `autotune.estimate` from a script
+(autotune/python_api.py): a live transformers module gives the same maxima as the spec of its
+config, is left as it was passed, and the result says the trials ran in this process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import autotune
+from autotune.core.errors import SpecError
+from autotune.python_api import LIVE_ASSUMPTION
+from tests.autotune_tests.core.exports.roundtrip import tiny_llama
+from tests.autotune_tests.factories import TINY_LLAMA_CONFIG
+
+MEMORY_BYTES = 64 * 2**20
+SEQ_LEN = 32
+
+
+def example_batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, TINY_LLAMA_CONFIG["vocab_size"], (2, SEQ_LEN))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def maxima(result: Any) -> dict[bool, int]:
+    return {mode.checkpointing: mode.max_micro_batch for mode in result.modes}
+
+
+def test_a_live_module_probes_as_its_spec_and_is_left_as_it_was() -> None:
+    model = tiny_llama()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    live = autotune.probe(model=model, batch=example_batch(), memory=MEMORY_BYTES)
+    spec = {"model": {"hf_config": TINY_LLAMA_CONFIG}, "training": {"seq_len": SEQ_LEN}}
+    rebuilt = autotune.probe(spec, memory=MEMORY_BYTES)
+    # The same step (tiled batch, the output's loss) holds what the rebuilt model's holds.
+    assert maxima(live) == maxima(rebuilt)
+    assert set(maxima(live)) == {False, True}
+    assert LIVE_ASSUMPTION in live.device.assumptions
+    assert LIVE_ASSUMPTION not in rebuilt.device.assumptions
+    after = model.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.e2e
+def test_tune_a_live_module_with_its_exports() -> None:
+    result = autotune.tune(
+        model=tiny_llama(),
+        batch=example_batch(),
+        memory=MEMORY_BYTES,
+        target_global_batch=8,
+        trials=2,
+        seconds_per_trial=0.05,
+    )
+    rec = result.recommendation
+    assert rec is not None and rec.global_batch == 8
+    assert result.exports is not None
+    assert result.exports.hf["per_device_train_batch_size"] == rec.micro_batch
+    assert LIVE_ASSUMPTION in result.device.assumptions
+
+
+def test_estimate_takes_a_spec_dict() -> None:
+    spec = {
+        "model": {"preset": "gpt2-tiny"},
+        "training": {"seq_len": 32, "target_global_batch": 8, "max_micro_batch": 8},
+    }
+    result = autotune.estimate(spec, gpu="T4", trials=1)
+    assert result.recommendation is not None and result.recommendation.global_batch == 8
+    assert result.device.name.startswith("estimate for T4")
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({}, "give a spec, or a model and an example batch"),
+        ({"model": nn.Linear(2, 2)}, "batch: a live model needs one example batch"),
+        (
+            {"model": nn.Linear(2, 2), "batch": {"x": torch.ones(2, 2), "y": torch.ones(3)}},
+            r"batch: every tensor needs the same batch size, got \[2, 3\]",
+        ),
+        ({"model": nn.Linear(2, 2), "batch": torch.ones(2, 2), "precision": "fp8"}, "precision"),
+    ],
+)
+def test_wrong_arguments_are_refused_by_name(arguments: dict[str, Any], message: str) -> None:
+    with pytest.raises(SpecError, match=message):
+        autotune.probe(memory=MEMORY_BYTES, **arguments)
+
+
+def test_estimate_needs_a_spec() -> None:
+    with pytest.raises(SpecError, match="estimate: needs a spec"):
+        autotune.estimate(nn.Linear(2, 2), gpu="T4")  # type: ignore[arg-type]
