@@ -2,8 +2,9 @@
 (docs/design.md#the-python-api).
 
 Each takes a spec (a `Spec`, a dict, or a file: a spec or a config `autotune.core.configs`
-reads) or live objects: an `nn.Module`, one example batch (a tensor, or a dict of tensors,
-batch-first; tiled along the batch dimension to any micro-batch), a loss (default: the model
+reads) or live objects: an `nn.Module`, one example batch (a tensor, a dict of tensors, or a
+tuple or list of them as a Lightning dataloader yields, batch-first; tiled along the batch
+dimension to any micro-batch), a loss (default: the model
 output's `.loss`, as transformers models return) and the optimizer settings. It returns the
 result the CLI prints (`ProbeResult`, `TuneResult` with `.exports`).
 
@@ -25,11 +26,12 @@ import torch
 from torch import nn
 
 from autotune.core.configs import load_training_file
-from autotune.core.errors import SpecError
+from autotune.core.errors import AutotuneError, SpecError
 from autotune.core.memory.allocator_config import config_from_environ
 from autotune.core.schemas import (
     DeviceInfo,
     ProbeResult,
+    Recommendation,
     Spec,
     StepOutcome,
     TrainingSpec,
@@ -127,6 +129,18 @@ def estimate(
     return tune_session(runner, storage_url=storage_url, n_trials=trials)
 
 
+def recommendation_of(result: TuneResult, caller: str) -> Recommendation:
+    """The result's recommendation, for an integration that applies it.
+
+    Raises:
+        AutotuneError: none, with the reason the tuner gave, prefixed by `caller`.
+    """
+    if result.recommendation is None:
+        reason = result.infeasible.reason if result.infeasible else "no configuration fits"
+        raise AutotuneError(f"{caller}: {reason}")
+    return result.recommendation
+
+
 def _spec(spec: SpecLike) -> Spec:
     if isinstance(spec, Spec):
         return spec
@@ -220,8 +234,9 @@ def live_workload(
     ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
     tokens = int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
     shape: dict[str, Any] = {"seq_len": tokens}
-    if tokens is None and isinstance(batch, torch.Tensor):
-        shape = {"input_shape": tuple(batch.shape[1:])}
+    first = _tensors(batch)[0]
+    if tokens is None and not isinstance(batch, Mapping) and first.dim() > 1:
+        shape = {"input_shape": tuple(first.shape[1:])}
     kind = type(model)
     label = f"{kind.__module__}:{kind.__name__}".replace("<", "_").replace(">", "_")
     from pydantic import ValidationError
@@ -239,7 +254,9 @@ def live_workload(
         index = torch.arange(micro_batch, device=device) % rows
         if isinstance(batch, torch.Tensor):
             return batch.to(device)[index]
-        return {key: value.to(device)[index] for key, value in batch.items()}
+        if isinstance(batch, Mapping):
+            return {key: value.to(device)[index] for key, value in batch.items()}
+        return type(batch)(value.to(device)[index] for value in batch)
 
     def loss_sum(module: nn.Module, tiled: Batch) -> torch.Tensor:
         mean = loss(module, tiled) if loss is not None else _output_loss(module, tiled)
@@ -248,14 +265,14 @@ def live_workload(
     def num_items(tiled: Batch) -> int | torch.Tensor:
         if labels and loss is None:
             return count_label_tokens(tiled)  # what a transformers model's loss averages over
-        first = tiled if isinstance(tiled, torch.Tensor) else next(iter(tiled.values()))
-        return int(first.shape[0])
+        return int(_tensors(tiled)[0].shape[0])
 
     switch = None
-    if getattr(copied, "supports_gradient_checkpointing", False):
+    checkpointable = checkpointable_module(copied)
+    if checkpointable is not None:
         from autotune.engine.training.workload import hf_checkpointing
 
-        switch = hf_checkpointing(copied)
+        switch = hf_checkpointing(checkpointable)
     return spec, Workload(
         model=copied,
         make_batch=make_batch,
@@ -267,10 +284,32 @@ def live_workload(
     )
 
 
+def checkpointable_module(model: nn.Module) -> nn.Module | None:
+    """The module whose checkpointing autotune can switch: `model` itself or the first of its
+    submodules that supports transformers' gradient checkpointing (a LightningModule holding a
+    transformers model), or None."""
+    for module in model.modules():
+        if getattr(module, "supports_gradient_checkpointing", False):
+            return module
+    return None
+
+
+def _tensors(batch: Batch) -> list[Any]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return list(batch.values())
+    if isinstance(batch, tuple | list):
+        return list(batch)
+    return []
+
+
 def _rows(batch: Batch) -> int:
-    tensors = [batch] if isinstance(batch, torch.Tensor) else list(dict(batch).values())
+    tensors = _tensors(batch)
     if not tensors or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in tensors):
-        raise SpecError("batch: a tensor or a dict of tensors, batch dimension first")
+        raise SpecError(
+            "batch: a tensor, or a dict, tuple or list of tensors, batch dimension first"
+        )
     rows = {int(t.shape[0]) for t in tensors}
     if len(rows) != 1 or 0 in rows:
         raise SpecError(f"batch: every tensor needs the same batch size, got {sorted(rows)}")

@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 
 from autotune.core.configs.optimizer_names import optimizer_named
-from autotune.core.errors import AutotuneError, SpecError
+from autotune.core.errors import SpecError
 from autotune.core.schemas import Precision, TuneResult
 
 _CHECKPOINTING_FIELDS = ("gradient_checkpointing", "activation_checkpointing")
@@ -104,10 +104,9 @@ def arguments_of(args: Any, result: TuneResult) -> Any:
     Raises:
         AutotuneError: no recommendation.
     """
-    rec = result.recommendation
-    if rec is None:
-        reason = result.infeasible.reason if result.infeasible else "no configuration fits"
-        raise AutotuneError(f"tuned_arguments: {reason}")
+    from autotune.python_api import recommendation_of
+
+    rec = recommendation_of(result, "tuned_arguments")
     changes: dict[str, Any] = {
         "per_device_train_batch_size": rec.micro_batch,
         "gradient_accumulation_steps": rec.accumulation_steps,
