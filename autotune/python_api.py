@@ -129,6 +129,43 @@ def estimate(
     return tune_session(runner, storage_url=storage_url, n_trials=trials)
 
 
+def stored_recommendation(
+    spec: Spec,
+    *,
+    server: str,
+    token: str | None = None,
+    memory: int | None = None,
+    gpu: str | None = None,
+    wait_s: float = 0,
+) -> Recommendation:
+    """What a running autotune server has stored for `spec` on the emulated GPU of `memory`
+    bytes or the named `gpu` (waiting up to `wait_s` for a worker), so a fleet's stored
+    results answer at once. The request stays queued on the server when nothing is stored.
+
+    Raises:
+        SpecError: neither `memory` nor `gpu` (the target the results are stored under).
+        AutotuneError: the server has no recommendation yet (the run's URL says where it
+            stands), or cannot be reached.
+    """
+    from autotune.remote.client import ServerClient
+    from autotune.remote.protocol import EmulatedTarget
+
+    if (memory is None) == (gpu is None):
+        raise SpecError("server: give the target its results are stored under: memory= or gpu=")
+    target = EmulatedTarget(memory_bytes=memory, gpu=gpu)
+    with ServerClient(server, token=token) as client:
+        submitted = client.submit_run(spec, target, wait_s=wait_s)
+    run = submitted.run
+    if run is None or run.recommendation is None:
+        status = run.status.value if run is not None else submitted.status.value
+        reason = run.infeasible.reason if run is not None and run.infeasible else None
+        raise AutotuneError(
+            f"server: no stored recommendation for this module on {target.label} "
+            f"(run {submitted.id} is {status}{': ' + reason if reason else ''}; {submitted.url})"
+        )
+    return run.recommendation
+
+
 def recommendation_of(result: TuneResult, caller: str) -> Recommendation:
     """The result's recommendation, for an integration that applies it.
 
@@ -221,16 +258,15 @@ class LiveRunner(ForwardingRunner):
         return measured
 
 
-def live_workload(
-    model: nn.Module, batch: Batch, loss: Loss | None, training: dict[str, Any]
-) -> tuple[Spec, Workload]:
-    """A spec describing a live module (its class as the label) and the workload that trains
-    a copy of it on tiles of `batch`.
+def live_spec(model: nn.Module, batch: Batch, training: dict[str, Any]) -> Spec:
+    """The spec that describes a live module (its class as the label), its example batch's
+    shape and the training fields: what a run of it is stored and looked up under.
 
     Raises:
-        SpecError: a batch that is neither a tensor nor a dict of batch-first tensors.
+        SpecError: a batch that is neither a tensor nor a dict, tuple or list of batch-first
+            tensors; invalid training fields.
     """
-    rows = _rows(batch)
+    _rows(batch)
     ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
     tokens = int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
     shape: dict[str, Any] = {"seq_len": tokens}
@@ -247,6 +283,20 @@ def live_workload(
         spec = Spec(model={"factory": label}, training=TrainingSpec(**shape, **training))
     except ValidationError as error:
         raise SpecError(describe_validation_error(error)) from None
+    return spec
+
+
+def live_workload(
+    model: nn.Module, batch: Batch, loss: Loss | None, training: dict[str, Any]
+) -> tuple[Spec, Workload]:
+    """A spec describing a live module (its class as the label) and the workload that trains
+    a copy of it on tiles of `batch`.
+
+    Raises:
+        SpecError: a batch that is neither a tensor nor a dict of batch-first tensors.
+    """
+    spec = live_spec(model, batch, training)
+    rows = _rows(batch)
     copied = copy.deepcopy(model)
     labels = isinstance(batch, Mapping) and "labels" in batch
 
@@ -279,7 +329,7 @@ def live_workload(
         loss_sum=loss_sum,
         num_items=num_items,
         set_checkpointing=switch,
-        tokens_per_sample=tokens,
+        tokens_per_sample=spec.training.seq_len,
         partial_checkpointing=switch if switch is not None and switch.num_blocks else None,
     )
 

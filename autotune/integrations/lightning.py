@@ -57,9 +57,12 @@ class AutotuneBatchSize(Callback):
         device, memory, gpu: where to measure, as `autotune.tune` ("cuda", "cuda:N", or the
             emulated GPU of `memory` bytes or the named `gpu`).
         trials, seconds_per_trial: the tuner's budget, as `autotune.tune`.
+        server, token, wait_s: ask this autotune server instead of measuring here: its stored
+            recommendation for the module on the emulated GPU of `memory` or `gpu` answers at
+            once (`autotune.python_api.stored_recommendation`; none stored: AutotuneError).
 
-    After `fit` starts, `optimal_batch_size` is the micro-batch set (as `BatchSizeFinder`'s) and
-    `result` the `TuneResult`.
+    After `fit` starts, `optimal_batch_size` is the micro-batch set (as `BatchSizeFinder`'s),
+    `recommendation` what was applied, and `result` the `TuneResult` (None from a server).
     """
 
     def __init__(
@@ -72,6 +75,9 @@ class AutotuneBatchSize(Callback):
         gpu: str | None = None,
         trials: int | None = None,
         seconds_per_trial: float = 1.0,
+        server: str | None = None,
+        token: str | None = None,
+        wait_s: float = 0,
     ) -> None:
         if target_global_batch < 1:
             raise SpecError(f"target_global_batch: must be >= 1, got {target_global_batch}")
@@ -82,8 +88,12 @@ class AutotuneBatchSize(Callback):
         self._gpu = gpu
         self._trials = trials
         self._seconds_per_trial = seconds_per_trial
+        self._server = server
+        self._token = token
+        self._wait_s = wait_s
         self.optimal_batch_size: int | None = None
         self.result: TuneResult | None = None
+        self.recommendation: Recommendation | None = None
 
     def setup(
         self, trainer: Trainer, pl_module: LightningModule, stage: str | None = None
@@ -106,28 +116,39 @@ class AutotuneBatchSize(Callback):
             raise SpecError("AutotuneBatchSize: manual optimization is not supported")
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        from autotune.python_api import tune
+        from autotune.python_api import live_spec, recommendation_of, stored_recommendation, tune
 
         batch = first_batch(trainer, pl_module)
         fields = training_fields(trainer, self.target_global_batch)
-        # The copy the trials train must not drag the trainer (its loaders, loggers) along.
-        pl_module.trainer = None
-        try:
-            result = tune(
-                model=pl_module,
-                batch=batch,
-                loss=training_step_loss,
-                device=self._device,
+        if self._server is not None:
+            self.recommendation = stored_recommendation(
+                live_spec(pl_module, batch, fields),
+                server=self._server,
+                token=self._token,
                 memory=self._memory,
                 gpu=self._gpu,
-                trials=self._trials,
-                seconds_per_trial=self._seconds_per_trial,
-                **fields,
+                wait_s=self._wait_s,
             )
-        finally:
-            pl_module.trainer = trainer
-        self.result = result
-        self.optimal_batch_size = apply(trainer, pl_module, result, self._batch_arg_name)
+        else:
+            # The copy the trials train must not drag the trainer (its loaders, loggers) along.
+            pl_module.trainer = None
+            try:
+                self.result = tune(
+                    model=pl_module,
+                    batch=batch,
+                    loss=training_step_loss,
+                    device=self._device,
+                    memory=self._memory,
+                    gpu=self._gpu,
+                    trials=self._trials,
+                    seconds_per_trial=self._seconds_per_trial,
+                    **fields,
+                )
+            finally:
+                pl_module.trainer = trainer
+            self.recommendation = recommendation_of(self.result, "AutotuneBatchSize")
+        apply(trainer, pl_module, self.recommendation, self._batch_arg_name)
+        self.optimal_batch_size = self.recommendation.micro_batch
 
 
 def first_batch(trainer: Trainer, pl_module: LightningModule) -> Any:
@@ -182,16 +203,9 @@ def training_step_loss(module: torch.nn.Module, batch: Any) -> torch.Tensor:
 
 
 def apply(
-    trainer: Trainer, pl_module: LightningModule, result: TuneResult, batch_arg_name: str
-) -> int:
-    """Sets the recommendation on the live objects and returns the micro-batch.
-
-    Raises:
-        AutotuneError: no recommendation (the reason says why).
-    """
-    from autotune.python_api import recommendation_of
-
-    rec = recommendation_of(result, "AutotuneBatchSize")
+    trainer: Trainer, pl_module: LightningModule, rec: Recommendation, batch_arg_name: str
+) -> None:
+    """Sets the recommendation on the live objects."""
     lightning_setattr(pl_module, batch_arg_name, rec.micro_batch)
     trainer.accumulate_grad_batches = rec.accumulation_steps
     set_checkpointing(pl_module, rec)
@@ -201,7 +215,6 @@ def apply(
     loop.setup_data()
     loop.epoch_loop.val_loop._combined_loader = None
     loop.epoch_loop.val_loop.setup_data()
-    return rec.micro_batch
 
 
 def set_checkpointing(pl_module: LightningModule, rec: Recommendation) -> None:
