@@ -2,8 +2,9 @@
 (docs/design.md#the-python-api).
 
 Each takes a spec (a `Spec`, a dict, or a file: a spec or a config `autotune.core.configs`
-reads) or live objects: an `nn.Module`, one example batch (a tensor, or a dict of tensors,
-batch-first; tiled along the batch dimension to any micro-batch), a loss (default: the model
+reads) or live objects: an `nn.Module`, one example batch (a tensor, a dict of tensors, or a
+tuple or list of them as a Lightning dataloader yields, batch-first; tiled along the batch
+dimension to any micro-batch), a loss (default: the model
 output's `.loss`, as transformers models return) and the optimizer settings. It returns the
 result the CLI prints (`ProbeResult`, `TuneResult` with `.exports`).
 
@@ -25,11 +26,12 @@ import torch
 from torch import nn
 
 from autotune.core.configs import load_training_file
-from autotune.core.errors import SpecError
+from autotune.core.errors import AutotuneError, SpecError
 from autotune.core.memory.allocator_config import config_from_environ
 from autotune.core.schemas import (
     DeviceInfo,
     ProbeResult,
+    Recommendation,
     Spec,
     StepOutcome,
     TrainingSpec,
@@ -127,6 +129,55 @@ def estimate(
     return tune_session(runner, storage_url=storage_url, n_trials=trials)
 
 
+def stored_recommendation(
+    spec: Spec,
+    *,
+    server: str,
+    token: str | None = None,
+    memory: int | None = None,
+    gpu: str | None = None,
+    wait_s: float = 0,
+) -> Recommendation:
+    """What a running autotune server has stored for `spec` on the emulated GPU of `memory`
+    bytes or the named `gpu` (waiting up to `wait_s` for a worker), so a fleet's stored
+    results answer at once. The request stays queued on the server when nothing is stored.
+
+    Raises:
+        SpecError: neither `memory` nor `gpu` (the target the results are stored under).
+        AutotuneError: the server has no recommendation yet (the run's URL says where it
+            stands), or cannot be reached.
+    """
+    from autotune.remote.client import ServerClient
+    from autotune.remote.protocol import EmulatedTarget
+
+    if (memory is None) == (gpu is None):
+        raise SpecError("server: give the target its results are stored under: memory= or gpu=")
+    target = EmulatedTarget(memory_bytes=memory, gpu=gpu)
+    with ServerClient(server, token=token) as client:
+        submitted = client.submit_run(spec, target, wait_s=wait_s)
+    run = submitted.run
+    if run is None or run.recommendation is None:
+        status = run.status.value if run is not None else submitted.status.value
+        reason = run.infeasible.reason if run is not None and run.infeasible else None
+        raise AutotuneError(
+            f"server: no stored recommendation for this module on {target.label} "
+            f"(run {submitted.id} is {status}{': ' + reason if reason else ''}; {submitted.url})"
+        )
+    return run.recommendation
+
+
+def recommendation_of(result: TuneResult, caller: str) -> Recommendation:
+    """The result's recommendation, for an integration that applies it.
+
+    Raises:
+        AutotuneError: none, with the reason the tuner gave, prefixed by `caller`.
+    """
+    if result.recommendation is None:
+        reason = result.infeasible.reason if result.infeasible else "no configuration fits"
+        raise AutotuneError(f"{caller}: {reason}")
+    return result.recommendation
+
+
 def _spec(spec: SpecLike) -> Spec:
     if isinstance(spec, Spec):
         return spec
@@ -207,21 +258,21 @@ class LiveRunner(ForwardingRunner):
         return measured
 
 
-def live_workload(
-    model: nn.Module, batch: Batch, loss: Loss | None, training: dict[str, Any]
-) -> tuple[Spec, Workload]:
-    """A spec describing a live module (its class as the label) and the workload that trains
-    a copy of it on tiles of `batch`.
+def live_spec(model: nn.Module, batch: Batch, training: dict[str, Any]) -> Spec:
+    """The spec that describes a live module (its class as the label), its example batch's
+    shape and the training fields: what a run of it is stored and looked up under.
 
     Raises:
-        SpecError: a batch that is neither a tensor nor a dict of batch-first tensors.
+        SpecError: a batch that is neither a tensor nor a dict, tuple or list of batch-first
+            tensors; invalid training fields.
     """
-    rows = _rows(batch)
+    _rows(batch)
     ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
     tokens = int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
     shape: dict[str, Any] = {"seq_len": tokens}
-    if tokens is None and isinstance(batch, torch.Tensor):
-        shape = {"input_shape": tuple(batch.shape[1:])}
+    first = _tensors(batch)[0]
+    if tokens is None and not isinstance(batch, Mapping) and first.dim() > 1:
+        shape = {"input_shape": tuple(first.shape[1:])}
     kind = type(model)
     label = f"{kind.__module__}:{kind.__name__}".replace("<", "_").replace(">", "_")
     from pydantic import ValidationError
@@ -232,6 +283,20 @@ def live_workload(
         spec = Spec(model={"factory": label}, training=TrainingSpec(**shape, **training))
     except ValidationError as error:
         raise SpecError(describe_validation_error(error)) from None
+    return spec
+
+
+def live_workload(
+    model: nn.Module, batch: Batch, loss: Loss | None, training: dict[str, Any]
+) -> tuple[Spec, Workload]:
+    """A spec describing a live module (its class as the label) and the workload that trains
+    a copy of it on tiles of `batch`.
+
+    Raises:
+        SpecError: a batch that is neither a tensor nor a dict of batch-first tensors.
+    """
+    spec = live_spec(model, batch, training)
+    rows = _rows(batch)
     copied = copy.deepcopy(model)
     labels = isinstance(batch, Mapping) and "labels" in batch
 
@@ -239,7 +304,9 @@ def live_workload(
         index = torch.arange(micro_batch, device=device) % rows
         if isinstance(batch, torch.Tensor):
             return batch.to(device)[index]
-        return {key: value.to(device)[index] for key, value in batch.items()}
+        if isinstance(batch, Mapping):
+            return {key: value.to(device)[index] for key, value in batch.items()}
+        return type(batch)(value.to(device)[index] for value in batch)
 
     def loss_sum(module: nn.Module, tiled: Batch) -> torch.Tensor:
         mean = loss(module, tiled) if loss is not None else _output_loss(module, tiled)
@@ -248,29 +315,51 @@ def live_workload(
     def num_items(tiled: Batch) -> int | torch.Tensor:
         if labels and loss is None:
             return count_label_tokens(tiled)  # what a transformers model's loss averages over
-        first = tiled if isinstance(tiled, torch.Tensor) else next(iter(tiled.values()))
-        return int(first.shape[0])
+        return int(_tensors(tiled)[0].shape[0])
 
     switch = None
-    if getattr(copied, "supports_gradient_checkpointing", False):
+    checkpointable = checkpointable_module(copied)
+    if checkpointable is not None:
         from autotune.engine.training.workload import hf_checkpointing
 
-        switch = hf_checkpointing(copied)
+        switch = hf_checkpointing(checkpointable)
     return spec, Workload(
         model=copied,
         make_batch=make_batch,
         loss_sum=loss_sum,
         num_items=num_items,
         set_checkpointing=switch,
-        tokens_per_sample=tokens,
+        tokens_per_sample=spec.training.seq_len,
         partial_checkpointing=switch if switch is not None and switch.num_blocks else None,
     )
 
 
+def checkpointable_module(model: nn.Module) -> nn.Module | None:
+    """The module whose checkpointing autotune can switch: `model` itself or the first of its
+    submodules that supports transformers' gradient checkpointing (a LightningModule holding a
+    transformers model), or None."""
+    for module in model.modules():
+        if getattr(module, "supports_gradient_checkpointing", False):
+            return module
+    return None
+
+
+def _tensors(batch: Batch) -> list[Any]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return list(batch.values())
+    if isinstance(batch, tuple | list):
+        return list(batch)
+    return []
+
+
 def _rows(batch: Batch) -> int:
-    tensors = [batch] if isinstance(batch, torch.Tensor) else list(dict(batch).values())
+    tensors = _tensors(batch)
     if not tensors or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in tensors):
-        raise SpecError("batch: a tensor or a dict of tensors, batch dimension first")
+        raise SpecError(
+            "batch: a tensor, or a dict, tuple or list of tensors, batch dimension first"
+        )
     rows = {int(t.shape[0]) for t in tensors}
     if len(rows) != 1 or 0 in rows:
         raise SpecError(f"batch: every tensor needs the same batch size, got {sorted(rows)}")

@@ -17,8 +17,8 @@ from typing import Any
 from torch import nn
 
 from autotune.core.configs.optimizer_names import optimizer_named
-from autotune.core.errors import AutotuneError, SpecError
-from autotune.core.schemas import Precision, TuneResult
+from autotune.core.errors import SpecError
+from autotune.core.schemas import Precision, Recommendation, Spec
 
 _CHECKPOINTING_FIELDS = ("gradient_checkpointing", "activation_checkpointing")
 
@@ -52,10 +52,17 @@ def tuned_arguments(
     gpu: str | None = None,
     trials: int | None = None,
     seconds_per_trial: float = 1.0,
+    server: str | None = None,
+    token: str | None = None,
+    wait_s: float = 0,
 ) -> Any:
     """`args` (a `TrainingArguments`) with `per_device_train_batch_size`,
     `gradient_accumulation_steps` and checkpointing tuned for `model` on the device (as
-    `autotune.tune`: "cuda", "cuda:N", or the emulated GPU of `memory` / `gpu`).
+    `autotune.tune`: "cuda", "cuda:N", or the emulated GPU of `memory` / `gpu`). With `server`
+    (and its `token`), a running autotune server's stored recommendation for the model on the
+    emulated GPU of `memory` / `gpu` answers instead, at once
+    (`autotune.python_api.stored_recommendation`), looked up by the model's config (a spec the
+    fleet's workers can rebuild and tune when nothing is stored yet).
 
     Raises:
         SpecError: an optimizer or a dataset autotune cannot probe with, naming it.
@@ -63,15 +70,32 @@ def tuned_arguments(
     """
     from transformers import default_data_collator
 
-    from autotune.python_api import tune
+    from autotune.python_api import live_spec, recommendation_of, stored_recommendation, tune
 
+    batch = dict(
+        (data_collator or default_data_collator)(
+            longest_samples(train_dataset, args.per_device_train_batch_size)
+        )
+    )
+    if server is not None:
+        # The model's config, not its class: a spec any worker of the fleet can rebuild.
+        described = live_spec(model, batch, training_fields(args))
+        config = getattr(model, "config", None)
+        if config is None or not hasattr(config, "to_dict"):
+            raise SpecError("server: the model has no transformers config to name it by")
+        spec = Spec(model={"hf_config": config.to_dict()}, training=described.training)
+        rec = stored_recommendation(
+            spec,
+            server=server,
+            token=token,
+            memory=memory,
+            gpu=gpu,
+            wait_s=wait_s,
+        )
+        return arguments_of(args, rec)
     result = tune(
         model=model,
-        batch=dict(
-            (data_collator or default_data_collator)(
-                longest_samples(train_dataset, args.per_device_train_batch_size)
-            )
-        ),
+        batch=batch,
         device=device,
         memory=memory,
         gpu=gpu,
@@ -79,7 +103,7 @@ def tuned_arguments(
         seconds_per_trial=seconds_per_trial,
         **training_fields(args),
     )
-    return arguments_of(args, result)
+    return arguments_of(args, recommendation_of(result, "tuned_arguments"))
 
 
 def training_fields(args: Any) -> dict[str, Any]:
@@ -98,16 +122,8 @@ def training_fields(args: Any) -> dict[str, Any]:
     }
 
 
-def arguments_of(args: Any, result: TuneResult) -> Any:
-    """`args` with the recommendation's batch, accumulation and checkpointing.
-
-    Raises:
-        AutotuneError: no recommendation.
-    """
-    rec = result.recommendation
-    if rec is None:
-        reason = result.infeasible.reason if result.infeasible else "no configuration fits"
-        raise AutotuneError(f"tuned_arguments: {reason}")
+def arguments_of(args: Any, rec: Recommendation) -> Any:
+    """`args` with the recommendation's batch, accumulation and checkpointing."""
     changes: dict[str, Any] = {
         "per_device_train_batch_size": rec.micro_batch,
         "gradient_accumulation_steps": rec.accumulation_steps,

@@ -59,3 +59,18 @@ def test_the_config_file_commands_run_as_written(
     assert Path("lora-1b.yml").read_text() == before
     assert main(shlex.split(second, comments=True)[1:] + db) == 0
     assert Path("lora-1b.yml").read_text() != before
+
+
+def test_the_lightning_example_runs_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    [block] = _blocks("import lightning")
+    monkeypatch.chdir(tmp_path)  # Lightning's checkpoints, if any, land here
+    namespace: dict[str, object] = {"__name__": "readme"}
+    exec(compile(block, "README.md", "exec"), namespace)
+    callback, trainer = namespace["callback"], namespace["trainer"]
+    micro = callback.optimal_batch_size  # type: ignore[attr-defined]
+    accumulation = trainer.accumulate_grad_batches  # type: ignore[attr-defined]
+    assert micro * accumulation == 256
+    assert trainer.global_step == 2  # type: ignore[attr-defined]
+    assert f"tuned: {micro} x {accumulation}" in capsys.readouterr().out
