@@ -29,7 +29,9 @@ from autotune.cli.options import (
     CommandParser,
     Subcommands,
     add_device_args,
+    add_expandable_segments_arg,
     add_trace_arg,
+    expandable_segments,
     fit_tracer,
     open_device,
     open_runner,
@@ -77,6 +79,7 @@ def _cmd_probe(args: argparse.Namespace) -> int:
             on_attempt=progress.attempt,
             tracer=fit_tracer(args, runner),
             on_phase=progress.phase,
+            expandable=expandable_segments(args, spec, info),
         )
     finally:
         progress.close()
@@ -139,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("spec", help="spec file (YAML or JSON)")
     add_device_args(probe, estimate=True)
     add_trace_arg(probe)
+    add_expandable_segments_arg(probe)
     probe.add_argument("--json", action="store_true", help="print one JSON object")
     probe.set_defaults(func=_cmd_probe, extra="probe")
 

@@ -27,7 +27,9 @@ from autotune.cli.export_text import add_export_arg, print_exports, print_one_ex
 from autotune.cli.options import (
     Subcommands,
     add_device_args,
+    add_expandable_segments_arg,
     add_trace_arg,
+    expandable_segments,
     fit_tracer,
     open_runner,
     positive_int,
@@ -103,6 +105,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             on_trial=progress.trial,
             tracer=fit_tracer(args, runner),
             on_phase=progress.phase,
+            expandable=expandable_segments(args, spec, info),
         )
     finally:
         progress.close()
@@ -246,6 +249,7 @@ def register(commands: Subcommands) -> None:
     tune.add_argument("spec", help="spec file (YAML or JSON) with training.target_global_batch")
     add_device_args(tune, estimate=True)
     add_trace_arg(tune)
+    add_expandable_segments_arg(tune)
     output = tune.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print one JSON object")
     add_export_arg(output)

@@ -3,6 +3,7 @@ errors, which never reach a device, run `main` in this process)."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 
 from autotune.cli.main import main
+from autotune.cli.options import add_device_args, add_expandable_segments_arg
 from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.gpus.cuda_reserve import budget_for
 from tests.autotune_tests.factories import TINY_LLAMA_CONFIG
@@ -267,6 +269,68 @@ def test_the_allocator_settings_of_the_environment_are_the_emulated_gpu_s(
     assert code == 2
     (line,) = stderr.strip().splitlines()
     assert "PYTORCH_CUDA_ALLOC_CONF" in line and "expandable_segments" in line
+
+
+def _probe_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    capsys.readouterr()
+    code = main(argv)
+    done = capsys.readouterr()
+    assert code == 0, done.err
+    document: dict[str, Any] = json.loads(done.out)
+    return document
+
+
+def test_probe_evaluates_expandable_segments_unless_told_not_to(
+    spec_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On 152 MiB gpt2-tiny's default allocator stops at 14 (22 checkpointed) where expandable
+    segments fit 17 (25): found from the trace, verified by two real trials per mode, and
+    recommended; `--no-expandable-segments` evaluates nothing. In this process: the command
+    reads the environment at its entry point."""
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    argv = ["probe", str(spec_path), "--device", "cpu", "--memory", "152MiB", "--json"]
+    result = _probe_json(argv, capsys)
+    assert result["device"]["allocator_conf"] is None
+    answers = {}
+    for mode in result["modes"]:
+        option = mode["expandable_segments"]
+        assert option["allocator_conf"] == "expandable_segments:True"
+        assert option["max_micro_batch"] == option["traced_max_micro_batch"]
+        assert option["trials"] == 2 and option["recommended"]
+        answers[mode["checkpointing"]] = (mode["max_micro_batch"], option["max_micro_batch"])
+    assert answers == {False: (14, 17), True: (22, 25)}
+
+    opted_out = _probe_json([*argv, "--no-expandable-segments"], capsys)
+    assert [m["expandable_segments"] for m in opted_out["modes"]] == [None, None]
+    assert [m["max_micro_batch"] for m in opted_out["modes"]] == [14, 22]
+
+
+def test_settings_with_expandable_segments_leave_nothing_to_evaluate(
+    spec_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from autotune.cli.options import expandable_segments, open_runner
+    from autotune.core.specfile import load_spec
+
+    parser = argparse.ArgumentParser()
+    add_device_args(parser, estimate=True)
+    add_expandable_segments_arg(parser)
+    args = parser.parse_args(["--device", "cpu", "--memory", "152MiB"])
+    spec = load_spec(spec_path)
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    second = expandable_segments(args, spec, open_runner(args, spec).device_info)
+    assert second is not None
+    assert second.session.device_info.allocator_conf == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:64")
+    assert expandable_segments(args, spec, open_runner(args, spec).device_info) is None
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    # With other settings of their own, the second session keeps them and adds the segments.
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:64")
+    second = expandable_segments(args, spec, open_runner(args, spec).device_info)
+    assert second is not None
+    conf = second.session.device_info.allocator_conf or ""
+    assert "expandable_segments:True" in conf and "max_split_size_mb:64" in conf
 
 
 def test_help_opens_with_what_autotune_does_and_every_option_has_help(
