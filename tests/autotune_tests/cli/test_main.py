@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 
-from autotune.cli.main import main
+from autotune.cli.main import expandable_segments_cell, main, print_probe_table
 from autotune.cli.options import add_device_args, add_expandable_segments_arg
 from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.gpus.cuda_reserve import budget_for
+from autotune.core.schemas import AllocatorOption, DeviceInfo, DeviceKind, ModeProbe, ProbeResult
 from tests.autotune_tests.factories import TINY_LLAMA_CONFIG
 
 # The probe run is shared (`probed`): the module's tests run in one xdist worker.
@@ -304,6 +306,47 @@ def test_probe_evaluates_expandable_segments_unless_told_not_to(
     opted_out = _probe_json([*argv, "--no-expandable-segments"], capsys)
     assert [m["expandable_segments"] for m in opted_out["modes"]] == [None, None]
     assert [m["max_micro_batch"] for m in opted_out["modes"]] == [14, 22]
+
+
+def test_the_probe_table_shows_the_answer_under_expandable_segments() -> None:
+    conf = "expandable_segments:True"
+    mode = ModeProbe(
+        checkpointing=False,
+        max_micro_batch=14,
+        recommended_micro_batch=12,
+        capped=False,
+        attempts=[],
+        expandable_segments=AllocatorOption(
+            allocator_conf=conf,
+            traced_max_micro_batch=17,
+            max_micro_batch=17,
+            trials=2,
+            recommended=True,
+        ),
+    )
+    device = DeviceInfo(
+        kind=DeviceKind.EMULATED, name="cpu", total_memory_bytes=2**30, capacity_bytes=2**30
+    )
+    console = Console(record=True, width=200)
+    print_probe_table(console, ProbeResult(device=device, modes=[mode]), headroom=0.05)
+    table = console.export_text()
+    assert "expandable segments" in table and "17 (2 trials), recommended" in table
+    traced_only = AllocatorOption(allocator_conf=conf, traced_max_micro_batch=13)
+    assert expandable_segments_cell(traced_only) == "13 (traced)"
+    dips = AllocatorOption(
+        allocator_conf=conf,
+        traced_max_micro_batch=20,
+        max_micro_batch=20,
+        runs_out_below=[9, 11],
+        trials=3,
+    )
+    assert expandable_segments_cell(dips) == "20 (3 trials, 2 below run out)"
+    assert expandable_segments_cell(None) == "-"
+    # Not evaluated in any mode: no column.
+    plain = mode.model_copy(update={"expandable_segments": None})
+    console = Console(record=True, width=200)
+    print_probe_table(console, ProbeResult(device=device, modes=[plain]), headroom=0.05)
+    assert "expandable" not in console.export_text()
 
 
 def test_settings_with_expandable_segments_leave_nothing_to_evaluate(
