@@ -310,19 +310,13 @@ def test_probe_evaluates_expandable_segments_unless_told_not_to(
 
 def test_the_probe_table_shows_the_answer_under_expandable_segments() -> None:
     conf = "expandable_segments:True"
-    mode = ModeProbe(
-        checkpointing=False,
-        max_micro_batch=14,
-        recommended_micro_batch=12,
-        capped=False,
-        attempts=[],
-        expandable_segments=AllocatorOption(
-            allocator_conf=conf,
-            traced_max_micro_batch=17,
-            max_micro_batch=17,
-            trials=2,
-            recommended=True,
-        ),
+    verified = AllocatorOption(
+        allocator_conf=conf, traced_max_micro_batch=17, max_micro_batch=17, trials=2
+    )
+    option = verified.model_copy(update={"recommended": True})
+    mode = ModeProbe.model_validate(
+        {"checkpointing": False, "max_micro_batch": 14, "recommended_micro_batch": 12}
+        | {"capped": False, "attempts": [], "expandable_segments": option}
     )
     device = DeviceInfo(
         kind=DeviceKind.EMULATED, name="cpu", total_memory_bytes=2**30, capacity_bytes=2**30
