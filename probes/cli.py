@@ -5,7 +5,7 @@
                     [--once] [--db URL] [--data-dir DIR] [--trial-timeout S]
                     [--poll-interval S] [--seconds-per-trial S] [--shutdown-grace S]
                     [--worker-id ID] [--start-method spawn|forkserver]
-                    [--allow-factory PREFIX ...]
+                    [--allow-factory PREFIX ...] [--no-trace] [--no-expandable-segments]
 
 The token (a worker token of the server) comes from `--token` or AUTOTUNE_TOKEN, the server URL
 from `--server` or AUTOTUNE_SERVER. `autotune` finds `register` through the `autotune.commands`
@@ -29,6 +29,7 @@ from autotune.cli.options import (
     NO_TRACE_HELP,
     Subcommands,
     add_device_args,
+    add_expandable_segments_arg,
     add_server_args,
     memory_size,
     non_negative_seconds,
@@ -86,6 +87,7 @@ def _serve(args: argparse.Namespace, early_signals: list[int]) -> int:
         start_method=args.start_method,
         allowed_factories=tuple(args.allow_factory),
         trace_fit=not args.no_trace,
+        expandable_segments=not args.no_expandable_segments,
         estimate_time_limit_s=args.estimate_time_limit,
         estimate_memory_limit_bytes=args.estimate_memory_limit,
     )
@@ -190,6 +192,7 @@ def register(commands: Subcommands) -> None:
         "spec: a factory is code that whoever submitted the spec asks this machine to run",
     )
     worker.add_argument("--no-trace", action="store_true", help=NO_TRACE_HELP)
+    add_expandable_segments_arg(worker)
     worker.add_argument(
         "--estimate-time-limit",
         type=positive_seconds,

@@ -52,7 +52,12 @@ from autotune.core.defaults import ESTIMATE_MEMORY_LIMIT_BYTES, ESTIMATE_TIME_LI
 from autotune.core.errors import FactoryRefused, ModelBuildError, SpecError
 from autotune.core.factoryaccess import check_factory_allowed
 from autotune.core.schemas import Sharding, Spec, StepOutcome, Trial, TrialState, TuneResult
-from autotune.engine.probe import FitTracer, probe_session
+from autotune.engine.probe import (
+    ExpandableSegments,
+    FitTracer,
+    probe_session,
+    with_expandable_segments,
+)
 from autotune.engine.remedy_trials import fits_nowhere, with_fit_advice
 from autotune.engine.runner import TrialRunner
 from autotune.engine.tuner import tune_session
@@ -105,6 +110,9 @@ class WorkerConfig:
     allowed_factories: tuple[str, ...] = ()
     # Trace each mode's first fit points instead of running them (`autotune.engine.fit_points`).
     trace_fit: bool = True
+    # Also evaluate each mode under expandable segments, in trial children of their own
+    # (`autotune.engine.probe.ExpandableSegments`), unless the worker's settings have them.
+    expandable_segments: bool = True
     # Per estimate run (traced in this process): its time, and how much it may grow this
     # process's resident memory; past either it fails (`EstimateLimitExceeded`).
     estimate_time_limit_s: float = ESTIMATE_TIME_LIMIT_S
@@ -409,7 +417,8 @@ class Worker:
                 runner = opened[-1] if opened else None
             else:
                 runner = self._runner_for(claim, device, keeper)
-                result = self._tune(claim, runner, progress, study_name, keeper)
+                expandable = self._expandable_segments(claim, device, keeper, runner)
+                result = self._tune(claim, runner, progress, study_name, keeper, expandable)
             self._patiently(
                 keeper, lambda: self.client.submit_result(claim.run_id, claim.lease_id, result)
             )
@@ -485,8 +494,22 @@ class Worker:
                 raise  # the spec's own errors, or a stop that interrupted the build
             except Exception as error:  # whatever building the user's model raised
                 raise ModelBuildError(f"{type(error).__name__}: {error}") from error
+        return self._child_runner(
+            claim, device, keeper, trace_fit=self.config.trace_fit, spec=spec
+        )
+
+    def _child_runner(
+        self,
+        claim: Claim,
+        device: WorkerDevice,
+        keeper: _LeaseKeeper,
+        *,
+        trace_fit: bool,
+        allocator_conf: str | None = None,
+        spec: Spec | None = None,
+    ) -> ChildProcessRunner:
         return ChildProcessRunner(
-            spec,
+            spec or claim.spec,
             device.device_name,
             device.memory_bytes,
             gpu=device.gpu,
@@ -494,8 +517,24 @@ class Worker:
             interrupt=lambda: self._interrupt(keeper),
             start_method=self.config.start_method,
             allowed_factories=self.config.allowed_factories,
-            trace_fit=self.config.trace_fit,
+            trace_fit=trace_fit,
+            allocator_conf=allocator_conf,
         )
+
+    def _expandable_segments(
+        self, claim: Claim, device: WorkerDevice, keeper: _LeaseKeeper, runner: TrialRunner
+    ) -> ExpandableSegments | None:
+        """The probe's second session: trial children whose CUDA starts with expandable
+        segments added to the worker's allocator settings (as `runner`'s device reported them),
+        tracing their fit points in the first child. None for an estimate, when the worker
+        was told not to, or when its settings have them already."""
+        if not isinstance(runner, ChildProcessRunner) or not self.config.expandable_segments:
+            return None
+        conf = with_expandable_segments(runner.device_info)
+        if conf is None:
+            return None
+        session = self._child_runner(claim, device, keeper, trace_fit=True, allocator_conf=conf)
+        return ExpandableSegments(session, session)
 
     def _estimate_interrupt(self, keeper: _LeaseKeeper) -> Callable[[], None]:
         """What an estimate's trace checks every few dozen operations: a lost lease (a cancel),
@@ -551,13 +590,16 @@ class Worker:
         progress: _Progress,
         study_name: str,
         keeper: _LeaseKeeper,
+        expandable: ExpandableSegments | None,
     ) -> TuneResult:
         spec = claim.spec
         # An estimate's trials are traces already; a child runner traces in its first child.
         tracer = runner if isinstance(runner, ChildProcessRunner) and runner.trace_fit else None
         if spec.training.target_global_batch is None:
             # Nothing to tune for: the probe alone answers (largest micro-batch per mode).
-            probe = probe_session(runner, on_attempt=progress.attempt, tracer=tracer)
+            probe = probe_session(
+                runner, on_attempt=progress.attempt, tracer=tracer, expandable=expandable
+            )
             result = TuneResult(
                 spec=spec, device=runner.device_info, probe=probe, trials=[], recommendation=None
             )
@@ -570,6 +612,7 @@ class Worker:
                 on_attempt=progress.attempt,
                 on_trial=progress.trial,
                 tracer=tracer,
+                expandable=expandable,
             )
         return self._with_fit_advice(claim, result, keeper)
 

@@ -31,7 +31,9 @@ from autotune.cli.options import (
     CommandParser,
     Subcommands,
     add_device_args,
+    add_expandable_segments_arg,
     add_trace_arg,
+    expandable_segments,
     fit_tracer,
     open_device,
     open_runner,
@@ -48,7 +50,13 @@ from autotune.core.plugins import (
     is_missing_dependency,
     plugins,
 )
-from autotune.core.schemas import ProbeResult, SequenceProbeResult, Spec, StepOutcome
+from autotune.core.schemas import (
+    AllocatorOption,
+    ProbeResult,
+    SequenceProbeResult,
+    Spec,
+    StepOutcome,
+)
 from autotune.core.sequence_search import DEFAULT_STEP_TOKENS
 
 Handler = Callable[[argparse.Namespace], int]
@@ -82,6 +90,7 @@ def _cmd_probe(args: argparse.Namespace) -> int:
             on_attempt=progress.attempt,
             tracer=fit_tracer(args, runner),
             on_phase=progress.phase,
+            expandable=expandable_segments(args, spec, info),
         )
     finally:
         progress.close()
@@ -161,6 +170,9 @@ def print_probe_table(console: Console, result: ProbeResult, *, headroom: float)
     table.add_column(f"recommended ({headroom:.0%} headroom)", justify="right")
     table.add_column("peak at max", justify="right")
     table.add_column("trials", justify="right")
+    evaluated = any(mode.expandable_segments is not None for mode in result.modes)
+    if evaluated:
+        table.add_column("expandable segments", justify="right")
     for mode in result.modes:
         at_max = [a for a in mode.attempts if a.micro_batch == mode.max_micro_batch and a.fits]
         peak = format_bytes(at_max[0].peak_bytes) if at_max else "-"
@@ -170,8 +182,21 @@ def print_probe_table(console: Console, result: ProbeResult, *, headroom: float)
             str(mode.recommended_micro_batch),
             peak,
             str(len(mode.attempts)),
+            *([expandable_segments_cell(mode.expandable_segments)] if evaluated else []),
         )
     console.print(table)
+
+
+def expandable_segments_cell(option: AllocatorOption | None) -> str:
+    """A mode's answer under expandable segments: verified by trials, or only traced (they
+    predicted no gain, so none ran), with the trials it took and whether it is recommended."""
+    if option is None or option.traced_max_micro_batch is None:
+        return "-"
+    if option.max_micro_batch is None:
+        return f"{option.traced_max_micro_batch} (traced)"
+    dips = f", {len(option.runs_out_below)} below run out" if option.runs_out_below else ""
+    verdict = ", recommended" if option.recommended else ""
+    return f"{option.max_micro_batch} ({option.trials} trials{dips}){verdict}"
 
 
 def _cmd_step(args: argparse.Namespace) -> int:
@@ -205,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(probe)
     add_device_args(probe, estimate=True)
     add_trace_arg(probe)
+    add_expandable_segments_arg(probe)
     probe.add_argument("--json", action="store_true", help="print one JSON object")
     probe.add_argument(
         "--no-advice",

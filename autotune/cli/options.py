@@ -26,9 +26,9 @@ from autotune.core.memory.allocator_config import (
 from autotune.core.parallel.topology import box_problem
 
 if TYPE_CHECKING:
-    from autotune.core.schemas import Spec
+    from autotune.core.schemas import DeviceInfo, Spec
     from autotune.engine.devices.device import Device
-    from autotune.engine.probe import FitTracer
+    from autotune.engine.probe import ExpandableSegments, FitTracer
     from autotune.engine.runner import TrialRunner
 
 # What `add_subparsers()` returns (a private argparse class); every `register` function takes it.
@@ -162,10 +162,16 @@ def add_device_args(
         )
 
 
-def open_device(args: argparse.Namespace, *, world_size: int = 1) -> Device:
+def open_device(
+    args: argparse.Namespace,
+    *,
+    world_size: int = 1,
+    allocator_config: AllocatorConfig | None = None,
+) -> Device:
     """The device of `--device` / `--memory` / `--gpu` ("cpu" with `--gpu`; otherwise "cuda"
     when present and no `--device` was given, else "cpu"). `world_size` is the spec's: a named
-    GPU's capacity depends on it (NCCL's buffers).
+    GPU's capacity depends on it (NCCL's buffers). `allocator_config`: the caching allocator's
+    settings (default: this process's environment's).
 
     Raises:
         SpecError: the emulated cpu device without `--memory` or `--gpu`, `--gpu` with a CUDA
@@ -184,7 +190,7 @@ def open_device(args: argparse.Namespace, *, world_size: int = 1) -> Device:
         args.memory,
         gpu=args.gpu,
         world_size=world_size,
-        allocator_config=allocator_config_from_environment(),
+        allocator_config=allocator_config or allocator_config_from_environment(),
     )
 
 
@@ -232,6 +238,46 @@ def fit_tracer(args: argparse.Namespace, runner: TrialRunner) -> FitTracer | Non
     from autotune.engine.fit_points import TracedFitPoints
 
     return TracedFitPoints(runner)
+
+
+NO_EXPANDABLE_SEGMENTS_HELP = (
+    "do not also evaluate each mode under PYTORCH_ALLOC_CONF=expandable_segments:True (traced, "
+    "then verified by real trials only when the trace predicts a larger answer or no sizes "
+    "running out); nothing is evaluated when your settings have them already"
+)
+
+
+def add_expandable_segments_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-expandable-segments", action="store_true", help=NO_EXPANDABLE_SEGMENTS_HELP
+    )
+
+
+def expandable_segments(
+    args: argparse.Namespace, spec: Spec, info: DeviceInfo
+) -> ExpandableSegments | None:
+    """The probe's second session, on the device of `open_device(args)` with expandable
+    segments added to its allocator settings (`info`: the first session's device), and its
+    tracer. None with `--no-expandable-segments`, when the settings have them already, for an
+    estimate, and on a CUDA device: this process's CUDA read its settings once, as it started
+    (a worker's trial children, each a fresh process, evaluate them there)."""
+    if args.no_expandable_segments or getattr(args, "estimate", None) is not None:
+        return None
+    from autotune.core.schemas import DeviceKind
+    from autotune.engine.probe import ExpandableSegments, with_expandable_segments
+
+    conf = with_expandable_segments(info)
+    if conf is None or info.kind is not DeviceKind.EMULATED:
+        return None
+    from autotune.core.memory.allocator_config import parse_alloc_conf
+    from autotune.engine.fit_points import TracedFitPoints
+    from autotune.engine.runner import InProcessRunner
+
+    device = open_device(
+        args, world_size=spec.training.world_size, allocator_config=parse_alloc_conf(conf)
+    )
+    session = InProcessRunner(spec, device)
+    return ExpandableSegments(session, TracedFitPoints(session))
 
 
 def allocator_config_from_environment() -> AllocatorConfig:

@@ -35,7 +35,9 @@ from autotune.cli.fit_advice_text import print_fit_advice
 from autotune.cli.options import (
     Subcommands,
     add_device_args,
+    add_expandable_segments_arg,
     add_trace_arg,
+    expandable_segments,
     fit_tracer,
     open_runner,
     positive_int,
@@ -140,7 +142,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             result = tune_layouts(spec, layout_runner, **common)
         else:
             result = tune_session(
-                progress.runner(runner), tracer=fit_tracer(args, runner), **common
+                progress.runner(runner),
+                tracer=fit_tracer(args, runner),
+                expandable=expandable_segments(args, spec, info),
+                **common,
             )
     finally:
         progress.close()
@@ -357,6 +362,7 @@ def register(commands: Subcommands) -> None:
     add_write_arg(tune)
     add_device_args(tune, estimate=True)
     add_trace_arg(tune)
+    add_expandable_segments_arg(tune)
     output = tune.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print one JSON object")
     add_export_arg(output)

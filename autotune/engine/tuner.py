@@ -33,6 +33,7 @@ from autotune.core.search import fewest_fitting, find_max_micro_batch
 from autotune.engine.devices.device import Device
 from autotune.engine.probe import (
     AttemptCallback,
+    ExpandableSegments,
     FitTracer,
     PhaseCallback,
     device_allocator_config,
@@ -122,9 +123,11 @@ def tune_session(
     on_trial: TrialCallback | None = None,
     tracer: FitTracer | None = None,
     on_phase: PhaseCallback | None = None,
+    expandable: ExpandableSegments | None = None,
 ) -> TuneResult:
     """`tune` on any trial runner (in this process, or a child process per trial); the probe's
-    first fit points from `tracer` when given (`probe_session`).
+    first fit points from `tracer` when given, and each mode under expandable segments too with
+    `expandable` (`probe_session`).
 
     Raises:
         AssertionError: the result breaks an invariant of `autotune.core.result_check` (a bug).
@@ -134,7 +137,9 @@ def tune_session(
     if not training.sharding.is_layout:
         raise ValueError("sharding: auto is tuned by autotune.engine.layout_tuning.tune_layouts")
     target_global_batch = training.required_target_global_batch()
-    probe_result = probe_session(session, on_attempt=on_attempt, tracer=tracer, on_phase=on_phase)
+    probe_result = probe_session(
+        session, on_attempt=on_attempt, tracer=tracer, on_phase=on_phase, expandable=expandable
+    )
     device_info = probe_result.device  # as measured: after the probe's warm-up
     limits = {mode.checkpointing: mode.recommended_micro_batch for mode in probe_result.modes}
     candidates = enumerate_candidates(target_global_batch, training.world_size, limits)

@@ -3,6 +3,7 @@ errors, which never reach a device, run `main` in this process)."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -14,10 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 
-from autotune.cli.main import main
+from autotune.cli.main import expandable_segments_cell, main, print_probe_table
+from autotune.cli.options import add_device_args, add_expandable_segments_arg
 from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.gpus.cuda_reserve import budget_for
+from autotune.core.schemas import AllocatorOption, DeviceInfo, DeviceKind, ModeProbe, ProbeResult
 from tests.autotune_tests.factories import TINY_LLAMA_CONFIG
 
 # The probe run is shared (`probed`): the module's tests run in one xdist worker.
@@ -61,8 +65,11 @@ def spec_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def probed(spec_path: Path) -> subprocess.CompletedProcess[str]:
     """One `autotune probe --json` run, shared by the tests that read it: in this process
-    (`main` writes to whatever sys.stdout and sys.stderr are), as its child would run it."""
+    (`main` writes to whatever sys.stdout and sys.stderr are), as its child would run it.
+    Under the device's settings only: the trials that verify expandable segments are on the
+    progress too, but not among the modes' attempts (test_probe_evaluates_expandable_segments)."""
     argv = ["probe", str(spec_path), "--device", "cpu", "--memory", "200MiB", "--json"]
+    argv.append("--no-expandable-segments")
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(argv)
@@ -267,6 +274,103 @@ def test_the_allocator_settings_of_the_environment_are_the_emulated_gpu_s(
     assert code == 2
     (line,) = stderr.strip().splitlines()
     assert "PYTORCH_CUDA_ALLOC_CONF" in line and "expandable_segments" in line
+
+
+def _probe_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    capsys.readouterr()
+    code = main(argv)
+    done = capsys.readouterr()
+    assert code == 0, done.err
+    document: dict[str, Any] = json.loads(done.out)
+    return document
+
+
+def test_probe_evaluates_expandable_segments_unless_told_not_to(
+    spec_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On 152 MiB gpt2-tiny's default allocator stops at 14 (22 checkpointed) where expandable
+    segments fit 17 (25): found from the trace, verified by two real trials per mode, and
+    recommended; `--no-expandable-segments` evaluates nothing. In this process: the command
+    reads the environment at its entry point."""
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    argv = ["probe", str(spec_path), "--device", "cpu", "--memory", "152MiB", "--json"]
+    result = _probe_json(argv, capsys)
+    assert result["device"]["allocator_conf"] is None
+    answers = {}
+    for mode in result["modes"]:
+        option = mode["expandable_segments"]
+        assert option["allocator_conf"] == "expandable_segments:True"
+        assert option["max_micro_batch"] == option["traced_max_micro_batch"]
+        assert option["trials"] == 2 and option["recommended"]
+        answers[mode["checkpointing"]] = (mode["max_micro_batch"], option["max_micro_batch"])
+    assert answers == {False: (14, 17), True: (22, 25)}
+
+    opted_out = _probe_json([*argv, "--no-expandable-segments"], capsys)
+    assert [m["expandable_segments"] for m in opted_out["modes"]] == [None, None]
+    assert [m["max_micro_batch"] for m in opted_out["modes"]] == [14, 22]
+
+
+def test_the_probe_table_shows_the_answer_under_expandable_segments() -> None:
+    conf = "expandable_segments:True"
+    verified = AllocatorOption(
+        allocator_conf=conf, traced_max_micro_batch=17, max_micro_batch=17, trials=2
+    )
+    option = verified.model_copy(update={"recommended": True})
+    mode = ModeProbe.model_validate(
+        {"checkpointing": False, "max_micro_batch": 14, "recommended_micro_batch": 12}
+        | {"capped": False, "attempts": [], "expandable_segments": option}
+    )
+    device = DeviceInfo(
+        kind=DeviceKind.EMULATED, name="cpu", total_memory_bytes=2**30, capacity_bytes=2**30
+    )
+    console = Console(record=True, width=200)
+    print_probe_table(console, ProbeResult(device=device, modes=[mode]), headroom=0.05)
+    table = console.export_text()
+    assert "expandable segments" in table and "17 (2 trials), recommended" in table
+    traced_only = AllocatorOption(allocator_conf=conf, traced_max_micro_batch=13)
+    assert expandable_segments_cell(traced_only) == "13 (traced)"
+    dips = AllocatorOption(
+        allocator_conf=conf,
+        traced_max_micro_batch=20,
+        max_micro_batch=20,
+        runs_out_below=[9, 11],
+        trials=3,
+    )
+    assert expandable_segments_cell(dips) == "20 (3 trials, 2 below run out)"
+    assert expandable_segments_cell(None) == "-"
+    # Not evaluated in any mode: no column.
+    plain = mode.model_copy(update={"expandable_segments": None})
+    console = Console(record=True, width=200)
+    print_probe_table(console, ProbeResult(device=device, modes=[plain]), headroom=0.05)
+    assert "expandable" not in console.export_text()
+
+
+def test_settings_with_expandable_segments_leave_nothing_to_evaluate(
+    spec_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from autotune.cli.options import expandable_segments, open_runner
+    from autotune.core.specfile import load_spec
+
+    parser = argparse.ArgumentParser()
+    add_device_args(parser, estimate=True)
+    add_expandable_segments_arg(parser)
+    args = parser.parse_args(["--device", "cpu", "--memory", "152MiB"])
+    spec = load_spec(spec_path)
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    second = expandable_segments(args, spec, open_runner(args, spec).device_info)
+    assert second is not None
+    assert second.session.device_info.allocator_conf == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:64")
+    assert expandable_segments(args, spec, open_runner(args, spec).device_info) is None
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    # With other settings of their own, the second session keeps them and adds the segments.
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:64")
+    second = expandable_segments(args, spec, open_runner(args, spec).device_info)
+    assert second is not None
+    conf = second.session.device_info.allocator_conf or ""
+    assert "expandable_segments:True" in conf and "max_split_size_mb:64" in conf
 
 
 def test_help_opens_with_what_autotune_does_and_every_option_has_help(
