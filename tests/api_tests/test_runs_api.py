@@ -34,7 +34,7 @@ def test_health_needs_no_token(http: TestClient) -> None:
         "status": "ok",
         "database": "ok",
         "version": "0.1.0",
-        "estimate_worker": None,  # this app supervises none
+        "estimate_workers": [],  # this app supervises none
     }
 
 
