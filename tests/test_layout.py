@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("autotune", "api", "probes")
 
@@ -53,6 +55,7 @@ def test_tests_mirror_the_layers() -> None:
             assert named or test.name in behaviours, f"{test} tests no module of autotune/{layer}/"
 
 
+@pytest.mark.e2e
 def test_xdist_groups_keep_their_tests_on_one_worker(tmp_path: Path) -> None:
     """`make test` runs with --dist loadgroup: a module's xdist_group keeps its tests, and so
     its module fixtures (tunings, real DDP and FSDP ranks), on one worker. Some pytest releases

@@ -209,6 +209,7 @@ def test_a_bad_token_is_told_so_and_a_good_one_opens_the_runs(
         profile.close()
 
 
+@pytest.mark.e2e
 def test_a_phone_screen_scrolls_the_tables_not_the_page(browser: Browser, site: Site) -> None:
     phone = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True)
     phone.add_cookies([{"name": TOKEN_COOKIE, "value": CLIENT_TOKEN, "url": site.url}])

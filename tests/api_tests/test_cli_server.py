@@ -48,6 +48,7 @@ def test_parse_device() -> None:
             parse_device(bad)
 
 
+@pytest.mark.e2e
 def test_submit_wait_list_and_show(
     live_server: LiveServer,
     tmp_path: Path,
@@ -86,6 +87,7 @@ def test_submit_wait_list_and_show(
     assert json.loads(capsys.readouterr().out)["recommendation"]["accumulation_steps"] == 4
 
 
+@pytest.mark.e2e
 def test_submit_a_named_gpu(live_server: LiveServer, capsys: pytest.CaptureFixture[str]) -> None:
     common = ["--server", live_server.url, "--token", CLIENT_TOKEN, "--json"]
     assert main(["submit", "gpt2-tiny", "--gpu", "h100-80gb", *common]) == 0
@@ -141,6 +143,7 @@ def _serve(
     return url, process
 
 
+@pytest.mark.e2e
 def test_serve_generates_and_prints_tokens(tmp_path: Path) -> None:
     url, process = _serve(tmp_path)
     try:
@@ -210,6 +213,7 @@ def _wait_for_estimate_workers(
             time.sleep(0.1)
 
 
+@pytest.mark.e2e
 def test_serve_alone_answers_an_estimate(tmp_path: Path) -> None:
     """No worker started: `serve` runs its own estimate worker, which answers an estimate POST
     with a recommendation and exports, and stops with the server. How long the answer takes is
@@ -363,6 +367,7 @@ def test_a_slow_estimate_does_not_starve_the_others_and_its_cancel_is_honoured(
     assert _processes_mentioning(str(data_dir)) == []  # both stopped before serve exited
 
 
+@pytest.mark.e2e
 def test_submit_wait_that_times_out_exits_124_with_the_run_s_state(
     live_server: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -377,6 +382,7 @@ def test_submit_wait_that_times_out_exits_124_with_the_run_s_state(
     assert json.loads(capsys.readouterr().out)["status"] == "queued"
 
 
+@pytest.mark.e2e
 def test_runs_show_prints_the_exports_and_runs_cancel_cancels(
     live_server: LiveServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -413,6 +419,7 @@ def test_runs_show_prints_the_exports_and_runs_cancel_cancels(
     assert "409" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_submit_wait_follows_the_run_and_says_why_it_failed(
     live_server: LiveServer, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -40,6 +40,7 @@ def two_servers(db_url: str, tmp_path: Path) -> Iterator[list[LiveServer]]:
         stop_server(server)
 
 
+@pytest.mark.e2e
 def test_eight_claimers_take_every_run_exactly_once(
     two_servers: list[LiveServer], db_url: str
 ) -> None:
@@ -80,6 +81,7 @@ def test_eight_claimers_take_every_run_exactly_once(
     assert [tuple(row) for row in rows] == [("running", 1, RUNS)]
 
 
+@pytest.mark.e2e
 def test_long_poll_answers_when_the_run_finishes(live_server: LiveServer) -> None:
     spec = tiny_spec()
     with (
@@ -117,6 +119,7 @@ def test_long_poll_answers_when_the_run_finishes(live_server: LiveServer) -> Non
     assert 0.4 < waited_s < 15
 
 
+@pytest.mark.e2e
 def test_client_retries_until_the_server_is_up(live_server: LiveServer) -> None:
     attempts: list[str] = []
     real = httpx2.HTTPTransport()
@@ -147,6 +150,7 @@ def test_client_gives_up_with_server_unavailable() -> None:
     assert time.monotonic() - started >= 0.03  # 0.01 + 0.02 of backoff
 
 
+@pytest.mark.e2e
 def test_identical_submissions_at_once_queue_one_run(
     two_servers: list[LiveServer], db_url: str
 ) -> None:

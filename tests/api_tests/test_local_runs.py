@@ -4,6 +4,7 @@ answers the same submission from it."""
 from __future__ import annotations
 
 import optuna
+import pytest
 
 from api.local import record_local_run, target_for
 from autotune.core.gpus.catalogue import find_gpu
@@ -18,6 +19,7 @@ from tests.api_tests.factories import auto_layout_result
 CAPACITY_BYTES = 180 * 2**20
 
 
+@pytest.mark.e2e
 def test_a_local_tuning_run_is_served_and_answers_the_cache(
     db_url: str, user: ServerClient
 ) -> None:

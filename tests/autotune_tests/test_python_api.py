@@ -29,6 +29,7 @@ def maxima(result: Any) -> dict[bool, int]:
     return {mode.checkpointing: mode.max_micro_batch for mode in result.modes}
 
 
+@pytest.mark.e2e
 def test_a_live_module_probes_as_its_spec_and_is_left_as_it_was() -> None:
     model = tiny_llama()
     before = {name: value.clone() for name, value in model.state_dict().items()}

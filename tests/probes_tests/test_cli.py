@@ -72,6 +72,7 @@ def test_the_estimate_inventory_offers_every_catalogue_gpu(
     assert "--device estimate: estimates every catalogue GPU" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_cuda_without_a_gpu_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     import torch
 

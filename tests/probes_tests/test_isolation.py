@@ -139,6 +139,7 @@ def test_child_trials_equal_the_same_trials_in_one_process() -> None:
     assert _trial_children() == set()
 
 
+@pytest.mark.e2e
 def test_a_child_s_cuda_starts_with_the_allocator_settings_it_is_given() -> None:
     """The run's allocator settings reach the child's CUDA before it starts: on the simulated
     CUDA backend, which reads PYTORCH_ALLOC_CONF as CUDA initializes (as torch does once, at its
@@ -228,6 +229,7 @@ def test_spawned_children_answer_crash_and_leave_the_next_trial_unharmed() -> No
     assert _trial_children() == set()
 
 
+@pytest.mark.e2e
 def test_probe_in_children_finds_what_one_process_finds() -> None:
     """A preset model with checkpointing: the whole probe, every trial in its own child."""
     spec = Spec(
@@ -309,6 +311,7 @@ def test_a_child_that_dies_after_answering_is_warned_about(
     assert warning.endswith("answered, then killed by SIGABRT; its answer stands")
 
 
+@pytest.mark.e2e
 def test_abort_is_a_crash_not_an_oom_and_the_next_trial_is_unharmed() -> None:
     runner = _forkserver_runner(wide_spec("abort_above_4", features=16))
     assert runner.warm_up(checkpointing=False).fits
@@ -345,6 +348,7 @@ def test_a_hang_is_killed_at_the_time_limit(start_method: StartMethod) -> None:
     assert _trial_children() == set()  # the hung child is gone
 
 
+@pytest.mark.e2e
 def test_a_slow_start_is_not_the_trials_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -411,6 +415,7 @@ def test_a_user_exception_comes_back_with_its_type_message_and_traceback() -> No
     assert "probe_factories.py" in raised.value.child_traceback
 
 
+@pytest.mark.e2e
 def test_trial_children_refuse_factories_outside_the_allow_list() -> None:
     """The child checks too (the worker checks before starting one): by default, and with a
     prefix that only looks like the module's, nothing is imported."""
@@ -421,6 +426,7 @@ def test_trial_children_refuse_factories_outside_the_allow_list() -> None:
             runner.describe()
 
 
+@pytest.mark.e2e
 def test_autotune_errors_come_back_as_themselves() -> None:
     spec = Spec(
         model=ModelSpec(factory="tests.probes_tests.factories:no_such_factory"),
@@ -478,6 +484,7 @@ def _is_zombie(pid: int) -> bool:
         return True  # gone
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("start_method", METHODS)
 def test_children_and_their_own_processes_die_with_a_killed_worker(
     start_method: StartMethod,

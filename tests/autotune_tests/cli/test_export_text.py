@@ -67,6 +67,7 @@ def test_one_export_alone_is_exactly_its_text(name: str) -> None:
         assert "what the JSON cannot say" in err.getvalue()
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_tune_export_pytorch_prints_the_loop_alone_piped_in_a_narrow_terminal(
     tmp_path: Path,

@@ -76,6 +76,7 @@ def probed(spec_path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
+@pytest.mark.e2e
 def test_probe_json_is_one_object_with_both_modes(
     probed: subprocess.CompletedProcess[str],
 ) -> None:
@@ -98,6 +99,7 @@ def test_probe_json_is_one_object_with_both_modes(
     assert "micro-batch" in done.stderr
 
 
+@pytest.mark.e2e
 def test_probe_table_by_default(spec_path: Path) -> None:
     done = autotune("probe", str(spec_path), "--device", "cpu", "--memory", "200MiB", "--no-trace")
     assert done.returncode == 0, done.stderr
@@ -114,6 +116,7 @@ def test_probe_table_by_default(spec_path: Path) -> None:
     assert "recommended" in done.stdout
 
 
+@pytest.mark.e2e
 def test_step_json_agrees_with_probe(
     spec_path: Path, probed: subprocess.CompletedProcess[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -169,6 +172,7 @@ def test_bad_input_exits_2_with_one_line(
     assert message in lines[0]
 
 
+@pytest.mark.e2e
 def test_probe_estimate_answers_for_a_named_gpu_without_running_the_step(tmp_path: Path) -> None:
     spec = tmp_path / "spec.yaml"
     spec.write_text(
@@ -221,6 +225,7 @@ def test_a_bad_estimate_is_one_line_and_exit_2(
     assert message in stderr and len(stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.e2e
 def test_probe_on_a_named_gpu_states_the_gpu_its_reserve_and_assumptions(tmp_path: Path) -> None:
     spec = tmp_path / "spec.yaml"
     # A real catalogue GPU and a tiny model: the search cap binds, which is fine here.
@@ -388,6 +393,7 @@ def test_help_opens_with_what_autotune_does_and_every_option_has_help(
     assert "--checkpointing with gradient (activation) checkpointing" in step_help
 
 
+@pytest.mark.e2e
 def test_an_hf_config_run_prints_no_library_noise(tmp_path: Path) -> None:
     """transformers imports torchao where it is installed, which logs its missing CUDA
     kernels on every run, as torch's pytree does its deprecations: not the user's business."""
@@ -400,6 +406,7 @@ def test_an_hf_config_run_prints_no_library_noise(tmp_path: Path) -> None:
     assert done.stderr == "", done.stderr
 
 
+@pytest.mark.e2e
 def test_an_out_of_memory_attempt_says_what_failed_in_the_json_and_the_progress(
     probed: subprocess.CompletedProcess[str],
 ) -> None:

@@ -80,6 +80,7 @@ def test_max_seq_len_refusals_name_the_problem(
         assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.e2e
 def test_tune_says_what_would_make_it_fit_and_fails(tmp_path: Path) -> None:
     """40 MiB is too small for one sample of the mlp preset (1.9M parameters: 30 MB of fp32
     weights, gradients and AdamW states, in the allocator's 20 MiB segments); bf16 weights

@@ -165,6 +165,7 @@ def test_a_broken_library_module_is_not_called_a_missing_extra(tmp_path: Path) -
     assert "pip install" not in done.stderr
 
 
+@pytest.mark.e2e
 def test_tune_records_through_the_installed_recorder_and_skips_it_without_the_server(
     tmp_path: Path,
 ) -> None:

@@ -55,6 +55,7 @@ def _maxima(runner: EstimateRunner | InProcessRunner) -> list[tuple[bool, int, i
 FAMILY_PRESETS = ["cnn", "gpt2-tiny", "llama-tiny", "mlp"]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILY_PRESETS)
 def test_the_estimate_finds_the_emulated_gpus_answer_at_two_capacities(name: str) -> None:
@@ -93,6 +94,7 @@ def test_every_trial_is_the_emulated_gpus_to_the_byte(name: str) -> None:
             )
 
 
+@pytest.mark.e2e
 def test_a_warm_runner_answers_a_trial_again_as_a_fresh_runner_traces_it() -> None:
     """A warm runner answers a trial it traced before from that trace (the tuner asks for the
     probe's sizes again): each answer, asked in any order and again, is what a fresh warm runner

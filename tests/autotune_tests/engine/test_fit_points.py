@@ -134,6 +134,7 @@ def test_fp16_is_traced_as_bf16_and_the_trials_verify_it() -> None:
     assert _sizes(untraced) == [[2, 3, 16, 17], [16, 17, 2]]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_cuda_probe_takes_its_fit_from_the_trace() -> None:
     """A CUDA card is traced as its catalogue GPU on its measured capacity: the BLAS workspaces

@@ -103,6 +103,7 @@ def test_a_checkpointed_probe_hinted_at_the_edge_of_a_dip_answers_the_largest_th
     assert not fresh.trial(plain.max_micro_batch + 1, checkpointing=True).fits
 
 
+@pytest.mark.e2e
 def test_headroom_lowers_the_recommendation_not_the_max() -> None:
     spec = preset_spec("gpt2-tiny", headroom=0.3)
     device = EmulatedDevice(capacity_for_about_four(spec) * 2)

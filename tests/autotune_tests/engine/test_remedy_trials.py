@@ -65,6 +65,7 @@ def test_every_change_that_makes_it_fit_fits_on_the_emulated_gpu() -> None:
     assert verify(spec, sharded_change(2, 1 << 20), ONE_GPU) is None
 
 
+@pytest.mark.e2e
 def test_a_shorter_sequence_is_the_longest_that_fits_at_one_sample() -> None:
     pytest.importorskip("transformers")
     spec = Spec.model_validate(

@@ -82,6 +82,7 @@ def tuned(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int, int], Tune
     return get
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("target", "world_size"), [(32, 1), (24, 2)])
 def test_recommendation_hits_the_target_exactly_and_fits(
     tuned: Callable[[int, int], Tuned], target: int, world_size: int
@@ -142,6 +143,7 @@ def test_accumulation_limit_is_found_and_respected(tuned: Callable[[int, int], T
         assert trial.micro_batch <= (limit[trial.checkpointing] or 0)
 
 
+@pytest.mark.e2e
 def test_an_indivisible_target_is_explained_not_changed(tmp_path: Path) -> None:
     result = tune(
         tiny_spec(target_global_batch=7, world_size=2),
@@ -209,6 +211,7 @@ def test_priority_and_budget() -> None:
     ("world_size", "device"),
     [(1, ["--device", "cpu", "--memory", "64MiB"]), (2, ["--estimate", "H100 80GB"])],
 )
+@pytest.mark.e2e
 def test_cli_tune_json(tmp_path: Path, world_size: int, device: list[str]) -> None:
     spec_path = tmp_path / "spec.yaml"
     spec_path.write_text(
@@ -254,6 +257,7 @@ def test_cli_tune_json(tmp_path: Path, world_size: int, device: list[str]) -> No
     assert ("communication" in done.stderr) is (world_size > 1)
 
 
+@pytest.mark.e2e
 def test_cli_tune_needs_a_target(tmp_path: Path) -> None:
     spec_path = tmp_path / "spec.yaml"
     spec_path.write_text("model: {preset: mlp}\n")

@@ -88,6 +88,7 @@ SHARDED = {"zero1", "zero2", "zero3", "hybrid", "adamw8bit-zero3"}
 # The plain PyTorch loop: executed, on a fake process group for several ranks.
 
 
+@pytest.mark.e2e
 @pytest.mark.xdist_group(TORCH_GROUP)
 @pytest.mark.parametrize("name", NAMES)
 def test_the_pytorch_loop_runs_what_was_measured(name: str) -> None:
@@ -100,6 +101,7 @@ def test_the_pytorch_loop_runs_what_was_measured(name: str) -> None:
 # ranks the DeepSpeed config or accelerate's FSDP plugin it sets up.
 
 
+@pytest.mark.e2e
 @pytest.mark.xdist_group(HF_GROUP)
 @pytest.mark.parametrize("name", [n for n in NAMES if n not in SHARDED])
 def test_the_trainer_runs_what_was_measured(name: str, tmp_path: Path) -> None:
@@ -211,6 +213,7 @@ def test_axolotl_validates_what_was_measured(name: str, tmp_path: Path) -> None:
 # refuses adamw_bnb_8bit with FSDP2): every consumer builds torchao's class for zero2/3/hybrid.
 
 
+@pytest.mark.e2e
 @pytest.mark.xdist_group(HF_GROUP)
 @pytest.mark.parametrize("sharding", ["zero3", "hybrid"])
 def test_sharded_8bit_adamw_is_torchaos_in_every_consumer(sharding: str, tmp_path: Path) -> None:

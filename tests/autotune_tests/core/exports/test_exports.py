@@ -605,6 +605,7 @@ def _fsdp_rank(
         torch.save(grads, f"{workdir}/grads.pt")
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_sharded_loop_on_two_gloo_ranks_matches_the_full_batch(tmp_path: Path) -> None:
     """The ZeRO-3 loop: FSDP2 on every block and the root, the gradients reduce-scattered after
@@ -674,6 +675,7 @@ def test_sharding_is_exported_in_each_ecosystems_keys(sharding: str) -> None:
     assert set(exports.hf) <= fields
 
 
+@pytest.mark.e2e
 def test_token_loop_on_two_ddp_ranks_matches_the_full_batch(tmp_path: Path) -> None:
     """Rank 0 gets short sequences, rank 1 long ones: DDP's plain mean over ranks would
     over-weight rank 0's tokens; the all-reduced token count must not."""

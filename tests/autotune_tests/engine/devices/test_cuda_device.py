@@ -195,6 +195,7 @@ def test_the_capacity_is_read_once_a_step_s_kernels_and_handles_exist() -> None:
         assert result.device.capacity_bytes == capacity_bytes
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_the_recommendation_leaves_the_headroom_on_reserved_memory() -> None:
     """Review item 1 of issue 9: the per-op model predicts live bytes, was checked against

@@ -65,6 +65,7 @@ def test_frozen_parameters_get_no_gradient_and_no_optimizer_state() -> None:
     assert all((p.grad is not None) is p.requires_grad for p in model.parameters())
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_the_probe_is_exact_on_a_lora_spec() -> None:
     spec = _spec(lora={"r": 8, "dropout": 0.1})

@@ -34,6 +34,7 @@ def _spec(**training: object) -> Spec:
     )
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_micro_batch_between_the_two_modes_fits_with_some_blocks_checkpointed() -> None:
     spec = _spec()
@@ -116,6 +117,7 @@ def test_a_model_without_blocks_to_choose_refuses_a_count() -> None:
         )
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_the_tuner_checkpoints_the_fewest_blocks_that_fit(tmp_path: Path) -> None:
     # 16 samples per step: 16 x 1 fits only checkpointed (plain stops at 14).

@@ -165,6 +165,7 @@ def issued(
     yield world_size, json.loads((workdir / "found.json").read_text())
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sharding", ["none", "zero1", "zero2", "zero3", "hybrid"])
 def test_each_collective_moves_the_bytes_torch_issues(
     issued: tuple[int, dict[str, Any]], sharding: str

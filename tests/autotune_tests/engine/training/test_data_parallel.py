@@ -149,6 +149,7 @@ def _rounded(nbytes: int) -> int:
     return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize(("view", "accumulation"), CONFIGS)
 def test_each_step_holds_what_a_real_ddp_rank_holds(
@@ -158,6 +159,7 @@ def test_each_step_holds_what_a_real_ddp_rank_holds(
     assert emulated in [rank[view, accumulation] for rank in real_ddp]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_ddp_adds_its_buckets_to_every_step_and_bucket_views_take_the_gradients_back(
     real_ddp: RealRanks,
@@ -279,6 +281,7 @@ def test_results_state_the_data_parallel_assumption() -> None:
     assert stated.startswith("data parallel, 4 ranks") and "gradient_as_bucket_view=True" in stated
 
 
+@pytest.mark.e2e
 def test_the_probe_of_a_rank_is_certified_and_ddp_is_what_stops_it() -> None:
     capacity_bytes = 44 * 2**20
     ranked_spec = _mlp_spec(2)

@@ -107,6 +107,7 @@ def real_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Peaks
     return [torch.load(Path(workdir) / f"{rank}.pt") for rank in (0, 1)]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", CHECKED)
 def test_two_real_gloo_fsdp2_ranks_peak_as_the_emulated_rank(
