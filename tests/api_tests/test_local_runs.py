@@ -79,6 +79,7 @@ def test_a_local_run_on_a_named_gpu_is_served_with_its_assumptions(
     assert submitted.run is not None and submitted.run.id == run_id
 
 
+@pytest.mark.e2e
 def test_a_local_auto_layout_run_is_served_with_its_layouts(
     db_url: str, user: ServerClient
 ) -> None:

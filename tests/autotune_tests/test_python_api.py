@@ -63,6 +63,7 @@ def test_tune_a_live_module_with_its_exports() -> None:
     assert LIVE_ASSUMPTION in result.device.assumptions
 
 
+@pytest.mark.e2e
 def test_estimate_takes_a_spec_dict() -> None:
     spec = {
         "model": {"preset": "gpt2-tiny"},

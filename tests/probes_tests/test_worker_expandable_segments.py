@@ -42,6 +42,7 @@ def _worker(client: ServerClient, tmp_path: Path, *, expandable_segments: bool) 
     return Worker(client, read_inventory("cpu", MEMORY_BYTES), config)
 
 
+@pytest.mark.e2e
 def test_a_workers_result_carries_expandable_segments_unless_told_not_to(
     user: ServerClient,
     worker: ServerClient,

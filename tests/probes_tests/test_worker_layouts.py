@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.schemas import LayoutVerdict, Sharding, Spec
 from autotune.engine.estimate import estimate_device
@@ -16,6 +18,7 @@ from probes.inventory import ESTIMATE_DEVICE, WorkerDevice
 from probes.worker import LAYOUT_TRIAL_STRIDE, RunOutcome, Worker, WorkerConfig
 
 
+@pytest.mark.e2e
 def test_an_auto_run_through_the_worker_stores_every_layout(
     user: ServerClient, worker: ServerClient, tmp_path: Path
 ) -> None:

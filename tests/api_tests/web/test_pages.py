@@ -357,6 +357,7 @@ def _auto_result(storage_dir: str) -> TuneResult:
     return auto_layout_result(f"sqlite:///{storage_dir}/auto.db")
 
 
+@pytest.mark.e2e
 def test_an_auto_layout_run_shows_its_layouts_table_and_plot(
     http: TestClient,
     user: ServerClient,

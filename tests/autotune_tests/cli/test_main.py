@@ -290,6 +290,7 @@ def _probe_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str
     return document
 
 
+@pytest.mark.e2e
 def test_probe_evaluates_expandable_segments_unless_told_not_to(
     spec_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

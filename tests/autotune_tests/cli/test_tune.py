@@ -60,6 +60,7 @@ def test_an_indivisible_target_is_answered_before_anything_runs(
     assert not (tmp_path / "runs.db").exists()
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_tune_estimate_with_auto_sharding_prints_the_layouts_and_both_speeds(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch

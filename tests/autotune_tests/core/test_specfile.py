@@ -124,7 +124,7 @@ def test_the_readme_s_fine_tuning_specs_are_valid() -> None:
     readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     section = readme.split("### Fine-tuning:", 1)[1].split("\n### ", 1)[0]
     blocks = re.findall(r"```yaml\n(.*?)```", section, flags=re.DOTALL)
-    assert len(blocks) == 5
+    assert len(blocks) == 6
     for block in blocks:
         training = yaml.safe_load(block)
         spec = Spec.model_validate(

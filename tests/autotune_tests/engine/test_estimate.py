@@ -163,6 +163,7 @@ LLAMA_3_8B = {
 }
 
 
+@pytest.mark.e2e
 def test_a_llama_3_8b_estimate_for_an_80_gb_card_takes_seconds() -> None:
     pytest.importorskip("transformers")
     spec = Spec.model_validate(
@@ -204,6 +205,7 @@ def test_the_speed_is_a_roofline_on_the_named_card() -> None:
     assert any("roofline" in line for line in a100.device_info.assumptions)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("name", "world_size"), [("cnn", 1), ("cnn", 2), ("llama-tiny", 1)])
 def test_a_long_accumulation_is_timed_from_two_and_three_micro_steps(
     name: str, world_size: int
@@ -226,6 +228,7 @@ def test_a_long_accumulation_is_timed_from_two_and_three_micro_steps(
         assert eight_s == pytest.approx(two_s + 6 * middle_s, rel=1e-9)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sharding", ["none", "zero3"])
 def test_several_ranks_add_the_communication_compute_does_not_hide(sharding: str) -> None:
     """With world_size > 1 a trial's samples/s come from its compute plus the exposed part of

@@ -52,6 +52,7 @@ def _by_layout(result: TuneResult) -> dict[Sharding, LayoutOutcome]:
     return {layout.sharding: layout for layout in result.layouts}
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_ddp_first_when_it_fits_on_nvlink(tmp_path: Path) -> None:
     """67M parameters fit whole: DDP all-reduces once per optimizer step of 8 micro-steps,
@@ -79,6 +80,7 @@ def test_ddp_first_when_it_fits_on_nvlink(tmp_path: Path) -> None:
     assert result.recommendation.job_samples_per_s == pytest.approx(8 * ddp_speed)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_full_shard_when_only_it_fits(tmp_path: Path) -> None:
     """12.9B parameters in fp32 with AdamW: only full sharding over 8 H100s holds them."""
@@ -97,6 +99,7 @@ def test_full_shard_when_only_it_fits(tmp_path: Path) -> None:
         assert layouts[sharding].recommendation is None
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_hybrid_ahead_of_full_shard_when_the_network_is_slow(tmp_path: Path) -> None:
     """Two nodes at 50 Gb/s: full shard gathers every block across the network every

@@ -47,6 +47,7 @@ def test_the_family_presets_cover_every_family() -> None:
     assert {_family(name) for name in FAMILY_PRESETS} == {_family(name) for name in PRESETS}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", FAMILY_PRESETS)
 def test_probe_result_fits_and_one_more_does_not(name: str) -> None:
     spec = preset_spec(name)
@@ -73,6 +74,7 @@ def test_probe_result_fits_and_one_more_does_not(name: str) -> None:
     assert checkpointed.max_micro_batch >= plain.max_micro_batch
 
 
+@pytest.mark.e2e
 def test_probe_is_frugal_on_a_preset() -> None:
     spec = preset_spec("gpt2-tiny")
     result = probe(spec, EmulatedDevice(capacity_for_about_four(spec) * 3))
@@ -147,6 +149,7 @@ def factory_spec(factory: str) -> Spec:
     ("factory", "expected_max"),
     [("real_oom_above_5", 5), ("cpu_allocator_failure_above_4", 4)],
 )
+@pytest.mark.e2e
 def test_out_of_memory_by_type_never_escapes(factory: str, expected_max: int) -> None:
     result = probe(factory_spec(factory), EmulatedDevice(HUGE_BYTES))
     assert [mode.max_micro_batch for mode in result.modes] == [expected_max]

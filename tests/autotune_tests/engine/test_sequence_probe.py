@@ -40,6 +40,7 @@ def _answers(result: SequenceProbeResult) -> list[tuple[bool, int]]:
     return [(mode.checkpointing, mode.max_seq_len) for mode in result.modes]
 
 
+@pytest.mark.e2e
 def test_the_estimate_and_the_emulated_gpu_find_the_same_certified_longest_sequence() -> None:
     pytest.importorskip("transformers")
     spec = _spec()

@@ -132,6 +132,7 @@ def test_the_study_is_stored_for_the_dashboard(tuned: Callable[[int, int], Tuned
     assert len({t.number for t in study.trials}) >= len(result.trials)
 
 
+@pytest.mark.e2e
 def test_accumulation_limit_is_found_and_respected(tuned: Callable[[int, int], Tuned]) -> None:
     _, result, _ = tuned(32, 1)
     for mode in result.probe.modes:

@@ -144,6 +144,7 @@ def test_the_trainer_arguments_shard_as_measured(name: str, tmp_path: Path) -> N
 # precision plugin and accumulation, one step; the strategy objects for several ranks.
 
 
+@pytest.mark.e2e
 @pytest.mark.xdist_group(TORCH_GROUP)
 @pytest.mark.parametrize("name", NAMES)
 def test_lightning_runs_what_was_measured(name: str) -> None:
@@ -184,6 +185,7 @@ def test_deepspeed_parses_what_was_measured(name: str) -> None:
 # builds them.
 
 
+@pytest.mark.e2e
 @pytest.mark.xdist_group(HF_GROUP)
 @pytest.mark.parametrize("name", NAMES)
 def test_axolotl_validates_what_was_measured(name: str, tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from tests.autotune_tests.engine.test_probe import preset_spec
 MiB = 2**20
 
 
+@pytest.mark.e2e
 def test_a_named_gpu_s_tuning_is_ranked_by_its_roofline(tmp_path: Path) -> None:
     spec = preset_spec("gpt2-tiny", target_global_batch=16, max_micro_batch=16)
     runner = timed_on_its_gpu(InProcessRunner(spec, open_device("cpu", gpu="T4")))
