@@ -165,8 +165,16 @@ class _Interruptible(TorchFunctionMode):
                 raise
         return func(*args, **(kwargs or {}))
 
+    def __enter__(self) -> _Interruptible:
+        self.grad_enabled = torch.is_grad_enabled()
+        super().__enter__()  # type: ignore[no-untyped-call]
+        return self
+
     def __exit__(self, *exc_info: Any) -> None:
         super().__exit__(*exc_info)  # type: ignore[no-untyped-call]
+        # A final stop also raised from the call a `no_grad()` exit makes to restore grad mode,
+        # which then stayed off for the rest of the process: restore what it was on entry.
+        torch.set_grad_enabled(self.grad_enabled)
         stop = self.stop
         if stop is not None and exc_info[1] is not stop:
             raise stop.with_traceback(None) from exc_info[1]

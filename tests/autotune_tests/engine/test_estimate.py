@@ -300,3 +300,17 @@ def test_a_stop_while_the_model_is_built_is_raised_even_where_the_build_catches_
         )
     # Called until it stopped, never again: the stop was kept, not asked again.
     assert len(checks) == 3
+
+
+def test_a_stopped_estimate_leaves_grad_mode_as_it_found_it() -> None:
+    """A final stop raised again from the call a `no_grad()` exit makes to restore grad mode,
+    which then stayed off for every later test in that process."""
+    from autotune.engine.estimate import _Interruptible
+
+    def stop() -> None:
+        raise KeyboardInterrupt("stop")
+
+    with pytest.raises(KeyboardInterrupt), _Interruptible(stop), torch.no_grad():
+        for _ in range(10_000):
+            torch.ones(2) + 1
+    assert torch.is_grad_enabled()
