@@ -139,7 +139,9 @@ class _Interruptible(TorchFunctionMode):
     the mode raises it whatever happened meanwhile. Code between here and the check may catch
     it (a model's own `try`, a library that turns any error into its own, as the build does
     with a config's ValueError), and the stop must neither be lost nor reported as that code's
-    error."""
+    error. Only the grad-mode setter passes after a stop: it is the call with which a
+    `no_grad()` or `enable_grad()` being left restores grad mode, which would otherwise stay off
+    for the rest of the process."""
 
     def __init__(self, check: Callable[[], None]) -> None:
         super().__init__()
@@ -154,7 +156,7 @@ class _Interruptible(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if self.stop is not None:
+        if self.stop is not None and func is not torch._C._set_grad_enabled:
             raise self.stop
         self.ops += 1
         if self.ops % _CHECK_EVERY_OPS == 0:
@@ -165,16 +167,8 @@ class _Interruptible(TorchFunctionMode):
                 raise
         return func(*args, **(kwargs or {}))
 
-    def __enter__(self) -> _Interruptible:
-        self.grad_enabled = torch.is_grad_enabled()
-        super().__enter__()  # type: ignore[no-untyped-call]
-        return self
-
     def __exit__(self, *exc_info: Any) -> None:
         super().__exit__(*exc_info)  # type: ignore[no-untyped-call]
-        # A final stop also raised from the call a `no_grad()` exit makes to restore grad mode,
-        # which then stayed off for the rest of the process: restore what it was on entry.
-        torch.set_grad_enabled(self.grad_enabled)
         stop = self.stop
         if stop is not None and exc_info[1] is not stop:
             raise stop.with_traceback(None) from exc_info[1]
