@@ -135,13 +135,16 @@ class _Interruptible(TorchFunctionMode):
     raised from a dispatch mode, the exception could cross a C++ frame that cannot pass it on,
     and the process aborted ("Fatal Python error: Aborted" under checkpointed attention).
 
-    A stop is final: once `check` raised, every later torch call raises it again, and leaving
-    the mode raises it whatever happened meanwhile. Code between here and the check may catch
-    it (a model's own `try`, a library that turns any error into its own, as the build does
-    with a config's ValueError), and the stop must neither be lost nor reported as that code's
-    error. Only the grad-mode setter passes after a stop: it is the call with which a
-    `no_grad()` or `enable_grad()` being left restores grad mode, which would otherwise stay off
-    for the rest of the process."""
+    A stop is final: once `check` raised, the next check point raises it again instead of
+    checking, and leaving the mode raises it whatever happened meanwhile. Code between here and
+    the check may catch it (a model's own `try`, a library that turns any error into its own,
+    as the build does with a config's ValueError), and the stop must neither be lost nor
+    reported as that code's error. It is raised at check points only, not from every later
+    call: raised from every call, it reached a call made where torch cannot pass an exception on
+    (a worker aborted under checkpointed attention), and the call with which a `no_grad()`
+    being left restores grad mode (which then stayed off for the rest of the process); that
+    call never raises.
+    """
 
     def __init__(self, check: Callable[[], None]) -> None:
         super().__init__()
@@ -156,10 +159,10 @@ class _Interruptible(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if self.stop is not None and func is not torch._C._set_grad_enabled:
-            raise self.stop
         self.ops += 1
-        if self.ops % _CHECK_EVERY_OPS == 0:
+        if self.ops % _CHECK_EVERY_OPS == 0 and func is not torch._C._set_grad_enabled:
+            if self.stop is not None:
+                raise self.stop
             try:
                 self.check()
             except BaseException as stop:
