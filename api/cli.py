@@ -21,8 +21,9 @@ import os
 import secrets
 import signal
 import sys
+from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 from api import estimate_worker
 from autotune.cli.options import (
@@ -110,32 +111,43 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             f"API docs at {address}/docs)\n"
         )
     sys.stderr.flush()
-    # uvicorn stops on SIGTERM, then raises the signal again on its way out so that the process
-    # dies of it: before the `finally` below, which left the estimate workers running, orphaned
-    # (one busy with a run for as long as it took), and never killed when they ignored it.
-    # Raised here as an exception instead (also before uvicorn listens), the signal is raised
-    # again once the workers are stopped.
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    terminated = False
+    # SIGTERM may come at any moment: before uvicorn listens, while it serves (its own handler
+    # then stops it and raises the signal again on its way out), or after. The handler only
+    # records it and asks the server to stop: an exception raised from a signal handler lands
+    # wherever the main thread happens to be, and CI saw one land in a garbage-collection
+    # callback, where Python ignores it, and the server listened on, never to stop. The
+    # estimate workers are stopped (the `finally`) before the process dies of the signal: when
+    # uvicorn's signal killed serve first, they were orphaned.
+    shutdown = _Shutdown()
+    previous = signal.signal(signal.SIGTERM, shutdown.handle)
     try:
-        _run_uvicorn(args, app, settings, url)
-    except _Terminated:
-        terminated = True
+        _run_uvicorn(args, app, settings, url, shutdown)
     finally:
         if estimates is not None:
             estimates.stop()
         signal.signal(signal.SIGTERM, previous)
-    if terminated:
+    if shutdown.requested:
         signal.raise_signal(signal.SIGTERM)
     return EXIT_OK
 
 
-class _Terminated(Exception):  # noqa: N818 - a signal, not an error
-    """SIGTERM reached `serve`."""
+class _Shutdown:
+    """SIGTERM reached `serve`: recorded, and passed on to the server once there is one."""
 
+    def __init__(self) -> None:
+        self.requested = False
+        self._stop: Callable[[], None] | None = None
 
-def _raise_terminated(signum: int, frame: FrameType | None) -> NoReturn:
-    raise _Terminated
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        self.requested = True
+        if self._stop is not None:
+            self._stop()
+
+    def stop_with(self, stop: Callable[[], None]) -> None:
+        """How to stop the server; called at once when SIGTERM came before it existed."""
+        self._stop = stop
+        if self.requested:
+            stop()
 
 
 def _estimate_pool(
@@ -167,19 +179,30 @@ def _estimate_pool(
 
 
 def _run_uvicorn(
-    args: argparse.Namespace, app: FastAPI | None, settings: Settings, url: str
+    args: argparse.Namespace,
+    app: FastAPI | None,
+    settings: Settings,
+    url: str,
+    shutdown: _Shutdown,
 ) -> None:
+    # uvicorn.run's two modes, spelt out so that a SIGTERM that came before uvicorn took the
+    # signal over still reaches its `should_exit`.
     import uvicorn
+    from uvicorn.supervisors import Multiprocess
 
     if app is not None:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        server = uvicorn.Server(
+            uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+        )
+        shutdown.stop_with(lambda: setattr(server, "should_exit", True))
+        server.run()
         return
     # Several processes build their own app from the environment (uvicorn's factory mode).
     os.environ["AUTOTUNE_DATABASE_URL"] = url
     os.environ["AUTOTUNE_CLIENT_TOKENS"] = json.dumps(settings.client_tokens)
     os.environ["AUTOTUNE_WORKER_TOKENS"] = json.dumps(settings.worker_tokens)
     os.environ["AUTOTUNE_ALLOW_FACTORY_SPECS"] = json.dumps(settings.allow_factory_specs)
-    uvicorn.run(
+    config = uvicorn.Config(
         "api.main:create_app_from_env",
         factory=True,
         host=args.host,
@@ -187,6 +210,12 @@ def _run_uvicorn(
         workers=args.workers,
         log_level="warning",
     )
+    supervisor = Multiprocess(config, sockets=[config.bind_socket()])
+    # The supervisor took SIGTERM over (and never gives it back): take it back, so that serve
+    # knows it was stopped by it and dies of it like the single-process server.
+    signal.signal(signal.SIGTERM, shutdown.handle)
+    shutdown.stop_with(supervisor.should_exit.set)
+    supervisor.run()
 
 
 def register(commands: Subcommands) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -173,6 +174,54 @@ def test_serve_allow_factory_specs_accepts_them(tmp_path: Path) -> None:
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+# A SIGTERM delivered inside a weakref callback, where Python ignores exceptions (CI saw one land
+# in SQLAlchemy's garbage-collection callback): sent as `serve` imports uvicorn, after it set its
+# own handler and before uvicorn took the signal over.
+_SIGTERM_WHERE_IGNORED = """
+import os, signal, sys, weakref
+
+def deliver(event, args):
+    if event == "import" and args[0] == "uvicorn":
+        class Garbage:
+            pass
+        garbage = Garbage()
+        ref = weakref.ref(garbage, lambda _: os.kill(os.getpid(), signal.SIGTERM))
+        del garbage
+
+sys.addaudithook(deliver)
+from autotune.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_serve_stops_on_a_sigterm_that_comes_before_uvicorn_handles_it(tmp_path: Path) -> None:
+    # It once raised an exception from its handler, which Python ignored there: the server
+    # started and listened on for good.
+    argv = ["serve", "--port", str(free_port()), "--no-estimates"]
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGTERM_WHERE_IGNORED, *argv],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    assert "Exception ignored" not in done.stderr
+
+
+def test_serve_with_several_processes_stops_on_sigterm_and_dies_of_it(tmp_path: Path) -> None:
+    url, process = _serve(tmp_path, "--workers", "2", AUTOTUNE_CLIENT_TOKENS=CLIENT_TOKEN)
+    try:
+        with ServerClient(url, token=CLIENT_TOKEN) as user:
+            assert user.list_runs().total == 0
+    finally:
+        process.terminate()
+        returncode = process.wait(timeout=30)
+    assert returncode == -signal.SIGTERM, (tmp_path / "serve.log").read_text()
+    with pytest.raises(httpx2.ConnectError):
+        httpx2.get(f"{url}/health")
 
 
 def _processes_mentioning(text: str) -> list[int]:
