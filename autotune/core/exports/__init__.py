@@ -16,14 +16,13 @@ import json
 from autotune.core.exports.axolotl import axolotl_config, render_axolotl
 from autotune.core.exports.deepspeed import deepspeed_config, deepspeed_notes
 from autotune.core.exports.hf import hf_arguments, hf_checkpointing_key, render_hf
-from autotune.core.exports.lightning import DDP_KWARGS, lightning_arguments, render_lightning
+from autotune.core.exports.lightning import lightning_arguments, render_lightning
 from autotune.core.exports.measured import ZERO_STAGES, MeasuredRun
 from autotune.core.exports.notes import data_parallel_note
 from autotune.core.exports.pytorch_loop import pytorch_loop
 from autotune.core.schemas import Exports, Recommendation, TrainingSpec
 
 __all__ = [
-    "DDP_KWARGS",
     "ZERO_STAGES",
     "build_exports",
     "hf_checkpointing_key",

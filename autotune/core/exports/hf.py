@@ -45,13 +45,9 @@ OPTIM = {
     OptimizerName.ADAMW: ("adamw_torch", None),
     OptimizerName.SGD: ("sgd", "momentum=0.9"),
 }
-# The others go to the Trainer as a class: optim="adafactor" is transformers' own Adafactor, and
-# optim="adamw_bnb_8bit" keeps the embeddings' states in 32 bits (8 bytes per element where 2
-# were measured: gigabytes for a large vocabulary).
-OPTIMIZER_CLASSES = {
-    OptimizerName.ADAFACTOR: ("torch", "torch.optim.Adafactor", {"foreach": True}),
-    OptimizerName.ADAMW_8BIT: ("bitsandbytes", "bitsandbytes.optim.AdamW8bit", {}),
-}
+# The others go to the Trainer as a class (`MeasuredRun.optimizer_class`): optim="adafactor" is
+# transformers' own Adafactor, and optim="adamw_bnb_8bit" keeps the embeddings' states in 32 bits
+# (8 bytes per element where 2 were measured: gigabytes for a large vocabulary).
 _FSDP1_STRATEGIES = {
     Sharding.ZERO2: "shard_grad_op",
     Sharding.ZERO3: "full_shard",
@@ -231,14 +227,15 @@ def _ddp_lines(run: MeasuredRun) -> str:
 
 
 def _optimizer_lines(run: MeasuredRun) -> str:
-    if run.optimizer not in OPTIMIZER_CLASSES:
+    if run.optimizer in OPTIM:
         return ""
     if run.optimizer is OptimizerName.ADAMW_8BIT and run.fsdp2:
         return (
             "\n# optim='adamw_torch_8bit' builds torchao's AdamW8bit, measured for FSDP2 shards\n"
             "# (bitsandbytes' does not support them): pip install torchao.\n"
         )
-    module, name, kwargs = OPTIMIZER_CLASSES[run.optimizer]
+    name, kwargs = run.optimizer_class
+    module = name.split(".")[0]  # the package: `import torch` makes torch.optim.Adafactor
     why = (
         "optim='adamw_bnb_8bit' would keep the embeddings' states in 32 bits"
         if run.optimizer is OptimizerName.ADAMW_8BIT

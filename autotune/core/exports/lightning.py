@@ -21,27 +21,19 @@ from typing import Any
 from autotune.core.exports.hf import partial_lines
 from autotune.core.exports.measured import MeasuredRun, lora_snippet
 from autotune.core.exports.notes import allocator_lines, comment, shared_notes
-from autotune.core.schemas import OptimizerName, Precision, Sharding
+from autotune.core.schemas import Precision, Sharding
 
 DDP_KWARGS = {"gradient_as_bucket_view": True}
 _PRECISIONS = {Precision.FP32: "32-true", Precision.BF16: "bf16-mixed", Precision.FP16: "16-mixed"}
-# What configure_optimizers returns, with its keyword arguments (but the learning rate).
-OPTIMIZER_CLASSES: dict[OptimizerName, tuple[str, dict[str, Any]]] = {
-    OptimizerName.ADAMW: ("torch.optim.AdamW", {"foreach": True}),
-    OptimizerName.SGD: ("torch.optim.SGD", {"momentum": 0.9, "foreach": True}),
-    OptimizerName.ADAFACTOR: ("torch.optim.Adafactor", {"foreach": True}),
-    OptimizerName.ADAMW_8BIT: ("bitsandbytes.optim.AdamW8bit", {}),
-}
 
 
 def lightning_arguments(run: MeasuredRun) -> dict[str, Any]:
-    optimizer, kwargs = OPTIMIZER_CLASSES[run.optimizer]
-    if run.optimizer is OptimizerName.ADAMW_8BIT:
-        optimizer = run.eight_bit_adamw.class_path
+    # What configure_optimizers returns.
+    optimizer, kwargs = run.optimizer_class
     module: dict[str, Any] = {
         "gradient_checkpointing": run.checkpointing,
         "optimizer": optimizer,
-        "optimizer_kwargs": dict(kwargs),
+        "optimizer_kwargs": kwargs,
     }
     lightning: dict[str, Any] = {
         "trainer": {

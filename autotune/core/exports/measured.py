@@ -29,6 +29,13 @@ OUTPUT_HEAD = "lm_head"
 ZERO_STAGES = {Sharding.ZERO1: 1, Sharding.ZERO2: 2, Sharding.ZERO3: 3, Sharding.HYBRID: 3}
 # torch's name of the dtype each mixed precision autocasts to (fp32 runs without autocast).
 _AUTOCAST_DTYPES = {Precision.BF16: "bfloat16", Precision.FP16: "float16"}
+# The optimizer class each measured optimizer was built as, with its keyword arguments (but the
+# learning rate); the 8-bit AdamW's class depends on the sharding (`MeasuredRun.eight_bit_adamw`).
+_OPTIMIZER_CLASSES: dict[OptimizerName, tuple[str, dict[str, Any]]] = {
+    OptimizerName.ADAMW: ("torch.optim.AdamW", {"foreach": True}),
+    OptimizerName.SGD: ("torch.optim.SGD", {"momentum": 0.9, "foreach": True}),
+    OptimizerName.ADAFACTOR: ("torch.optim.Adafactor", {"foreach": True}),
+}
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,15 @@ class MeasuredRun:
     def eight_bit_adamw(self) -> EightBitAdamW:
         """The 8-bit AdamW measured for `optimizer: adamw8bit` with this sharding."""
         return eight_bit_adamw(self.sharding)
+
+    @property
+    def optimizer_class(self) -> tuple[str, dict[str, Any]]:
+        """The measured optimizer as a script builds it: its class (importable as
+        module.Class) and keyword arguments, but the learning rate."""
+        if self.optimizer is OptimizerName.ADAMW_8BIT:
+            return self.eight_bit_adamw.class_path, {}
+        class_path, kwargs = _OPTIMIZER_CLASSES[self.optimizer]
+        return class_path, dict(kwargs)
 
     @property
     def shard_group_size(self) -> int:
