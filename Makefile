@@ -63,8 +63,9 @@ test: env lint
 # The slow end-to-end tests (marked e2e: worker fleets, the demo, schema fuzzing of a live
 # server, spawned trial children): 2 minutes more than the 6 `make test` may take, so CI runs
 # them after it (.ci/run).
-e2e: env
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=10 -m e2e
+e2e: env $(CHROMIUM)
+	AUTOTUNE_TEST_CHROMIUM=$(CHROMIUM) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup \
+		--durations=10 -m e2e
 
 # The suite alone; `make test` runs mypy beside it (17 s of one core, cold, in a fresh clone).
 # Not -q: the header shows pytest-randomly's seed (rerun an order with -p randomly

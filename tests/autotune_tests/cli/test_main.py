@@ -101,7 +101,17 @@ def test_probe_json_is_one_object_with_both_modes(
 
 @pytest.mark.e2e
 def test_probe_table_by_default(spec_path: Path) -> None:
-    done = autotune("probe", str(spec_path), "--device", "cpu", "--memory", "200MiB", "--no-trace")
+    # Wide: piped, Rich draws 80 columns, and the expandable segments column wraps the headings.
+    done = autotune(
+        "probe",
+        str(spec_path),
+        "--device",
+        "cpu",
+        "--memory",
+        "200MiB",
+        "--no-trace",
+        env={"COLUMNS": "200"},
+    )
     assert done.returncode == 0, done.stderr
     # Without the trace the search runs its fit points, 2 and 3, for real.
     assert "checkpointing off  micro-batch     2  fits" in done.stderr
