@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import (
@@ -35,6 +37,7 @@ from torch.utils.flop_counter import (
     sdpa_backward_flop,
     sdpa_flop,
 )
+from torch.utils.hooks import RemovableHandle
 
 from autotune.core.errors import SpecError
 from autotune.core.gpus.catalogue import find_gpu
@@ -131,26 +134,33 @@ class _KernelTimes(TorchDispatchMode):  # type: ignore[no-untyped-call]
 class _Interruptible(TorchFunctionMode):
     """Calls `check` every `_CHECK_EVERY_OPS` torch calls of a build or a trace: building or
     tracing a large model takes minutes, and a cancel, a shutdown or a limit must stop it within
-    seconds (`check` raises to stop). It checks at the Python level, before a call enters torch:
-    raised from a dispatch mode, the exception could cross a C++ frame that cannot pass it on,
-    and the process aborted ("Fatal Python error: Aborted" under checkpointed attention).
+    seconds (`check` raises to stop).
+
+    Where `check` may raise matters. A build runs no autograd, so it checks at the torch call
+    that is due. A trace checks at the first module call once one is due (a module forward
+    pre-hook): there the exception crosses only Python frames, or the autograd engine when a
+    checkpointed block is recomputed in backward, which passes it on. Raised from a torch call
+    of a trace, it could come from a call that C++ makes back into Python, through a frame that
+    cannot pass it on: a checkpoint's hook saving a fused attention's tensors reads their shapes
+    (torch calls), and the worker aborted ("Fatal Python error: Aborted", in make test).
 
     A stop is final: once `check` raised, the next check point raises it again instead of
     checking, and leaving the mode raises it whatever happened meanwhile. Code between here and
     the check may catch it (a model's own `try`, a library that turns any error into its own,
     as the build does with a config's ValueError), and the stop must neither be lost nor
-    reported as that code's error. It is raised at check points only, not from every later
-    call: raised from every call, it reached a call made where torch cannot pass an exception on
-    (a worker aborted under checkpointed attention), and the call with which a `no_grad()`
-    being left restores grad mode (which then stayed off for the rest of the process); that
-    call never raises.
+    reported as that code's error. The call with which a `no_grad()` being left restores grad
+    mode is never a check point: grad mode then stayed off for the rest of the process.
     """
 
-    def __init__(self, check: Callable[[], None]) -> None:
+    def __init__(self, check: Callable[[], None], *, at_modules: bool) -> None:
         super().__init__()
         self.check = check
+        self.at_modules = at_modules
         self.ops = 0
+        self.due = False
         self.stop: BaseException | None = None
+        self._owner = threading.get_ident()
+        self._hook: RemovableHandle | None = None
 
     def __torch_function__(
         self,
@@ -160,18 +170,38 @@ class _Interruptible(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         self.ops += 1
-        if self.ops % _CHECK_EVERY_OPS == 0 and func is not torch._C._set_grad_enabled:
-            if self.stop is not None:
-                raise self.stop
-            try:
-                self.check()
-            except BaseException as stop:
-                self.stop = stop
-                raise
+        if self.ops % _CHECK_EVERY_OPS == 0:
+            if self.at_modules:
+                self.due = True
+            elif func is not torch._C._set_grad_enabled:
+                self._check_point()
         return func(*args, **(kwargs or {}))
+
+    def _before_module(self, module: torch.nn.Module, args: Any) -> None:
+        # The hook is global: other threads' modules (another test, a server) are not ours.
+        if self.due and threading.get_ident() == self._owner:
+            self.due = False
+            self._check_point()
+
+    def _check_point(self) -> None:
+        if self.stop is not None:
+            raise self.stop
+        try:
+            self.check()
+        except BaseException as stop:
+            self.stop = stop
+            raise
+
+    def __enter__(self) -> _Interruptible:
+        if self.at_modules:
+            self._hook = register_module_forward_pre_hook(self._before_module)
+        super().__enter__()  # type: ignore[no-untyped-call]
+        return self
 
     def __exit__(self, *exc_info: Any) -> None:
         super().__exit__(*exc_info)  # type: ignore[no-untyped-call]
+        if self._hook is not None:
+            self._hook.remove()
         stop = self.stop
         if stop is not None and exc_info[1] is not stop:
             raise stop.with_traceback(None) from exc_info[1]
@@ -362,7 +392,7 @@ class EstimateRunner:
         self.gpu = gpu
         self.assumptions = assumptions or RooflineAssumptions()
         # Building a model of thousands of layers takes minutes too: checked as a trace is.
-        with self._mode, self._checked():
+        with self._mode, self._checked(at_modules=False):
             device = EmulatedDevice(capacity_bytes, gpu=gpu, allocator_config=allocator_config)
             # The snapshot that undoes an out-of-memory inside the optimizer step is fake too:
             # it costs nothing, and it keeps the state a trial starts from the emulated GPU's.
@@ -423,8 +453,12 @@ class EstimateRunner:
     def num_blocks(self) -> int | None:
         return self._runner.num_blocks
 
-    def _checked(self) -> contextlib.AbstractContextManager[object]:
-        return _Interruptible(self._interrupt) if self._interrupt else contextlib.nullcontext()
+    def _checked(self, *, at_modules: bool = True) -> contextlib.AbstractContextManager[object]:
+        """Stops on `interrupt`: at module calls in a trace, at torch calls in a build
+        (`_Interruptible`)."""
+        if self._interrupt is None:
+            return contextlib.nullcontext()
+        return _Interruptible(self._interrupt, at_modules=at_modules)
 
     def warm_up(self, *, checkpointing: bool = False) -> StepOutcome:
         self._outcomes.clear()

@@ -4,7 +4,10 @@ config in seconds; a roofline speed that follows the card and the work."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -310,7 +313,100 @@ def test_a_stopped_estimate_leaves_grad_mode_as_it_found_it() -> None:
     def stop() -> None:
         raise KeyboardInterrupt("stop")
 
-    with pytest.raises(KeyboardInterrupt), _Interruptible(stop), torch.no_grad():
+    with pytest.raises(KeyboardInterrupt), _Interruptible(stop, at_modules=False), torch.no_grad():
         for _ in range(10_000):
             torch.ones(2) + 1
     assert torch.is_grad_enabled()
+
+
+class _ManyCalls(torch.autograd.Function):
+    """An autograd function whose forward makes many torch calls, as the emulated fused
+    attention's does: C++ (`apply`) calls it."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        from autotune.engine.estimate import _CHECK_EVERY_OPS
+
+        for _ in range(2 * _CHECK_EVERY_OPS):
+            torch.empty_like(tensor)
+        return tensor.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, tensor: torch.Tensor) -> torch.Tensor:
+        output: torch.Tensor = _ManyCalls.apply(self.linear(tensor))  # type: ignore[no-untyped-call]
+        return output
+
+
+def test_a_trace_is_stopped_at_a_module_call_never_from_inside_a_torch_call() -> None:
+    """Raised from a torch call, a stop could come from a call made inside a frame of C++ that
+    cannot pass it on (an autograd function's forward, called by `apply`, makes torch calls,
+    as the emulated fused attention does): a worker aborted so, under checkpointed attention.
+    A trace stops at the next module call instead."""
+    from autotune.engine.estimate import _Interruptible
+
+    def stop() -> None:
+        raise _Stop("stopped")
+
+    model = torch.nn.Sequential(*[_Block() for _ in range(4)])
+    with pytest.raises(_Stop) as stopped, _Interruptible(stop, at_modules=True):
+        model(torch.ones(2, 4, requires_grad=True)).sum().backward()
+    raised_in = [entry.name for entry in stopped.traceback]
+    assert "_before_module" in raised_in
+    assert "__torch_function__" not in raised_in
+
+
+# A child stops the same warm-up at each of its check points in turn: an abort kills it.
+_STOP_AT_EVERY_CHECK = """
+import sys
+from autotune.core.gpus.catalogue import find_gpu
+from autotune.core.gpus.cuda_reserve import budget_for
+from autotune.engine.estimate import EstimateRunner
+from tests.probes_tests.factories import llama_spec
+
+class Stop(Exception):
+    pass
+
+checks, stop_at = [0], [None]
+
+def check():
+    checks[0] += 1
+    if stop_at[0] is not None and checks[0] >= stop_at[0]:
+        raise Stop
+
+runner = EstimateRunner(llama_spec(8), gpu=budget_for(find_gpu("T4")), interrupt=check)
+stop_at[0] = 1
+while True:
+    checks[0] = 0
+    try:
+        runner.warm_up(checkpointing=True)
+    except Stop:
+        stop_at[0] += 1
+        continue
+    break
+print(stop_at[0] - 1)
+"""
+
+
+@pytest.mark.e2e
+def test_a_stop_at_any_check_point_of_a_checkpointed_trace_is_the_stop() -> None:
+    """Stopped at each check point of a checkpointed llama's warm-up in turn, the trace raises
+    the stop every time, and the next warm-up runs: raised from torch calls, one stop aborted
+    the process (60 layers) and another left the optimizer's state half made (8 layers: the
+    next warm-up failed with KeyError 'exp_avg_sq')."""
+    done = subprocess.run(
+        [sys.executable, "-c", _STOP_AT_EVERY_CHECK],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout.split()[-1]) >= 5  # check points met: each raised the stop
