@@ -100,3 +100,32 @@ def test_a_deepspeed_file_without_a_model_exits_2(
     config.write_text('{"train_micro_batch_size_per_gpu": 4}')
     assert main(["probe", str(config), "--estimate", "T4"]) == 2
     assert "ds.json: --model: a DeepSpeed config names no model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            ["--world-size", "8"],
+            "llama-3-lora-1b-ray.yml: ray_num_workers: 4 ranks, but the options say 8",
+        ),
+        (["--nodes", "2"], "llama-3-lora-1b-ray.yml: --nodes: needs --gpus-per-node"),
+    ],
+)
+def test_rank_options_reach_the_conversion_and_a_contradiction_exits_2(
+    options: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = AXOLOTL_EXAMPLES / "llama-3-lora-1b-ray.yml"
+    assert main(["probe", str(config), "--estimate", "T4", *options]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_sharding_takes_the_layouts_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    config = AXOLOTL_EXAMPLES / "llama-3-lora-1b.yml"
+    with pytest.raises(SystemExit) as exited:
+        main(["tune", str(config), "--sharding", "zero4", "--estimate", "T4"])
+    assert exited.value.code == 2
+    assert "--sharding: invalid choice: 'zero4' (choose from 'none', 'zero1'" in (
+        capsys.readouterr().err
+    )
