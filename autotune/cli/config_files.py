@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from autotune.cli.options import positive_int
 from autotune.core.configs import ConfigFormat, Converted, RankOptions, load_training_file
-from autotune.core.schemas import Sharding, TuneResult
+from autotune.core.schemas import Exports, Recommendation, Sharding
 
 FILE_HELP = (
     "spec file (YAML or JSON), or an Axolotl config, a Hugging Face TrainingArguments JSON or "
@@ -56,11 +56,12 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_write_arg(parser: argparse.ArgumentParser) -> None:
+def add_write_arg(parser: argparse.ArgumentParser, *, when: str = "") -> None:
     parser.add_argument(
         "--write",
         action="store_true",
-        help="write the recommendation back into the config file (without it the diff is printed)",
+        help="write the recommendation back into the config file (without it the diff is "
+        f"printed){when}",
     )
 
 
@@ -89,13 +90,16 @@ def read_training_file(args: argparse.Namespace, err: Console) -> Converted:
 
 
 def write_back(
-    args: argparse.Namespace, converted: Converted, result: TuneResult, console: Console
+    args: argparse.Namespace,
+    converted: Converted,
+    rec: Recommendation | None,
+    exports: Exports | None,
+    console: Console,
 ) -> None:
     """The recommendation against the file: its diff on `console`, and with `--write` the
     file rewritten. Nothing for a spec file or without a recommendation."""
     from autotune.core.configs.writeback import recommended_settings, rewritten, unified_diff
 
-    rec, exports = result.recommendation, result.exports
     if converted.format is ConfigFormat.SPEC or rec is None or exports is None:
         return
     path = Path(converted.path)

@@ -129,3 +129,16 @@ def test_sharding_takes_the_layouts_by_name(capsys: pytest.CaptureFixture[str]) 
     assert "--sharding: invalid choice: 'zero4' (choose from 'none', 'zero1'" in (
         capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize("spec", ["gpt2-tiny", "spec.yaml"])
+def test_submit_write_needs_a_config_file(
+    spec: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused before the server is asked (none listens on port 9)."""
+    (tmp_path / "spec.yaml").write_text("model: {preset: gpt2-tiny}\ntraining: {seq_len: 8}\n")
+    target = str(tmp_path / spec) if spec.endswith(".yaml") else spec
+    argv = ["submit", target, "--write", "--device", "cpu:1GiB", "--server", "http://127.0.0.1:9"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--write: only a config file" in err
