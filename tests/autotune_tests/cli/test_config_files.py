@@ -142,3 +142,34 @@ def test_submit_write_needs_a_config_file(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--write: only a config file" in err
+
+
+@pytest.mark.e2e
+def test_tune_sharding_auto_writes_the_chosen_layout_in_the_files_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The Ray example (deepspeed_configs/zero3.json, 4 workers) tuned over every layout: the
+    chosen one is written back as Axolotl's DeepSpeed config of that stage, or as FSDP keys,
+    and Axolotl's schema takes the file."""
+    import json
+
+    shutil.copytree(AXOLOTL_EXAMPLES / "deepspeed_configs", tmp_path / "deepspeed_configs")
+    config, before = copied(tmp_path, "llama-3-lora-1b-ray.yml")
+    model = tiny_llama_directory(tmp_path, **LONG_CONTEXT)
+    assert tune(tmp_path, config, model, "--sharding", "auto", "--write") == 0
+    captured = capsys.readouterr()
+    chosen = json.loads(captured.out)["recommendation"]["sharding"]
+    after = config.read_text()
+    validated = axolotl_validated(after)
+    layout_keys = {"deepspeed", "fsdp_version", "fsdp_config", "optimizer"}
+    changed = {line[1:].split(":")[0] for line in changed_lines(before, after)}
+    assert changed - {"micro_batch_size", "gradient_accumulation_steps"} <= {
+        "gradient_checkpointing",
+        *layout_keys,
+        " ",  # lines inside a new fsdp_config
+    }
+    if chosen in ("zero1", "zero2", "zero3"):
+        assert validated.deepspeed == f"deepspeed_configs/zero{chosen[-1]}.json"  # type: ignore[attr-defined]
+    else:
+        assert chosen == "none" and not validated.deepspeed  # type: ignore[attr-defined]
+    assert f"wrote {config}" in captured.err
