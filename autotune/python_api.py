@@ -27,6 +27,7 @@ from torch import nn
 
 from autotune.core.configs import load_training_file
 from autotune.core.errors import AutotuneError, SpecError
+from autotune.core.gpus.cuda_reserve import GpuBudget
 from autotune.core.memory.allocator_config import config_from_environ
 from autotune.core.schemas import (
     DeviceInfo,
@@ -38,7 +39,7 @@ from autotune.core.schemas import (
     TuneResult,
 )
 from autotune.core.specfile import parse_spec
-from autotune.engine.devices.device import open_device
+from autotune.engine.devices.device import Device, EmulatedDevice, open_device
 from autotune.engine.runner import ForwardingRunner, InProcessRunner, TrialRunner
 from autotune.engine.training.workload import Batch, Workload, count_label_tokens
 
@@ -58,7 +59,7 @@ def probe(
     loss: Loss | None = None,
     device: str | None = None,
     memory: int | None = None,
-    gpu: str | None = None,
+    gpu: str | GpuBudget | None = None,
     **training: Any,
 ) -> ProbeResult:
     """The exact largest micro-batch, without and with checkpointing.
@@ -69,7 +70,9 @@ def probe(
         device: "cuda", "cuda:N", or "cpu" (the emulated GPU: needs `memory` or `gpu`);
             None: "cpu" when `memory` or `gpu` is given, else "cuda".
         memory: the emulated GPU's capacity in bytes (or a cap on a CUDA device).
-        gpu: a catalogue GPU to emulate ("H100 80GB").
+        gpu: a catalogue GPU to emulate ("H100 80GB"), or a `GpuBudget`: a device as one
+            process sees it (its allocator's capacity and the BLAS workspaces resident in it,
+            e.g. a MIG slice's).
         **training: `TrainingSpec` fields for live objects (precision, optimizer, lora, ...).
 
     Raises:
@@ -89,7 +92,7 @@ def tune(
     loss: Loss | None = None,
     device: str | None = None,
     memory: int | None = None,
-    gpu: str | None = None,
+    gpu: str | GpuBudget | None = None,
     storage_url: str = "sqlite://",
     trials: int | None = None,
     seconds_per_trial: float = 1.0,
@@ -193,7 +196,7 @@ def _runner(
     loss: Loss | None,
     device: str | None,
     memory: int | None,
-    gpu: str | None,
+    gpu: str | GpuBudget | None,
     training: dict[str, Any],
 ) -> TrialRunner:
     if (spec is None) == (model is None):
@@ -210,13 +213,19 @@ def _runner(
         assert spec is not None
         resolved = _spec(spec)
     name = device or ("cpu" if memory is not None or gpu is not None else "cuda")
-    opened = open_device(
-        name,
-        memory,
-        gpu=gpu,
-        world_size=resolved.training.world_size,
-        allocator_config=config_from_environ(os.environ),
-    )
+    opened: Device
+    if isinstance(gpu, GpuBudget):
+        if name != "cpu" or memory is not None:
+            raise SpecError("gpu: a GpuBudget is emulated on the cpu device, without memory=")
+        opened = EmulatedDevice(gpu=gpu, allocator_config=config_from_environ(os.environ))
+    else:
+        opened = open_device(
+            name,
+            memory,
+            gpu=gpu,
+            world_size=resolved.training.world_size,
+            allocator_config=config_from_environ(os.environ),
+        )
     if workload is None:
         return InProcessRunner(resolved, opened)
     return LiveRunner(InProcessRunner(resolved, opened, workload=workload))

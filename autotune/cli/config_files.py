@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from autotune.cli.options import positive_int
-from autotune.core.configs import ConfigFormat, Converted, load_training_file
-from autotune.core.schemas import TuneResult
+from autotune.core.configs import ConfigFormat, Converted, RankOptions, load_training_file
+from autotune.core.schemas import Exports, Recommendation, Sharding
 
 FILE_HELP = (
     "spec file (YAML or JSON), or an Axolotl config, a Hugging Face TrainingArguments JSON or "
@@ -33,13 +33,35 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="tokens per sample (the longest): needed for TrainingArguments and DeepSpeed files",
     )
+    ranks = parser.add_argument_group(
+        "ranks of a config file (a spec says them in training:)",
+        "a config file rarely says how many GPUs its launcher starts: say it here (one if "
+        "neither does); the file's global batch, micro-batch x accumulation x ranks, is kept",
+    )
+    ranks.add_argument(
+        "--world-size", type=positive_int, default=None, metavar="N", help="data-parallel ranks"
+    )
+    ranks.add_argument(
+        "--nodes", type=positive_int, default=None, metavar="N", help="machines the ranks span"
+    )
+    ranks.add_argument(
+        "--gpus-per-node", type=positive_int, default=None, metavar="N", help="ranks per node"
+    )
+    ranks.add_argument(
+        "--sharding",
+        choices=[layout.value for layout in Sharding],
+        default=None,
+        help="replace the file's layout; auto: the tuner chooses, and the diff (or --write) "
+        "sets the chosen layout in the file's own keys",
+    )
 
 
-def add_write_arg(parser: argparse.ArgumentParser) -> None:
+def add_write_arg(parser: argparse.ArgumentParser, *, when: str = "") -> None:
     parser.add_argument(
         "--write",
         action="store_true",
-        help="write the recommendation back into the config file (without it the diff is printed)",
+        help="write the recommendation back into the config file (without it the diff is "
+        f"printed){when}",
     )
 
 
@@ -49,7 +71,13 @@ def read_training_file(args: argparse.Namespace, err: Console) -> Converted:
     Raises:
         SpecError: as `load_training_file`.
     """
-    converted = load_training_file(args.spec, model=args.model, seq_len=args.seq_len)
+    ranks = RankOptions(
+        world_size=args.world_size,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        sharding=None if args.sharding is None else Sharding(args.sharding),
+    )
+    converted = load_training_file(args.spec, model=args.model, seq_len=args.seq_len, ranks=ranks)
     if converted.format is not ConfigFormat.SPEC:
         err.print(
             f"read {escape(str(converted.path))} ({converted.format}); not mapped or assumed:",
@@ -62,13 +90,16 @@ def read_training_file(args: argparse.Namespace, err: Console) -> Converted:
 
 
 def write_back(
-    args: argparse.Namespace, converted: Converted, result: TuneResult, console: Console
+    args: argparse.Namespace,
+    converted: Converted,
+    rec: Recommendation | None,
+    exports: Exports | None,
+    console: Console,
 ) -> None:
     """The recommendation against the file: its diff on `console`, and with `--write` the
     file rewritten. Nothing for a spec file or without a recommendation."""
     from autotune.core.configs.writeback import recommended_settings, rewritten, unified_diff
 
-    rec, exports = result.recommendation, result.exports
     if converted.format is ConfigFormat.SPEC or rec is None or exports is None:
         return
     path = Path(converted.path)

@@ -1,7 +1,8 @@
 """The client's commands: `autotune submit` and `autotune runs list|show`, talking to a server
 over HTTP with only the core installed (no torch, no server package).
 
-    autotune submit SPEC --server URL [--device cpu:4GiB | "cuda:NAME:80GiB" | --gpu NAME] [--wait]
+    autotune submit FILE --server URL [--device cpu:4GiB | "cuda:NAME:80GiB" | --gpu NAME] [--wait]
+                     [--write]
     autotune runs list [--status S] [--model M] [--device D] --server URL
     autotune runs show ID [--export hf|axolotl|deepspeed|lightning|pytorch] --server URL
     autotune runs cancel ID --server URL
@@ -22,7 +23,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from autotune.cli.config_files import FILE_HELP, add_config_args, read_training_file
+from autotune.cli.config_files import (
+    FILE_HELP,
+    add_config_args,
+    add_write_arg,
+    read_training_file,
+    write_back,
+)
 from autotune.cli.export_text import add_export_arg, print_exports, print_one_export
 from autotune.cli.options import (
     Subcommands,
@@ -34,7 +41,8 @@ from autotune.cli.options import (
 )
 from autotune.cli.progress import Progress, follow_run
 from autotune.core.bytesize import format_bytes, parse_bytes
-from autotune.core.defaults import EXIT_FAILURE, EXIT_OK, EXIT_TIMEOUT
+from autotune.core.configs import ConfigFormat, Converted
+from autotune.core.defaults import EXIT_FAILURE, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE
 from autotune.core.errors import SpecError
 from autotune.core.presets import PRESETS
 from autotune.core.schemas import ModelSpec, Spec
@@ -76,11 +84,12 @@ def _local_gpu_target() -> CudaTarget:
     return CudaTarget(name=gpus[0].name, memory_bytes=gpus[0].total_memory_bytes)
 
 
-def _load_spec(args: argparse.Namespace) -> Spec:
+def _load_spec(args: argparse.Namespace) -> Converted | Spec:
+    """The file read as a spec (a config file keeps what writing back needs), or a preset's."""
     text = args.spec
     if text in PRESETS and not os.path.exists(text):
         return Spec(model=ModelSpec(preset=text))
-    return read_training_file(args, Console(stderr=True)).spec
+    return read_training_file(args, Console(stderr=True))
 
 
 def _client(args: argparse.Namespace) -> ServerClient:
@@ -88,7 +97,11 @@ def _client(args: argparse.Namespace) -> ServerClient:
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
-    spec = _load_spec(args)
+    loaded = _load_spec(args)
+    converted = loaded if isinstance(loaded, Converted) else None
+    spec = loaded.spec if isinstance(loaded, Converted) else loaded
+    if args.write and (converted is None or converted.format is ConfigFormat.SPEC):
+        raise SpecError("--write: only a config file (Axolotl, TrainingArguments, DeepSpeed)")
     device: AnyTarget
     if args.estimate is not None:
         device = EstimateTarget(gpu=args.estimate)
@@ -126,6 +139,18 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     if run is not None and run.status in (RunStatus.FAILED, RunStatus.CANCELLED):
         _say_why(Console(stderr=True), run)
         return EXIT_FAILURE
+    if converted is not None and run is not None and run.status is RunStatus.SUCCEEDED:
+        # The file's diff goes where it does not mix with a machine-read output.
+        console = Console(stderr=True) if args.json else out
+        write_back(args, converted, run.recommendation, run.exports, console)
+    elif args.write and not args.wait:
+        Console(stderr=True).print(
+            f"autotune submit: --write: run {submitted.id} is {submitted.status.value}, so "
+            "there is nothing to write until it finishes; add --wait to write it when it does",
+            soft_wrap=True,
+            highlight=False,
+        )
+        return EXIT_USAGE
     if args.wait and (run is None or not run.status.is_finished()):
         status = run.status if run is not None else submitted.status
         Console(stderr=True).print(
@@ -309,6 +334,7 @@ def register_submit(commands: Subcommands) -> None:
         metavar="NAME",
         help="an estimate for a named GPU (traced on fake tensors; `autotune serve` runs them)",
     )
+    add_write_arg(submit, when="; needs the result: --wait, unless a stored result answers")
     submit.add_argument("--wait", action="store_true", help="wait for the result")
     submit.add_argument(
         "--timeout", type=positive_seconds, default=3600.0, help="seconds to --wait"

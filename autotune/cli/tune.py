@@ -172,7 +172,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                 soft_wrap=True,
             )
     # The file's diff goes where it does not mix with a machine-read output.
-    write_back(args, converted, result, err if args.json or args.export else Console())
+    out = err if args.json or args.export else Console()
+    write_back(args, converted, result.recommendation, result.exports, out)
     return EXIT_OK if result.recommendation is not None else EXIT_FAILURE
 
 

@@ -28,6 +28,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 
 from autotune.core.errors import SpecError
+from autotune.core.gpus.cuda_reserve import GpuBudget
 from autotune.core.schemas import OptimizerName, Precision, Recommendation, TuneResult
 
 # Lightning's precision names (`Trainer(precision=...)`) that autotune measures.
@@ -55,7 +56,7 @@ class AutotuneBatchSize(Callback):
         target_global_batch: the samples per optimizer step to keep.
         batch_arg_name: the batch size attribute, as `BatchSizeFinder`'s.
         device, memory, gpu: where to measure, as `autotune.tune` ("cuda", "cuda:N", or the
-            emulated GPU of `memory` bytes or the named `gpu`).
+            emulated GPU of `memory` bytes, or of the named `gpu` or its `GpuBudget`).
         trials, seconds_per_trial: the tuner's budget, as `autotune.tune`.
         server, token, wait_s: ask this autotune server instead of measuring here: its stored
             recommendation for the module on the emulated GPU of `memory` or `gpu` answers at
@@ -72,7 +73,7 @@ class AutotuneBatchSize(Callback):
         batch_arg_name: str = "batch_size",
         device: str | None = None,
         memory: int | None = None,
-        gpu: str | None = None,
+        gpu: str | GpuBudget | None = None,
         trials: int | None = None,
         seconds_per_trial: float = 1.0,
         server: str | None = None,
@@ -81,6 +82,8 @@ class AutotuneBatchSize(Callback):
     ) -> None:
         if target_global_batch < 1:
             raise SpecError(f"target_global_batch: must be >= 1, got {target_global_batch}")
+        if server is not None and isinstance(gpu, GpuBudget):
+            raise SpecError("gpu: a server stores results under a GPU's name, not a GpuBudget")
         self.target_global_batch = target_global_batch
         self._batch_arg_name = batch_arg_name
         self._device = device
@@ -126,7 +129,7 @@ class AutotuneBatchSize(Callback):
                 server=self._server,
                 token=self._token,
                 memory=self._memory,
-                gpu=self._gpu,
+                gpu=self._gpu if isinstance(self._gpu, str) else None,
                 wait_s=self._wait_s,
             )
         else:

@@ -507,3 +507,52 @@ def test_submit_wait_follows_the_run_and_says_why_it_failed(
     assert "micro-batch 16 OOM" in err  # attempts as they arrive
     assert "autotune submit: run 1 failed:" in err
     assert "claim 1 on w1: ModelBuildError: hf_id 'org/model': the hub is unreachable" in err
+
+
+@pytest.mark.e2e
+def test_submit_write_writes_back_once_the_run_answers(
+    live_server: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A DeepSpeed file submitted with --write: queued, it cannot be written (exit 2, one
+    line, the file untouched); once a worker finished the run, the stored result answers and
+    the file gets the recommendation (8 x 4 for a target of 32)."""
+    from tests.autotune_tests.core.configs.models import tiny_llama_directory
+
+    config = tmp_path / "ds_config.json"
+    before = json.dumps(
+        {
+            "train_batch_size": 32,
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 16,
+        },
+        indent=2,
+    )
+    config.write_text(before)
+    model = tiny_llama_directory(tmp_path)
+    argv = ["submit", str(config), "--model", str(model), "--seq-len", "64"]
+    common = ["--device", "cpu:4GiB", "--server", live_server.url, "--token", CLIENT_TOKEN]
+
+    assert main([*argv, *common, "--write"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == (
+        "autotune submit: --write: run 1 is queued, so there is nothing to write until it "
+        "finishes; add --wait to write it when it does"
+    )
+    assert config.read_text() == before
+
+    with ServerClient(live_server.url, token=WORKER_TOKEN) as worker:
+        claim = worker.claim("w1", [emulated_device()])
+        assert claim is not None
+        worker.submit_result(
+            claim.run_id, claim.lease_id, tune_result(claim.spec, emulated_device())
+        )
+
+    assert main([*argv, *common, "--write", "--wait"]) == 0
+    out = capsys.readouterr().out
+    assert "run 1: cached result" in out and f"wrote {config}" in out
+    written = json.loads(config.read_text())
+    assert (written["train_micro_batch_size_per_gpu"], written["gradient_accumulation_steps"]) == (
+        8,
+        4,
+    )
+    assert written["train_batch_size"] == 32

@@ -2,10 +2,15 @@
 Axolotl's schema); the defaults are that schema's where the file leaves a key out.
 
 Mapped: `base_model` (or `--model`), `sequence_len`, `sample_packing`, `micro_batch_size` x
-`gradient_accumulation_steps` (x one rank) as the target global batch, `adapter: lora` with
-`lora_*`, `bf16`/`fp16`/`tf32`, `optimizer`, `gradient_checkpointing` (both modes are probed).
+`gradient_accumulation_steps` x the ranks as the target global batch, `adapter: lora` with
+`lora_*`, `bf16`/`fp16`/`tf32`, `optimizer`, `gradient_checkpointing` (both modes are probed),
+and the layout: `deepspeed` (a config or its path: its zero stage) or `fsdp`/`fsdp_config`
+(`autotune.core.configs.fsdp`), hybrid when `dp_shard_size` is less than the ranks. The ranks:
+`dp_shard_size` x `dp_replicate_size`, or Ray's `ray_num_workers`, or the options
+(`--world-size`, `--nodes` x `--gpus-per-node`), else one.
 Refused: a quantized base (`adapter: qlora`, `load_in_4bit`, `load_in_8bit`): autotune builds
-the base in bf16 or fp32 and has no model of 4- or 8-bit weights.
+the base in bf16 or fp32 and has no model of 4- or 8-bit weights; tensor, context and expert
+parallelism, which split a rank's work in ways autotune does not measure.
 """
 
 from __future__ import annotations
@@ -21,10 +26,13 @@ from autotune.core.configs.conversion import (
     positive_int,
     refuse,
 )
+from autotune.core.configs.deepspeed import referenced_sharding
+from autotune.core.configs.fsdp import fsdp_sharding
 from autotune.core.configs.model_source import model_source
 from autotune.core.configs.optimizer_names import optimizer_named
+from autotune.core.configs.ranks import LAYOUT, RankOptions, layout, rank_count
 from autotune.core.exports.axolotl import AXOLOTL_KEYS
-from autotune.core.schemas import LoraSpec, Precision, WeightsDtype
+from autotune.core.schemas import LoraSpec, Precision, Sharding, WeightsDtype
 
 _K = AXOLOTL_KEYS
 # Axolotl's schema defaults (utils/schemas/config.py, training.py) for keys a file leaves out.
@@ -34,6 +42,14 @@ DEFAULT_OPTIMIZER = "adamw_torch_fused"
 DEFAULT_LORA_R = 8
 DEFAULT_LORA_ALPHA = 8
 BASE_MODEL = "base_model"
+FSDP = "fsdp"  # FSDP1's strategy words (deprecated: fsdp_config says it)
+RAY_WORKERS = "ray_num_workers"  # with use_ray: one GPU per worker
+_MODEL_PARALLEL = (
+    "tensor_parallel_size",
+    "context_parallel_size",
+    "sequence_parallel_degree",  # context_parallel_size's old name
+    "expert_parallel_size",
+)
 # Keys that do not change what a training step holds in memory.
 _NOT_MEMORY = frozenset(
     {
@@ -93,7 +109,9 @@ def is_axolotl(data: dict[str, Any]) -> bool:
     return BASE_MODEL in data or _K["micro_batch"] in data
 
 
-def convert(data: dict[str, Any], path: Path, *, model: str | None) -> Converted:
+def convert(
+    data: dict[str, Any], path: Path, *, model: str | None, options: RankOptions
+) -> Converted:
     """Raises:
     SpecError: a setting autotune cannot model, or a value Axolotl would not take.
     """
@@ -129,10 +147,7 @@ def convert(data: dict[str, Any], path: Path, *, model: str | None) -> Converted
     micro = positive_int(data, _K["micro_batch"], 1)
     accumulation = positive_int(data, _K["accumulation"], 1)
     used |= {_K["sequence_len"], _K["sample_packing"], _K["micro_batch"], _K["accumulation"]}
-    notes.append(
-        f"target global batch {micro * accumulation} = {_K['micro_batch']} {micro} x "
-        f"{_K['accumulation']} {accumulation} x 1 rank (the file does not say how many)"
-    )
+    world_size, shard_group = _ranks(data, options, notes, used)
 
     precision, weights = _precision(data, notes)
     used |= {_K["bf16"], _K["fp16"], _K["tf32"], "bfloat16", "float16"}
@@ -149,10 +164,21 @@ def convert(data: dict[str, Any], path: Path, *, model: str | None) -> Converted
             f"{_K['checkpointing']}: {checkpointing!r} measured as checkpointing in GPU memory"
         )
     used.add(_K["checkpointing"])
-    for key in (_K["deepspeed"], "fsdp", _K["fsdp_config"], _K["fsdp_version"]):
-        if data.get(key):
-            notes.append(f"{key}: shards across ranks; sized for one GPU, nothing sharded")
-        used.add(key)
+    file_layout = _layout(data, path, shard_group, notes)
+    used |= {_K["deepspeed"], FSDP, _K["fsdp_config"], _K["fsdp_version"]}
+    layout_key = LAYOUT
+    if data.get(_K["deepspeed"]):
+        layout_key = _K["deepspeed"]
+    elif file_layout is not Sharding.NONE:
+        layout_key = _K["fsdp_config"]
+    sharding = layout(
+        options,
+        file_layout,
+        world_size,
+        key=layout_key,
+        notes=notes,
+        grouped=shard_group is not None,
+    )
 
     notes += [
         f"{key}: not modelled"
@@ -172,7 +198,11 @@ def convert(data: dict[str, Any], path: Path, *, model: str | None) -> Converted
         lora=lora,
         # A micro-batch above what one rank takes per step never serves the file's batch.
         max_micro_batch=min(SEARCH_CAP, micro * accumulation),
-        target_global_batch=micro * accumulation,
+        target_global_batch=micro * accumulation * world_size,
+        world_size=world_size,
+        sharding=sharding,
+        shard_group_size=shard_group if sharding is Sharding.HYBRID else None,
+        **options.topology(),
     )
     return Converted(
         spec=spec,
@@ -180,7 +210,85 @@ def convert(data: dict[str, Any], path: Path, *, model: str | None) -> Converted
         path=path,
         data=data,
         unmapped=tuple(notes),
+        layout=file_layout,
     )
+
+
+def _ranks(
+    data: dict[str, Any], options: RankOptions, notes: list[str], used: set[str]
+) -> tuple[int, int | None]:
+    """The ranks, and the shard group when `dp_shard_size` shards over fewer of them.
+
+    Raises:
+        SpecError: tensor, context or expert parallelism; sizes that disagree.
+    """
+    for key in _MODEL_PARALLEL:
+        size = data.get(key)
+        if isinstance(size, int) and size > 1:
+            raise refuse(key, f"{size}: splitting the model across GPUs is not modelled")
+        used.add(key)
+    # Axolotl sets up a device mesh only for sizes above 1 (setup_parallelism_envs).
+    shard, replicate = (
+        value if isinstance(value, int) and value > 1 else None
+        for value in (data.get(_K["dp_shard_size"]), data.get(_K["dp_replicate_size"]))
+    )
+    used |= {_K["dp_shard_size"], _K["dp_replicate_size"], RAY_WORKERS, "use_ray"}
+    said, key = None, _K["dp_shard_size"]
+    if shard is not None and (replicate is not None or options.ranks() is None):
+        said = shard * (replicate or 1)  # else the replicas fill the ranks the options give
+    elif replicate is not None:
+        raise refuse(_K["dp_replicate_size"], f"needs {_K['dp_shard_size']}")
+    elif data.get("use_ray") and isinstance(data.get(RAY_WORKERS), int):
+        said, key = data[RAY_WORKERS], RAY_WORKERS
+    world = rank_count(options, said, key=key, notes=notes)
+    if shard is not None and shard > world:
+        raise refuse(_K["dp_shard_size"], f"{shard} is more than the {world} ranks")
+    if shard is None or shard == world:
+        return world, None
+    if world % shard:
+        raise refuse(_K["dp_shard_size"], f"{shard} does not divide the {world} ranks")
+    return world, shard
+
+
+def _layout(
+    data: dict[str, Any], path: Path, shard_group: int | None, notes: list[str]
+) -> Sharding:
+    """The sharding the file sets up (hybrid: FSDP over `shard_group` ranks, replicated).
+
+    Raises:
+        SpecError: DeepSpeed and FSDP both, or a layout that is not modelled.
+    """
+    deepspeed = data.get(_K["deepspeed"])
+    config, strategies = data.get(_K["fsdp_config"]), data.get(FSDP)
+    fsdp = isinstance(config, dict) or bool(strategies)
+    if deepspeed and fsdp:
+        raise refuse(_K["deepspeed"], f"set with {_K['fsdp_config']} as well: Axolotl takes one")
+    if deepspeed:
+        found = referenced_sharding(deepspeed, key=_K["deepspeed"], base=path.parent, notes=notes)
+        if shard_group is not None:
+            raise refuse(_K["dp_shard_size"], "sharding within groups needs FSDP, not DeepSpeed")
+        return found
+    if not fsdp:
+        if shard_group is not None:
+            raise refuse(_K["dp_shard_size"], f"shards only with {_K['fsdp_config']}")
+        return Sharding.NONE
+    words = [str(word) for word in strategies] if isinstance(strategies, list) else []
+    fsdp_config = dict(config) if isinstance(config, dict) else {}
+    version = data.get(_K["fsdp_version"])
+    if version is not None:
+        fsdp_config["version"] = version
+    # Axolotl runs FSDP1 unless fsdp_version says 2 (its _resolve_fsdp_version).
+    found = fsdp_sharding(
+        words, fsdp_config, key=_K["fsdp_config"], notes=notes, default_version=1
+    )
+    if shard_group is None or found is Sharding.NONE:
+        return found
+    if found is not Sharding.ZERO3:
+        raise refuse(
+            _K["dp_replicate_size"],
+            f"hybrid sharding is modelled with full shards only (this is {found})",
+        )
+    return Sharding.HYBRID
 
 
 def _precision(data: dict[str, Any], notes: list[str]) -> tuple[Precision, WeightsDtype]:

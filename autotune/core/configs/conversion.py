@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.core.errors import SpecError
-from autotune.core.schemas import ModelSpec, Spec, TrainingSpec
+from autotune.core.schemas import ModelSpec, Sharding, Spec, TrainingSpec
 
 # The spec's default search cap (`TrainingSpec.max_micro_batch`); a file's own batch lowers it.
 SEARCH_CAP = TrainingSpec.model_fields["max_micro_batch"].default
@@ -25,13 +25,15 @@ class ConfigFormat(StrEnum):
 @dataclass(frozen=True)
 class Converted:
     """A file read as a spec. `unmapped`: one line per setting of the file that the spec does
-    not model ("key: why"), for people to judge; `data` is the file's parsed content."""
+    not model ("key: why"), for people to judge; `data` is the file's parsed content;
+    `layout` the sharding its own keys say (the spec's may differ: one rank, `--sharding`)."""
 
     spec: Spec
     format: ConfigFormat
     path: Path
     data: Any = None
     unmapped: tuple[str, ...] = field(default=())
+    layout: Sharding = Sharding.NONE
 
 
 def refuse(key: str, reason: str) -> SpecError:

@@ -7,6 +7,7 @@ from typing import Any
 
 from autotune.core.configs import axolotl, deepspeed, hf_args
 from autotune.core.configs.conversion import ConfigFormat, Converted
+from autotune.core.configs.ranks import RankOptions, refuse_for_a_spec
 from autotune.core.errors import SpecError
 from autotune.core.specfile import parse_spec, read_spec_data
 
@@ -28,17 +29,23 @@ def detect_format(data: Any) -> ConfigFormat:
 
 
 def load_training_file(
-    path: str | Path, *, model: str | None = None, seq_len: int | None = None
+    path: str | Path,
+    *,
+    model: str | None = None,
+    seq_len: int | None = None,
+    ranks: RankOptions | None = None,
 ) -> Converted:
     """A spec file, or an Axolotl, TrainingArguments or DeepSpeed file read as a spec.
     `model` (a hub id or a local directory with config.json) replaces Axolotl's `base_model`
-    and is needed for the other two, as `seq_len` (tokens per sample) is.
+    and is needed for the other two, as `seq_len` (tokens per sample) is; `ranks` says the
+    ranks and layout where the file cannot (`autotune.core.configs.ranks`).
 
     Raises:
         SpecError: unreadable, or a setting that cannot be modelled; starts with the path and
             names the field.
     """
     path = Path(path)
+    options = ranks or RankOptions()
     data = read_spec_data(path)
     kind = detect_format(data)
     try:
@@ -46,13 +53,14 @@ def load_training_file(
             for flag, value in (("--model", model), ("--seq-len", seq_len)):
                 if value is not None:
                     raise SpecError(f"{flag}: the spec says it (model / training.seq_len)")
+            refuse_for_a_spec(options)
             return Converted(spec=parse_spec(data), format=kind, path=path, data=data)
         if kind is ConfigFormat.AXOLOTL:
             if seq_len is not None:
                 raise SpecError("--seq-len: an Axolotl config says it (sequence_len)")
-            return axolotl.convert(data, path, model=model)
+            return axolotl.convert(data, path, model=model, options=options)
         if kind is ConfigFormat.HF_ARGS:
-            return hf_args.convert(data, path, model=model, seq_len=seq_len)
-        return deepspeed.convert(data, path, model=model, seq_len=seq_len)
+            return hf_args.convert(data, path, model=model, seq_len=seq_len, options=options)
+        return deepspeed.convert(data, path, model=model, seq_len=seq_len, options=options)
     except SpecError as error:
         raise SpecError(f"{path}: {error}") from None

@@ -1,7 +1,8 @@
 """A recommendation put back into the file it was read from: the micro-batch, the accumulation
-and the checkpointing flag under the file's own key names (the exports' tables), everything
-else kept. YAML goes through ruamel.yaml's round trip (comments, key order and quoting kept);
-JSON, which has no comments, is written back in its key order with its indentation.
+and the checkpointing flag under the file's own key names (the exports' tables), and a layout
+the options chose (`layout_writeback`), everything else kept. YAML goes through ruamel.yaml's
+round trip (comments, key order and quoting kept); JSON, which has no comments, is written back
+in its key order with its indentation.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import re
 from typing import Any
 
 from autotune.core.configs.conversion import ConfigFormat, Converted
+from autotune.core.configs.edits import apply_edits
+from autotune.core.configs.layout_writeback import layout_settings
 from autotune.core.exports.axolotl import AXOLOTL_KEYS
 from autotune.core.exports.deepspeed import DEEPSPEED_KEYS
 from autotune.core.exports.hf import HF_KEYS, hf_checkpointing_key
@@ -51,6 +54,9 @@ def recommended_settings(
             )
     else:
         raise ValueError("a spec file has no settings to write back")
+    layout, layout_notes = layout_settings(converted, rec, exports)
+    settings.update(layout)
+    notes += layout_notes
     if partial and converted.format is not ConfigFormat.DEEPSPEED:
         notes.append(
             f"checkpointing: measured on the first {rec.checkpointed_blocks} blocks; the file's "
@@ -60,11 +66,11 @@ def recommended_settings(
 
 
 def rewritten(converted: Converted, original: str, settings: dict[str, Any]) -> str:
-    """`original` (the file's text) with `settings` set at its top level; keys it lacks are
-    added at the end."""
+    """`original` (the file's text) with `settings` made to it (`autotune.core.configs.edits`:
+    set, merged into a nested mapping, or removed); keys it lacks are added at the end."""
     if converted.path.suffix == ".json":
         data = json.loads(original)
-        data.update(settings)
+        apply_edits(data, settings)
         return json.dumps(data, indent=_json_indent(original)) + (
             "\n" if original.endswith("\n") else ""
         )
@@ -85,8 +91,7 @@ def _rewritten_yaml(original: str, settings: dict[str, Any]) -> str:
     mapping_indent, sequence_indent, offset = _yaml_indents(original)
     yaml.indent(mapping=mapping_indent, sequence=sequence_indent, offset=offset)
     data = yaml.load(original)
-    for key, value in settings.items():
-        data[key] = value
+    apply_edits(data, settings)
     out = io.StringIO()
     yaml.dump(data, out)
     return out.getvalue()

@@ -73,6 +73,14 @@ def _with_gpu_attention(step: Callable[[], object]) -> Callable[[], object]:
     return attended
 
 
+def _is_catalogue_budget(budget: GpuBudget) -> bool:
+    """Whether `budget` is its catalogue GPU's as one of its ranks sees it."""
+    try:
+        return budget == budget_for(find_gpu(budget.gpu.name), budget.world_size)
+    except UnknownGpu:
+        return False
+
+
 class EmulatedDevice:
     """A GPU emulated on the CPU: real CPU steps, GPU-like accounting. Either `capacity_bytes`
     (`--memory`: what the caching allocator may reserve, nothing taken off) or `gpu`, a named GPU
@@ -111,14 +119,20 @@ class EmulatedDevice:
                 torch.empty(size, dtype=torch.uint8) for size in gpu.blas_workspace_sizes
             )
             self._kept_free_bytes = gpu.reserve.kernel_workspace_bytes
+            # A budget of the caller's own (a MIG slice's capacity) is no catalogue card: it
+            # names none, so nothing reads it as that card's (capacity checks, rooflines).
+            catalogue = _is_catalogue_budget(gpu)
+            label = gpu.gpu.name
+            if not catalogue:
+                label += f" slice (allocator {format_bytes(gpu.capacity_bytes)})"
             self._info = DeviceInfo(
                 kind=DeviceKind.EMULATED,
-                name=f"emulated {gpu.gpu.name} on cpu",
+                name=f"emulated {label} on cpu",
                 speed=SpeedSource.CPU_TIMING,
                 total_memory_bytes=gpu.gpu.total_memory_bytes,
                 capacity_bytes=gpu.capacity_bytes,
                 torch_version=torch.__version__,
-                gpu=gpu.gpu.name,
+                gpu=gpu.gpu.name if catalogue else None,
                 reserve=gpu.reserve,
                 allocator_conf=self._allocator_conf(),
                 assumptions=list(gpu.assumptions),

@@ -100,3 +100,76 @@ def test_a_deepspeed_file_without_a_model_exits_2(
     config.write_text('{"train_micro_batch_size_per_gpu": 4}')
     assert main(["probe", str(config), "--estimate", "T4"]) == 2
     assert "ds.json: --model: a DeepSpeed config names no model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            ["--world-size", "8"],
+            "llama-3-lora-1b-ray.yml: ray_num_workers: 4 ranks, but the options say 8",
+        ),
+        (["--nodes", "2"], "llama-3-lora-1b-ray.yml: --nodes: needs --gpus-per-node"),
+    ],
+)
+def test_rank_options_reach_the_conversion_and_a_contradiction_exits_2(
+    options: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = AXOLOTL_EXAMPLES / "llama-3-lora-1b-ray.yml"
+    assert main(["probe", str(config), "--estimate", "T4", *options]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_sharding_takes_the_layouts_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    config = AXOLOTL_EXAMPLES / "llama-3-lora-1b.yml"
+    with pytest.raises(SystemExit) as exited:
+        main(["tune", str(config), "--sharding", "zero4", "--estimate", "T4"])
+    assert exited.value.code == 2
+    assert "--sharding: invalid choice: 'zero4' (choose from 'none', 'zero1'" in (
+        capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize("spec", ["gpt2-tiny", "spec.yaml"])
+def test_submit_write_needs_a_config_file(
+    spec: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused before the server is asked (none listens on port 9)."""
+    (tmp_path / "spec.yaml").write_text("model: {preset: gpt2-tiny}\ntraining: {seq_len: 8}\n")
+    target = str(tmp_path / spec) if spec.endswith(".yaml") else spec
+    argv = ["submit", target, "--write", "--device", "cpu:1GiB", "--server", "http://127.0.0.1:9"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--write: only a config file" in err
+
+
+@pytest.mark.e2e
+def test_tune_sharding_auto_writes_the_chosen_layout_in_the_files_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The Ray example (deepspeed_configs/zero3.json, 4 workers) tuned over every layout: the
+    chosen one is written back as Axolotl's DeepSpeed config of that stage, or as FSDP keys,
+    and Axolotl's schema takes the file."""
+    import json
+
+    shutil.copytree(AXOLOTL_EXAMPLES / "deepspeed_configs", tmp_path / "deepspeed_configs")
+    config, before = copied(tmp_path, "llama-3-lora-1b-ray.yml")
+    model = tiny_llama_directory(tmp_path, **LONG_CONTEXT)
+    assert tune(tmp_path, config, model, "--sharding", "auto", "--write") == 0
+    captured = capsys.readouterr()
+    chosen = json.loads(captured.out)["recommendation"]["sharding"]
+    after = config.read_text()
+    validated = axolotl_validated(after)
+    layout_keys = {"deepspeed", "fsdp_version", "fsdp_config", "optimizer"}
+    changed = {line[1:].split(":")[0] for line in changed_lines(before, after)}
+    assert changed - {"micro_batch_size", "gradient_accumulation_steps"} <= {
+        "gradient_checkpointing",
+        *layout_keys,
+        " ",  # lines inside a new fsdp_config
+    }
+    if chosen in ("zero1", "zero2", "zero3"):
+        assert validated.deepspeed == f"deepspeed_configs/zero{chosen[-1]}.json"  # type: ignore[attr-defined]
+    else:
+        assert chosen == "none" and not validated.deepspeed  # type: ignore[attr-defined]
+    assert f"wrote {config}" in captured.err

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from autotune.core.errors import SpecError
+from autotune.core.schemas import OptimizerName
 from autotune.integrations.lightning import AutotuneBatchSize
 
 MEMORY_BYTES = 24 * 2**20
@@ -105,3 +106,34 @@ def test_a_missing_batch_size_attribute_is_refused_by_name() -> None:
     callback = AutotuneBatchSize(target_global_batch=8, memory=MEMORY_BYTES, batch_arg_name="bs")
     with pytest.raises(SpecError, match="batch_arg_name: 'bs'"):
         trainer(callback).fit(Wide(width=16), datamodule=Rows(count=16))
+
+
+@pytest.mark.e2e
+def test_the_probes_largest_micro_batch_trains_on_the_simulated_card() -> None:
+    """The probe on the emulated GPU that matches the simulated card (its allocator, with the
+    cuBLAS workspaces of the forward and the backward thread resident, `card_budget`) answers
+    what a plain Lightning fit on the card trains: its largest micro-batch trains there, one
+    more runs out. Given the capacity less one set of workspaces instead, the probe answered
+    448, which the card cannot train (bench/results/integrations.md before the fix)."""
+    from autotune import probe
+    from autotune.integrations.lightning import training_step_loss
+    from tests.autotune_tests.integrations.lightning_card import (
+        card_budget,
+        fits_on_card,
+        outside_allocator_bytes,
+    )
+
+    batch = next(iter(Rows().train_dataloader()))
+    result = probe(
+        model=Wide(),
+        batch=batch,
+        loss=training_step_loss,
+        gpu=card_budget(),
+        optimizer=OptimizerName.ADAMW,
+        max_micro_batch=1024,
+    )
+    largest = result.modes[0].max_micro_batch
+    outside = outside_allocator_bytes()
+    assert fits_on_card(largest, 1, outside)
+    assert not fits_on_card(largest + 1, 1, outside)
+    assert not fits_on_card(448, 1, outside)

@@ -1,27 +1,36 @@
 """A recommendation written back into real files: only its keys change (the diff says so, the
-comments and key order stay), and each consumer still accepts the file: Axolotl's own schema,
-transformers' `TrainingArguments`, DeepSpeed's `DeepSpeedConfig`."""
+comments and key order stay), a layout the tuner chose is written in the file's own keys, and
+each consumer still accepts the file: Axolotl's own schema, transformers' `TrainingArguments`,
+DeepSpeed's `DeepSpeedConfig`."""
 
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from autotune.core.configs import Converted, load_training_file
+from autotune.core.configs import Converted, RankOptions, load_training_file
 from autotune.core.configs.writeback import recommended_settings, rewritten, unified_diff
 from autotune.core.exports import build_exports
-from autotune.core.schemas import Exports, Recommendation
+from autotune.core.schemas import Exports, Recommendation, Sharding
 from tests.autotune_tests.core.configs.models import AXOLOTL_EXAMPLES
 from tests.autotune_tests.core.configs.test_deepspeed import ZERO2, written
 from tests.autotune_tests.core.configs.test_hf_args import saved_arguments
 
 
 def recommendation(
-    converted: Converted, micro_batch: int, *, checkpointing: bool, blocks: int | None = None
+    converted: Converted,
+    micro_batch: int,
+    *,
+    checkpointing: bool,
+    blocks: int | None = None,
+    sharding: Sharding | None = None,
+    transformers_version: str | None = None,
 ) -> tuple[Recommendation, Exports]:
+    """`sharding`: the layout the tuner chose for a `sharding: auto` spec."""
     training = converted.spec.training
     target = training.required_target_global_batch()
     rec = Recommendation(
@@ -35,8 +44,11 @@ def recommendation(
         samples_per_s=10.0,
         peak_bytes=1,
         capacity_bytes=2,
+        sharding=sharding,
     )
-    exports = build_exports(rec, token_model=True, transformers_version=None, training=training)
+    exports = build_exports(
+        rec, token_model=True, transformers_version=transformers_version, training=training
+    )
     return rec, exports
 
 
@@ -140,3 +152,168 @@ def test_a_deepspeed_file_still_reads_as_a_config(tmp_path: Path) -> None:
     parsed = deepspeed_properties(json.loads(after), world_size=8)
     assert (parsed["micro_batch"], parsed["accumulation"], parsed["world_size"]) == (8, 1, 8)
     assert parsed["zero_stage"] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The layout the tuner chose (--sharding auto), in the file's own keys.
+
+AUTO = RankOptions(world_size=4, sharding=Sharding.AUTO)
+
+
+def auto_file(tmp_path: Path, name: str) -> Path:
+    """An Axolotl example next to Axolotl's DeepSpeed configs, as in its repository."""
+    shutil.copytree(AXOLOTL_EXAMPLES / "deepspeed_configs", tmp_path / "deepspeed_configs")
+    path = tmp_path / name
+    shutil.copy(AXOLOTL_EXAMPLES / name, path)
+    return path
+
+
+def chosen(
+    path: Path, sharding: Sharding, options: RankOptions = AUTO, **read: Any
+) -> tuple[str, str, list[str]]:
+    """The file's text before and after writing a recommendation measured with `sharding`
+    (micro-batch 1, as many accumulation steps as the target needs), and the notes."""
+    converted = load_training_file(path, ranks=options, **read)
+    rec, exports = recommendation(
+        converted, 1, checkpointing=True, sharding=sharding, transformers_version="5.24.0"
+    )
+    before = path.read_text()
+    settings, notes = recommended_settings(converted, rec, exports)
+    return before, rewritten(converted, before, settings), notes
+
+
+def layout_lines(before: str, after: str) -> list[str]:
+    """The changed lines that are not the batch or checkpointing keys."""
+    batch = (
+        "micro_batch_size",
+        "per_device_train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "gradient_checkpointing",
+        "activation_checkpointing",
+    )
+    return [
+        line
+        for line in changed_lines(before, after)
+        if not line[1:].strip().strip('"').startswith(batch)
+    ]
+
+
+def test_axolotl_deepspeed_path_takes_the_config_of_the_chosen_stage(tmp_path: Path) -> None:
+    path = auto_file(tmp_path, "llama-3-lora-1b-ray.yml")  # deepspeed_configs/zero3.json
+    options = RankOptions(sharding=Sharding.AUTO)  # the ranks: ray_num_workers 4
+    before, after, notes = chosen(path, Sharding.ZERO2, options)
+    assert layout_lines(before, after) == [
+        "-deepspeed: deepspeed_configs/zero3.json",
+        "+deepspeed: deepspeed_configs/zero2.json",
+    ]
+    assert notes == []
+    validated = axolotl_validated(after)
+    assert validated.deepspeed == "deepspeed_configs/zero2.json"  # type: ignore[attr-defined]
+    stage = json.loads((tmp_path / validated.deepspeed).read_text())["zero_optimization"]  # type: ignore[attr-defined]
+    assert stage["stage"] == 2
+    # No sharding: the DeepSpeed key goes, the comments around it stay.
+    before, after, _ = chosen(path, Sharding.NONE, options)
+    assert layout_lines(before, after) == ["-deepspeed: deepspeed_configs/zero3.json"]
+    assert "# save_first_step: true" in after
+    assert not axolotl_validated(after).deepspeed  # type: ignore[attr-defined]
+
+
+def test_axolotl_fsdp2_says_zero2_by_reshard_after_forward(tmp_path: Path) -> None:
+    path = auto_file(tmp_path, "llama-3-3b-fp8-fsdp2.yaml")
+    before, after, _ = chosen(path, Sharding.ZERO2)
+    assert sorted(layout_lines(before, after)) == sorted(
+        [
+            "-  sharding_strategy: FULL_SHARD",
+            "+  sharding_strategy: SHARD_GRAD_OP",
+            "-  reshard_after_forward: true",
+            "+  reshard_after_forward: false",
+        ]
+    )
+    validated = axolotl_validated(after)
+    assert validated.fsdp_config.reshard_after_forward is False  # type: ignore[attr-defined]
+    assert validated.fsdp_version == 2  # type: ignore[attr-defined]
+
+
+def test_axolotl_fsdp_becomes_deepspeed_for_zero1(tmp_path: Path) -> None:
+    path = auto_file(tmp_path, "llama-3-fft-8b-liger-fsdp.yaml")  # FSDP1: fsdp, fsdp_config
+    before, after, _ = chosen(path, Sharding.ZERO1)
+    removed = [line for line in layout_lines(before, after) if line.startswith("-")]
+    assert "-fsdp:" in removed and "-fsdp_config:" in removed
+    validated = axolotl_validated(after)
+    assert validated.fsdp_config is None  # type: ignore[attr-defined]
+    assert validated.deepspeed["zero_optimization"]["stage"] == 1  # type: ignore[attr-defined]
+
+
+def test_axolotl_without_a_layout_gets_the_exports_fsdp2_keys(tmp_path: Path) -> None:
+    path = auto_file(tmp_path, "llama-3-lora-1b.yml")
+    before, after, _ = chosen(path, Sharding.ZERO3)
+    lines = layout_lines(before, after)
+    # adamw_8bit (bitsandbytes') under FSDP2 is measured as torchao's, which Axolotl takes.
+    optimizer = ["-optimizer: adamw_8bit", "+optimizer: adamw_torch_8bit"]
+    assert [line for line in lines if "optimizer" in line] == optimizer
+    added = [line for line in lines if line not in optimizer]
+    assert all(line.startswith("+") for line in added)
+    assert "+fsdp_version: 2" in added and "+  reshard_after_forward: true" in added
+    validated = axolotl_validated(after)
+    assert validated.fsdp_config.reshard_after_forward is True  # type: ignore[attr-defined]
+
+
+def test_a_layout_the_file_already_has_is_left_alone(tmp_path: Path) -> None:
+    path = auto_file(tmp_path, "llama-3-3b-fp8-fsdp2.yaml")
+    before, after, _ = chosen(path, Sharding.ZERO3)
+    assert layout_lines(before, after) == []
+    # Without --sharding the layout is the file's, measured on one rank or many: kept.
+    before, after, _ = chosen(path, Sharding.NONE, RankOptions())
+    assert layout_lines(before, after) == []
+
+
+def test_deepspeed_json_stage_is_set_in_place(tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed")
+    from tests.autotune_tests.core.exports.consumers import deepspeed_properties
+
+    path = written(tmp_path, ZERO2)  # 64 = 4 x 2 x 8 ranks; offload_optimizer
+    options = RankOptions(sharding=Sharding.AUTO)
+    before, after, _ = chosen(path, Sharding.ZERO3, options, model="org/model", seq_len=32)
+    assert [line for line in changed_lines(before, after) if "stage" in line] == [
+        '-        "stage": 2,',
+        '+        "stage": 3,',
+    ]
+    assert json.loads(after)["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    parsed = deepspeed_properties(json.loads(after), world_size=8)
+    assert (parsed["zero_stage"], parsed["micro_batch"], parsed["accumulation"]) == (3, 1, 8)
+
+
+def test_training_arguments_fsdp_and_deepspeed(tmp_path: Path) -> None:
+    from transformers import TrainingArguments
+
+    fsdp = saved_arguments(tmp_path, fsdp=True, fsdp_config={"reshard_after_forward": False})
+    read = {"model": "org/model", "seq_len": 32}
+    before, after, _ = chosen(fsdp, Sharding.ZERO3, **read)
+    assert layout_lines(before, after) == [
+        '-    "reshard_after_forward": false,',
+        '+    "reshard_after_forward": true,',
+    ]
+    args = TrainingArguments(**json.loads(after))
+    assert args.fsdp_config["reshard_after_forward"] is True
+
+    ds_config = tmp_path / "ds" / "zero3.json"
+    ds_config.parent.mkdir()
+    shutil.copy(AXOLOTL_EXAMPLES / "deepspeed_configs" / "zero3.json", ds_config)
+    deepspeed = saved_arguments(tmp_path, deepspeed=str(ds_config))
+    before, after, notes = chosen(deepspeed, Sharding.ZERO1, **read)
+    # No zero1.json beside it: the named file inlined at the chosen stage, said.
+    inlined = json.loads(after)["deepspeed"]
+    assert inlined["zero_optimization"] == {
+        **json.loads(ds_config.read_text())["zero_optimization"],
+        "stage": 1,
+    }
+    assert notes == [
+        f"deepspeed: {ds_config} inlined with ZeRO stage 1 (no such file of that stage)"
+    ]
+    TrainingArguments(**json.loads(after))  # the Trainer takes it
+
+    plain = saved_arguments(tmp_path)
+    before, after, _ = chosen(plain, Sharding.ZERO2, **read)
+    args = TrainingArguments(**json.loads(after))
+    assert args.fsdp and args.fsdp_config["reshard_after_forward"] is False

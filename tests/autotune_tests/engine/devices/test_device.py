@@ -137,6 +137,17 @@ def test_a_named_gpu_holds_its_blas_workspaces_and_runs_out_at_total_less_contex
     trainer.optimizer.zero_grad(set_to_none=True)
 
 
+def test_a_budget_that_is_not_the_catalogues_names_no_catalogue_gpu() -> None:
+    """A device of the caller's own budget (a slice of a card: its own capacity) must not be
+    taken for the catalogue card, whose capacity a result of that name is checked against."""
+    named = EmulatedDevice(gpu=budget_for(find_gpu("T4")))
+    assert named.info.gpu == "T4" and named.info.name == "emulated T4 on cpu"
+    slice_ = EmulatedDevice(gpu=budget_for(_card(512 * MiB)))
+    assert slice_.info.gpu is None
+    assert slice_.info.name.startswith("emulated T4 slice (allocator ")
+    assert slice_.info.capacity_bytes == slice_.capacity_bytes
+
+
 def test_a_named_gpu_states_its_memory_reserve_and_assumptions() -> None:
     device = open_device("cpu", gpu="h100-80gb", world_size=8)
     info = device.info
