@@ -46,6 +46,7 @@ from autotune.engine.emulation.layer_journal import (
     FIXED,
     FREE,
     GRAD,
+    MARK,
     NO_LAYER,
     OP,
     OPTIMIZER_STATE,
@@ -60,7 +61,7 @@ from autotune.engine.runner import InProcessRunner
 # The depth of the traced model: the first and last layers may differ from the others (the
 # first reads the embeddings, which need no gradient under LoRA; the last feeds the final
 # norm), and two middle layers show what a middle layer does beside another middle layer.
-TRACED_LAYERS = 4
+TRACED_LAYERS = 5
 
 
 class NotReplayable(Exception):
@@ -73,13 +74,26 @@ def owners(journal: Sequence[tuple[Any, ...]]) -> list[int | None]:
     completion outside the layers goes with its allocation."""
     result: list[int | None] = []
     sticky: int | None = None
+    last_layer = NO_LAYER  # the layer context of the last allocation or op
     for record in journal:
         kind = record[0]
+        if kind == MARK:
+            last_layer = record[1]
+            if last_layer == NO_LAYER:
+                sticky = None
+            result.append(None if last_layer == NO_LAYER else last_layer)
+            continue
         if kind == FREE or kind == GRAD:
             context = record[2]
-            result.append(context if context != NO_LAYER else result[record[1]])
+            if context == NO_LAYER:
+                # Between two layers (the previous layer's output dropped as the next one
+                # starts) a free goes with the layer that just ran; elsewhere (the gradients'
+                # release) with its allocation.
+                context = last_layer if last_layer != NO_LAYER else result[record[1]]
+            result.append(context)
             continue
         context, tag = (record[2], record[3]) if kind == ALLOC else (record[1], record[2])
+        last_layer = context
         if context != NO_LAYER:
             result.append(context)
             continue
@@ -104,7 +118,7 @@ def expand(
     Raises:
         NotReplayable: the journal does not have the structure the rule needs.
     """
-    if depth < 4 or target_depth < depth:
+    if depth < 5 or target_depth < depth:
         raise NotReplayable(f"replay from {depth} to {target_depth} layers")
     owner_of = owners(journal)
     # Runs of one owner, then segments: a run outside the layers, or a sweep.
@@ -130,6 +144,15 @@ def expand(
             ascending = True
         elif layers == ascending_layers[::-1]:
             ascending = False
+        elif owner in (0, depth - 1) and all(
+            journal[event][0] in (FREE, GRAD) for event in range(first, end)
+        ):
+            # Frees of the first or last layer's tensors outside any sweep (the last layer's
+            # output, dropped after the final norm): events outside the layers that name
+            # the first or the last layer, which the deep model has too.
+            segments.append((first, end))
+            index += 1
+            continue
         else:
             raise NotReplayable(f"a sweep over layers {layers[:8]} at event {first}")
         by_layer = sorted(group, key=lambda run: run[0] or 0)
@@ -147,17 +170,24 @@ def expand(
             return (ALLOC, record[1], record[4], record[5])
         if kind == OP:
             return (OP, record[3], record[4], record[5])
+        if kind == MARK:
+            return (MARK,)
         target = location.get(record[1])
         if target is None:
             return (kind, "fixed", record[1])
         return (kind, target[0], target[1] - layer, target[2])
 
-    # Every sweep's middle runs are one run; what each class of layer frees where.
+    # The middle runs 1 .. d-2 must be one run: the same events in the same order, each free
+    # naming the same position as far away. A free naming the first or the last layer is
+    # only compared with the pure middle run's (layer 2, between two middle layers) free at
+    # the same distance, whose target is a middle run: the first and last runs may be laid
+    # out otherwise, and the deep model's middle layers next to them use runs 1 and d-2,
+    # where those frees were traced.
     middle = range(1, depth - 1)
-    seen: set[tuple[str, int, str]] = set()
+    pure = 2
 
-    def kind_of(layer: int, layers: int) -> str:
-        return "first" if layer == 0 else ("last" if layer == layers - 1 else "middle")
+    def is_middle(layer: int) -> bool:
+        return 1 <= layer <= depth - 2
 
     templates: dict[int, list[list[tuple[Any, ...]]]] = {}
     for number, segment in enumerate(segments):
@@ -167,16 +197,37 @@ def expand(
             [relative(event, layer) for event in range(*segment.runs[layer])]
             for layer in range(depth)
         ]
-        if any(described[layer] != described[1] for layer in middle):
-            raise NotReplayable(f"the middle layers' events differ in sweep {number}")
+        reference = described[pure]
+        for layer in middle:
+            run = described[layer]
+            if len(run) != len(reference):
+                raise NotReplayable(f"the middle layers' runs differ in length in sweep {number}")
+            for mine, theirs in zip(run, reference, strict=True):
+                if mine == theirs:
+                    continue
+                if (
+                    mine[0] in (FREE, GRAD)
+                    and mine[:3] == theirs[:3]
+                    and mine[1] != "fixed"
+                    and abs(mine[2]) == 1
+                    and not is_middle(layer + mine[2])
+                    and is_middle(pure + theirs[2])
+                ):
+                    continue
+                raise NotReplayable(f"the middle layers' events differ in sweep {number}")
+        for item in reference:
+            if item[0] in (FREE, GRAD) and item[1] != "fixed" and not is_middle(pure + item[2]):
+                raise NotReplayable(f"a middle layer names the first or last one in {number}")
         templates[number] = described
-        for layer in range(depth):
-            for item in described[layer]:
-                if item[0] in (FREE, GRAD) and item[1] != "fixed":
-                    seen.add((kind_of(layer, depth), item[2], kind_of(layer + item[2], depth)))
 
     def template_of(layer: int) -> int:
-        return 0 if layer == 0 else (depth - 1 if layer == target_depth - 1 else 1)
+        if layer == 0:
+            return 0
+        if layer == target_depth - 1:
+            return depth - 1
+        if layer == 1:
+            return 1
+        return depth - 2 if layer == target_depth - 2 else pure
 
     out: list[tuple[Any, ...]] = []
     renumbered_fixed: dict[int, int] = {}
@@ -187,8 +238,12 @@ def expand(
                 record = journal[event]
                 if record[0] in (FREE, GRAD):
                     target = renumbered_fixed.get(record[1])
+                    place = location.get(record[1])
+                    if place is not None and place[1] in (0, depth - 1):
+                        layer = 0 if place[1] == 0 else target_depth - 1
+                        target = renumbered.get((place[0], layer, place[2]))
                     if target is None:
-                        raise NotReplayable(f"event {event} names an event of a layer")
+                        raise NotReplayable(f"event {event} names a middle layer's event")
                     record = (record[0], target, *record[2:])
                 renumbered_fixed[event] = len(out)
                 out.append(record)
@@ -205,13 +260,6 @@ def expand(
                     if item[1] == "fixed":
                         target = renumbered_fixed.get(item[2])
                     else:
-                        kinds = (
-                            kind_of(layer, target_depth),
-                            item[2],
-                            kind_of(layer + item[2], target_depth),
-                        )
-                        if kinds not in seen:
-                            raise NotReplayable(f"no {kinds} reference in the traced layers")
                         target = renumbered.get((item[1], layer + item[2], item[3]))
                     if target is None:
                         raise NotReplayable(f"event {event} names an event not yet replayed")
@@ -271,6 +319,8 @@ def evaluate(
             allocator.free(block)
             live_bytes -= counted
             allocations.append(-(position[record[1]] + 1))
+        elif kind == MARK:
+            continue
         elif kind == OP:
             phase = record[3]
             if record[4] and live_bytes > phase_peak_bytes.get(phase, -1):

@@ -45,7 +45,8 @@ from autotune.engine.emulation.tracker import (
 #   (FREE, journal index of the allocation, context)
 #   (OP, context, tag, phase, peak_check, op)
 #   (GRAD, journal index of the allocation, context)  -- that storage became a parameter's .grad
-ALLOC, FREE, OP, GRAD = 0, 1, 2, 3
+#   (MARK, context)  -- an uncounted op (a record_function's marker): a boundary, nothing else
+ALLOC, FREE, OP, GRAD, MARK = 0, 1, 2, 3, 4
 NO_LAYER = -1  # a context outside every layer
 FIXED = -1  # a tag: no layer's, or several layers'
 STICKY = -2  # a tag: no tagged input; the event goes with the one before it
@@ -216,6 +217,10 @@ class JournalTracker(LiveBytesTracker):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         if id(func) in _UNCOUNTED_OP_IDS:
+            # A record_function's markers (the optimizer's step and zero_grad open one) part
+            # what comes before them from what comes after, say two sweeps of frees.
+            phase = Phase.OPTIMIZER if self._in_optimizer else self.phase
+            self.journal.append((MARK, self.contexts.current(phase)))
             return super().__torch_dispatch__(func, types, args, kwargs)
         kwargs = kwargs or {}
         # The phase as the tracker will decide it; a backward pass starts outside the layers.
