@@ -477,6 +477,8 @@ SPEED_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], str, str]] = {
     ),
 }
 ACCUMULATIONS = (1, 8, 64, 2**20)
+# Rows by round: before and after the reuse of traces, and after the layer replay.
+SPEED_LABELS = ("before", "after", "replay")
 # Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
 # of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).
 SPEED_NOTES = [
@@ -694,7 +696,7 @@ def _write_speed(document: dict[str, Any]) -> None:
         "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name in SPEED_CASES:
-        for label in ("before", "after"):
+        for label in SPEED_LABELS:
             row = document["runs"].get(label, {}).get(name)
             if row is None:
                 continue
@@ -740,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--speed", nargs="*", choices=sorted(SPEED_CASES), help="the speed part (all cases)"
     )
-    parser.add_argument("--label", choices=("before", "after"), default="after")
+    parser.add_argument("--label", choices=SPEED_LABELS, default="replay")
     parser.add_argument("--profile", action="store_true", help="profile the 7B probe")
     parser.add_argument("--speed-case", choices=sorted(SPEED_CASES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
