@@ -252,10 +252,10 @@ def expand(
         for layer in order:
             source = template_of(layer)
             run_start, run_end = segment.runs[source]
-            described = templates[number][source]
+            template = templates[number][source]
             for position, event in enumerate(range(run_start, run_end)):
                 record = journal[event]
-                item = described[position]
+                item = template[position]
                 if record[0] in (FREE, GRAD):
                     if item[1] == "fixed":
                         target = renumbered_fixed.get(item[2])
@@ -399,7 +399,10 @@ def _layer_signature(layer: nn.Module) -> tuple[Any, ...]:
         )
         tensors = tuple(
             (key, tuple(t.shape), t.dtype, t.requires_grad)
-            for key, t in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))
+            for key, t in (
+                *module.named_parameters(recurse=False),
+                *module.named_buffers(recurse=False),
+            )
             if t is not None
         )
         signature.append((name, type(module).__qualname__, attributes, tensors))
@@ -495,9 +498,8 @@ class LayerReplay:
         _, _, by_parameter = parameter_tags(layers, self.runner.step.model, {})
         for parameter in self.runner.step.model.parameters():
             if parameter.requires_grad:
-                parameter.register_post_accumulate_grad_hook(
-                    functools.partial(self._gradient, by_parameter.get(id(parameter), FIXED))
-                )
+                hook = functools.partial(self._gradient, by_parameter.get(id(parameter), FIXED))
+                parameter.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
 
     def _make_tracker(self, *args: Any, **kwargs: Any) -> JournalTracker:
         tracker = JournalTracker(
@@ -523,9 +525,7 @@ class LayerReplay:
         step = runner.step
         optimizer = getattr(step.optimizer, "optim", step.optimizer)
         state_was_empty = not optimizer.state
-        self._tags, self._categories, _ = parameter_tags(
-            self.layers, step.model, optimizer.state
-        )
+        self._tags, self._categories, _ = parameter_tags(self.layers, step.model, optimizer.state)
         shallow = runner.trial(micro_batch, accumulation_steps, checkpointing=checkpointing)
         tracker = self._tracker
         self._tracker = None

@@ -24,7 +24,7 @@ step the plain tracker would count.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -62,6 +62,12 @@ def storage_key(tensor: torch.Tensor) -> int | None:
         return None
 
 
+def _key_or_none(tensor: torch.Tensor) -> int:
+    """`storage_key`, with -1 (never a key) for a tensor without a storage."""
+    key = storage_key(tensor)
+    return -1 if key is None else key
+
+
 class LayerContexts:
     """Which layer's forward or backward is running, from hooks on `layers` (the model's
     decoder layers, in order)."""
@@ -93,14 +99,15 @@ class LayerContexts:
             return
         for tensor in pytree.tree_leaves(output):
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(functools.partial(self._backward_of, index))
+                hook = functools.partial(self._backward_of, index)
+                tensor.register_hook(hook)  # type: ignore[no-untyped-call]
                 return
 
     def _backward_of(self, index: int, grad: torch.Tensor) -> None:
         self.backward_layer = index
 
 
-class JournalTracker(LiveBytesTracker):
+class JournalTracker(LiveBytesTracker):  # type: ignore[no-untyped-call]
     """A `LiveBytesTracker` that also writes `journal` (module docstring). `tags` maps the
     storages of the parameters, gradients and optimizer state to their layer (FIXED outside
     the layers), `categories` the weights' and optimizer state's storages to theirs; both are
@@ -170,8 +177,9 @@ class JournalTracker(LiveBytesTracker):
         super()._record_free(ref)
 
     def _release(self, ref: Any) -> None:
-        if self._storages.get(ref.key) is ref:
-            self.tags.pop(ref.key, None)
+        key = ref.key
+        if self._storages.get(key) is ref:
+            self.tags.pop(key, None)
         super()._release(ref)
 
     def record_gradient(self, parameter: torch.Tensor, tag: int) -> None:
@@ -192,7 +200,7 @@ class JournalTracker(LiveBytesTracker):
         tags = self.tags
         if func.__name__.startswith("_foreach_") and args and isinstance(args[0], list | tuple):
             per_output = [
-                tags.get(storage_key(t), STICKY) if isinstance(t, torch.Tensor) else STICKY
+                tags.get(_key_or_none(t), STICKY) if isinstance(t, torch.Tensor) else STICKY
                 for t in args[0]
             ]
             distinct = set(per_output)
@@ -227,7 +235,11 @@ class JournalTracker(LiveBytesTracker):
         backward = not self._in_optimizer and _current_graph_task_id() != -1
         if backward and self.phase is not Phase.BACKWARD:
             self.contexts.backward_layer = NO_LAYER
-        phase = Phase.OPTIMIZER if self._in_optimizer else (Phase.BACKWARD if backward else Phase.FORWARD)
+        phase = (
+            Phase.OPTIMIZER
+            if self._in_optimizer
+            else (Phase.BACKWARD if backward else Phase.FORWARD)
+        )
         context = self.contexts.current(phase)
         tag = STICKY
         self._output_tags = STICKY
@@ -258,7 +270,6 @@ def parameter_tags(
     for index, layer in enumerate(layers):
         for parameter in layer.parameters():
             by_parameter[id(parameter)] = index
-    tensors: Iterable[tuple[torch.Tensor, int, int]] = []
     entries: list[tuple[torch.Tensor, int, int]] = []
     for parameter in model.parameters():
         tag = by_parameter.get(id(parameter), FIXED)
@@ -270,8 +281,7 @@ def parameter_tags(
             if isinstance(value, torch.Tensor):
                 entries.append((value, tag, OPTIMIZER_STATE))
     entries += [(buffer, FIXED, WEIGHT) for buffer in model.buffers()]
-    tensors = entries
-    for tensor, tag, category in tensors:
+    for tensor, tag, category in entries:
         key = storage_key(tensor)
         if key is not None:
             tags[key] = tag

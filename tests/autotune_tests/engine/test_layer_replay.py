@@ -90,7 +90,11 @@ def test_a_probe_replayed_finds_the_whole_traces_maxima_and_peaks() -> None:
         assert runner.layer_replay is replay
         maxima.append(
             [
-                (m.checkpointing, m.max_micro_batch, [(a.micro_batch, a.peak_bytes) for a in m.attempts])
+                (
+                    m.checkpointing,
+                    m.max_micro_batch,
+                    [(a.micro_batch, a.peak_bytes) for a in m.attempts],
+                )
                 for m in result.modes
             ]
         )
@@ -116,9 +120,7 @@ def test_partial_checkpointing_is_traced_whole() -> None:
 
 def test_layers_that_differ_are_not_replayed() -> None:
     # Qwen2's sliding window on the layers from max_window_layers on: two kinds of layer.
-    sliding = _config(
-        "qwen2", 8, use_sliding_window=True, sliding_window=32, max_window_layers=4
-    )
+    sliding = _config("qwen2", 8, use_sliding_window=True, sliding_window=32, max_window_layers=4)
     assert replay_depth(_spec(sliding, lora=True)) is None
     assert replay_depth(_spec(_config("qwen2", 8), lora=True)) == 8
 
@@ -128,7 +130,5 @@ def test_only_deep_single_rank_transformers_configs_are_replayed() -> None:
     assert replay_depth(_spec(_config("llama", TRACED_LAYERS + 2), lora=True)) == 7
     sharded = _spec(_config("llama", 16), lora=True, world_size=2, sharding="zero3")
     assert replay_depth(sharded) is None
-    preset = Spec.model_validate(
-        {"model": {"preset": "llama-tiny"}, "training": {"seq_len": 16}}
-    )
+    preset = Spec.model_validate({"model": {"preset": "llama-tiny"}, "training": {"seq_len": 16}})
     assert replay_depth(preset) is None
