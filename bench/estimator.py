@@ -22,8 +22,8 @@ Speed (`--speed`): what an estimate costs at the sizes people ask about, each ca
 process of its own (its wall and CPU seconds, and its peak RSS, imports excluded from the times):
 both modes of a 7B LoRA probe, a 70B LoRA probe under ZeRO-3 on 8 ranks, a whole `tune` of an 8B
 LoRA, and one measurement at several accumulation counts. `--profile` adds the top entries of a
-cProfile of the 7B probe. `--label before|after|replay` files the figures under that label, keeping the
-other label's. Writes bench/results/estimator_speed.{json,md} only.
+cProfile of the 7B probe. `--label before|after|replay` files the figures under that label,
+keeping the other labels'. Writes bench/results/estimator_speed.{json,md} only.
 """
 
 from __future__ import annotations
