@@ -534,6 +534,11 @@ SPEED_NOTES = [
     "passes on the whole model (built, and warmed up, when the first speed pass needs it), so "
     "a tune gains only its trials. Any accumulation count costs a constant (round 1). Peak RSS "
     "stays under 500 MiB in every row measured.",
+    "llama8b-lora-tune finished this round (it had not in 25 minutes of wall time before, at "
+    "load 18): 192.8 CPU s, 708 s of wall time at load 9.9, peak RSS 656 MiB; its probe's "
+    "trials are replayed from 5 layers, its speed passes trace the whole 32-layer model (the "
+    "traced steps count both models' steps). The goal of 30 s for a whole tune of an 8B "
+    "model is not met; the speed passes are most of what is left of it.",
     "What is left: the speed pass by the same replay (a layer's kernel times repeat too, but "
     "an optimizer's foreach kernel spans every layer's parameters and its roofline time is not "
     "a sum over layers); several ranks (FSDP2's per-layer all-gathers and frees, DDP's "
