@@ -22,8 +22,8 @@ Speed (`--speed`): what an estimate costs at the sizes people ask about, each ca
 process of its own (its wall and CPU seconds, and its peak RSS, imports excluded from the times):
 both modes of a 7B LoRA probe, a 70B LoRA probe under ZeRO-3 on 8 ranks, a whole `tune` of an 8B
 LoRA, and one measurement at several accumulation counts. `--profile` adds the top entries of a
-cProfile of the 7B probe. `--label before|after` files the figures under that label, keeping the
-other label's. Writes bench/results/estimator_speed.{json,md} only.
+cProfile of the 7B probe. `--label before|after|replay` files the figures under that label,
+keeping the other labels'. Writes bench/results/estimator_speed.{json,md} only.
 """
 
 from __future__ import annotations
@@ -477,6 +477,8 @@ SPEED_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], str, str]] = {
     ),
 }
 ACCUMULATIONS = (1, 8, 64, 2**20)
+# Rows by round: before and after the reuse of traces, and after the layer replay.
+SPEED_LABELS = ("before", "after", "replay")
 # Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
 # of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).
 SPEED_NOTES = [
@@ -508,10 +510,39 @@ SPEED_NOTES = [
     "at load 18 in the time given (the 8B tune ran over 25 minutes of wall time before and was "
     "stopped); the traced-step counts of small-llama-lora-tune stand for what the reuse saves "
     "a tune, and its answers are equal.",
-    "What is left: the goals (8 s for both modes of a 7B LoRA probe, 15 s for 70B) need about "
-    "1/8 of the ops traced per step. A decoder's layers are identical, so tracing a few of "
-    "them and replaying the allocator model for the rest (their allocation events repeat with "
-    "the layer) would make a trial's cost independent of depth; it is not done here.",
+    "Round 1 (before, after): what is left were the goals (8 s for both modes of a 7B LoRA "
+    "probe, 15 s for 70B), which need about 1/8 of the ops traced per step.",
+    "Round 2 (replay), the layer replay (docs/design.md#the-layer-replay): a transformers "
+    "decoder of 7 layers or more, on one rank, whose layers are all the same layer, is traced "
+    "at 5 layers and each trial's journal of allocations, frees and ops is written out for its "
+    "depth and replayed through the allocator model; tests compare every replayed trial with "
+    "the whole model's trace to the byte. qwen7b-lora-probe: 18.4 CPU s instead of 67.5 (3.7x; "
+    "its maxima and peaks are the before row's to the byte), at load 7.8. Where they go now "
+    "(a cProfile of the same probe, 26 Nov 2026): the 5-layer traces about 75 % (9,400 ops "
+    "per trial instead of 41,000: the embeddings, the 152k-token head and the loss are traced "
+    "as before), writing out and replaying the 28-layer journal about 10 %, and the search's "
+    "own replays of the allocation traces (its fit points) about 12 %. small-llama-lora-tune "
+    "has 4 layers, fewer than the replay needs, and traces as before: its maxima and "
+    "recommendation are the after row's, its samples/s the before row's to 1e-10 (the fifth "
+    "digit the after row's note explains is back to the before row's on the main branch "
+    "this round started from; not the replay's doing), and it traced one step more (21 "
+    "against 20), for a reason in the same changes, not traced here; its CPU seconds differ "
+    "with the machine's load (9.7 against 11.7).",
+    "Goals after round 2: the 7B LoRA probe's 8 s is not met (18.4 CPU s). A 70B model under "
+    "ZeRO-3 on 8 ranks is not replayed (several ranks are traced whole: sharded parameters' "
+    "gathers are not journaled by layer) and was not run. A whole tune traces its speed "
+    "passes on the whole model (built, and warmed up, when the first speed pass needs it), so "
+    "a tune gains only its trials. Any accumulation count costs a constant (round 1). Peak RSS "
+    "stays under 500 MiB in every row measured.",
+    "llama8b-lora-tune finished this round (it had not in 25 minutes of wall time before, at "
+    "load 18): 192.8 CPU s, 708 s of wall time at load 9.9, peak RSS 656 MiB; its probe's "
+    "trials are replayed from 5 layers, its speed passes trace the whole 32-layer model (the "
+    "traced steps count both models' steps). The goal of 30 s for a whole tune of an 8B "
+    "model is not met; the speed passes are most of what is left of it.",
+    "What is left: the speed pass by the same replay (a layer's kernel times repeat too, but "
+    "an optimizer's foreach kernel spans every layer's parameters and its roofline time is not "
+    "a sum over layers); several ranks (FSDP2's per-layer all-gathers and frees, DDP's "
+    "buckets) in the journal; and the per-op cost of the 5-layer trace itself, now the bulk.",
 ]
 
 
@@ -683,7 +714,7 @@ def _write_speed(document: dict[str, Any]) -> None:
     lines = [
         "# What an estimate costs",
         "",
-        f"Made by `bench/estimator.py --speed [--profile] --label before|after` on "
+        f"Made by `bench/estimator.py --speed [--profile] --label before|after|replay` on "
         f"{document['machine']}, each case in a child process of its own. The machine's 2 cores "
         "were shared with other jobs (the load average is beside each figure), so wall seconds "
         "stretch with the load; CPU seconds (user + system of the child) are the figure to "
@@ -694,7 +725,7 @@ def _write_speed(document: dict[str, Any]) -> None:
         "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name in SPEED_CASES:
-        for label in ("before", "after"):
+        for label in SPEED_LABELS:
             row = document["runs"].get(label, {}).get(name)
             if row is None:
                 continue
@@ -740,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--speed", nargs="*", choices=sorted(SPEED_CASES), help="the speed part (all cases)"
     )
-    parser.add_argument("--label", choices=("before", "after"), default="after")
+    parser.add_argument("--label", choices=SPEED_LABELS, default="replay")
     parser.add_argument("--profile", action="store_true", help="profile the 7B probe")
     parser.add_argument("--speed-case", choices=sorted(SPEED_CASES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -58,10 +59,12 @@ from autotune.core.schemas import (
 )
 from autotune.core.throughput import Measurement
 from autotune.engine.devices.device import EmulatedDevice
+from autotune.engine.layer_replay import LayerReplay, NotReplayable, replay_depth
 from autotune.engine.runner import InProcessRunner
 from autotune.engine.training.sharding import model_parameters
 
 _aten = torch.ops.aten
+logger = logging.getLogger(__name__)
 
 # The CPU's flash attention stands for the GPU's fused kernels in the speed pass; torch has no
 # FLOP formula for it, and the SDPA formulas count what a fused kernel computes.
@@ -380,26 +383,44 @@ class EstimateRunner:
         assumptions: RooflineAssumptions | None = None,
         allowed_factory_prefixes: list[str] | None = None,
         interrupt: Callable[[], None] | None = None,
+        layer_replay: bool = True,
     ) -> None:
         """The emulated GPU to estimate for: a named `gpu` (memory and speed) or a bare
         `capacity_bytes` (memory only: a speed needs the card's peaks), with the caching
         allocator's settings (torch's defaults when None). `interrupt` is called often while
         the model is built and traced (every few dozen operations) and raises to stop the
-        estimate: a stop while building raises from here."""
+        estimate: a stop while building raises from here. `layer_replay=False` traces every
+        trial's whole model, never a shallow one replayed (the replay's tests compare the two)."""
         check_traceable(spec)
+        self.spec = spec
         self._interrupt = interrupt
         self._mode = _TraceMode(allow_non_fake_inputs=True)
         self.gpu = gpu
         self.assumptions = assumptions or RooflineAssumptions()
+        self._allowed_factory_prefixes = allowed_factory_prefixes
+        # A decoder of identical layers is traced at a few layers and replayed at its depth
+        # (`autotune.engine.layer_replay`); anything else, or `layer_replay=False`, is traced
+        # whole. Read on the meta device, outside the fake mode.
+        depth = replay_depth(spec) if layer_replay else None
+        self._replay: LayerReplay | None = None
+        self._full: InProcessRunner | None = None
         # Building a model of thousands of layers takes minutes too: checked as a trace is.
         with self._mode, self._checked(at_modules=False):
-            device = EmulatedDevice(capacity_bytes, gpu=gpu, allocator_config=allocator_config)
-            # The snapshot that undoes an out-of-memory inside the optimizer step is fake too:
-            # it costs nothing, and it keeps the state a trial starts from the emulated GPU's.
-            self._runner = InProcessRunner(
-                spec, device, allowed_factory_prefixes=allowed_factory_prefixes
+            self._device = EmulatedDevice(
+                capacity_bytes, gpu=gpu, allocator_config=allocator_config
             )
-        self.spec = spec
+            if depth is not None:
+                try:
+                    self._replay = LayerReplay(
+                        spec,
+                        self._device,
+                        depth,
+                        allowed_factory_prefixes=allowed_factory_prefixes,
+                    )
+                except NotReplayable:
+                    self._replay = None
+            if self._replay is None:
+                self._full = self._build_full()
         self.overlap = OverlapAssumptions()
         self.topology: Topology | None = (
             topology_for(spec.training, gpu.gpu)
@@ -412,8 +433,49 @@ class EstimateRunner:
         # same trial traces the same outcome. The tuner asks for many again (the probe's
         # sizes, the G = 2 probe's, its measurements of them).
         self._warm = False
+        self._warm_checkpointing = False
         self._outcomes: dict[_TrialKey, StepOutcome] = {}
         self._step_times: dict[_TrialKey, _StepTimes] = {}
+
+    def _build_full(self) -> InProcessRunner:
+        # The snapshot that undoes an out-of-memory inside the optimizer step is fake too:
+        # it costs nothing, and it keeps the state a trial starts from the emulated GPU's.
+        return InProcessRunner(
+            self.spec,
+            self._device,
+            allowed_factory_prefixes=self._allowed_factory_prefixes,
+        )
+
+    @property
+    def _runner(self) -> InProcessRunner:
+        """The whole model's runner. With the layer replay it is built only when a trial or a
+        speed pass needs the whole model (partial checkpointing, the roofline), and then
+        warmed up as the replayed warm-up was, so that it starts from the same state."""
+        if self._full is None:
+            # A build is checked at torch calls, a trace at module calls (`_Interruptible`).
+            with self._mode, _sequences_not_packed(), self._checked(at_modules=False):
+                full = self._build_full()
+            if self._warm:
+                with self._mode, _sequences_not_packed(), self._checked():
+                    warm = full.warm_up(checkpointing=self._warm_checkpointing)
+                if not warm.fits:
+                    raise RuntimeError(
+                        "estimate: the whole model's warm-up ran out of memory where the "
+                        "layer replay's did not"
+                    )
+            self._full = full
+        return self._full
+
+    def _stop_replay(self, reason: NotReplayable) -> None:
+        """The shallow journal did not show the structure the replay needs: from now on every
+        trial is traced whole (the whole model warms up as the replay did, if it had)."""
+        logger.info("estimate: tracing the whole model: %s", reason)
+        self._replay = None
+
+    @property
+    def layer_replay(self) -> bool:
+        """Whether trials are replayed from a shallow model's trace."""
+        return self._replay is not None
 
     @property
     def communication_assumption(self) -> str | None:
@@ -421,9 +483,18 @@ class EstimateRunner:
         return None if self.topology is None else self.overlap.describe(self.topology)
 
     @property
+    def _any_runner(self) -> InProcessRunner:
+        """A runner of this spec, for what does not depend on the depth (the shallow model's
+        with the replay: its device reports the emulated GPU, its step the same assumptions)."""
+        return self._replay.runner if self._replay is not None else self._runner
+
+    @property
     def device_info(self) -> DeviceInfo:
         return estimate_info(
-            self._runner.device_info, self.gpu, self.assumptions, self.communication_assumption
+            self._any_runner.device_info,
+            self.gpu,
+            self.assumptions,
+            self.communication_assumption,
         )
 
     def communication(self, compute_s: float, accumulation_steps: int) -> StepTimes | None:
@@ -443,14 +514,17 @@ class EstimateRunner:
 
     @property
     def supports_checkpointing(self) -> bool:
-        return self._runner.supports_checkpointing
+        return self._any_runner.supports_checkpointing
 
     @property
     def tokens_per_sample(self) -> int | None:
-        return self._runner.tokens_per_sample
+        return self._any_runner.tokens_per_sample
 
     @property
     def num_blocks(self) -> int | None:
+        if self._replay is not None:
+            # The shallow model's blocks are its layers (LayerReplay checked): one per layer.
+            return self._replay.depth
         return self._runner.num_blocks
 
     def _checked(self, *, at_modules: bool = True) -> contextlib.AbstractContextManager[object]:
@@ -463,8 +537,19 @@ class EstimateRunner:
     def warm_up(self, *, checkpointing: bool = False) -> StepOutcome:
         self._outcomes.clear()
         self._step_times.clear()
+        self._warm_checkpointing = checkpointing
         with self._mode, _sequences_not_packed(), self._checked():
-            outcome = self._runner.warm_up(checkpointing=checkpointing)
+            outcome = None
+            if self._replay is not None:
+                try:
+                    outcome = self._replay.warm_up(checkpointing=checkpointing)
+                except NotReplayable as reason:
+                    self._stop_replay(reason)
+                # A whole model built before (a partial checkpointing trial) warms up too.
+                if outcome is not None and self._full is not None:
+                    self._full.warm_up(checkpointing=checkpointing)
+            if outcome is None:
+                outcome = self._runner.warm_up(checkpointing=checkpointing)
         self._warm = outcome.fits
         return outcome
 
@@ -490,13 +575,26 @@ class EstimateRunner:
         known = self._outcomes.get(key)
         if known is not None:
             return known
-        with self._mode, _sequences_not_packed(), self._checked():
-            outcome = self._runner.trial(
-                micro_batch,
-                key.accumulation_steps,
-                checkpointing=checkpointing,
-                checkpointed_blocks=checkpointed_blocks,
-            )
+        # Partial checkpointing makes the first layers differ from the others: traced whole.
+        replay = self._replay if key.checkpointed_blocks is None else None
+        outcome: StepOutcome | None = None
+        if replay is not None:
+            try:
+                with self._mode, _sequences_not_packed(), self._checked():
+                    outcome = replay.trial(
+                        micro_batch, key.accumulation_steps, checkpointing=checkpointing
+                    )
+            except NotReplayable as reason:
+                self._stop_replay(reason)
+        if outcome is None:
+            runner = self._runner
+            with self._mode, _sequences_not_packed(), self._checked():
+                outcome = runner.trial(
+                    micro_batch,
+                    key.accumulation_steps,
+                    checkpointing=checkpointing,
+                    checkpointed_blocks=checkpointed_blocks,
+                )
         if self._warm:
             self._outcomes[key] = outcome
         return outcome

@@ -248,10 +248,19 @@ class InProcessRunner:
         """Returns the outcome: when even this does not fit, nothing will."""
         outcome = self.trial(1, checkpointing=checkpointing)
         if outcome.fits:
-            self.step.settle()
-            if self.keeps_state:
-                self._snapshot = self.step.snapshot()
+            self.settle()
         return outcome
+
+    def settle(self) -> None:
+        """After a first complete step: the state a warm-up leaves (rebuilt buckets, and the
+        snapshot that undoes an out-of-memory inside the optimizer step)."""
+        self.step.settle()
+        if self.keeps_state:
+            self._snapshot = self.step.snapshot()
+
+    @property
+    def has_snapshot(self) -> bool:
+        return self._snapshot is not None
 
     def restore(self) -> None:
         """Back to the state after the warm-up (nothing before it)."""

@@ -109,10 +109,14 @@ class EmulatedDevice:
         self.block_bytes = block_bytes
         self.allocator_config = allocator_config
         self.model_allocator = model_allocator
+        # What counts a trial's bytes: a subclass may also journal its events (the estimate's
+        # layer replay, `autotune.engine.emulation.layer_journal`).
+        self.make_tracker: Callable[..., LiveBytesTracker] = LiveBytesTracker
         # Untouched CPU buffers standing for the workspaces: counted, never written, so they
         # cost address space only.
         self._workspaces: tuple[torch.Tensor, ...] = ()
         self._kept_free_bytes = 0
+        self.gpu = gpu
         if gpu is not None:
             self.capacity_bytes = gpu.capacity_bytes
             self._workspaces = tuple(
@@ -153,6 +157,12 @@ class EmulatedDevice:
             torch_version=torch.__version__,
             allocator_conf=self._allocator_conf(),
         )
+
+    @property
+    def kept_free_bytes(self) -> int:
+        """What the step must leave free below the capacity (the named GPU's kernel
+        workspaces)."""
+        return self._kept_free_bytes
 
     def _allocator_conf(self) -> str | None:
         return canonical_conf(self.allocator_config) if self.allocator_config else None
@@ -195,7 +205,7 @@ class EmulatedDevice:
         allocator = CachingAllocator(
             limit_bytes, self.allocator_config, device_total_bytes=self._info.total_memory_bytes
         )
-        tracker = LiveBytesTracker(
+        tracker = self.make_tracker(
             None, allocator=allocator, block_bytes=self.block_bytes, record_series=record_series
         )
         tracker.holders = holders
@@ -233,7 +243,7 @@ class EmulatedDevice:
         record_series: bool,
         holders: Callable[[], MemoryHolders] | None,
     ) -> StepOutcome:
-        tracker = LiveBytesTracker(
+        tracker = self.make_tracker(
             limit_bytes, block_bytes=self.block_bytes, record_series=record_series
         )
         tracker.holders = holders

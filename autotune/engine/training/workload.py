@@ -410,6 +410,11 @@ class _HfCheckpointing:
     def num_blocks(self) -> int:
         return len(self._layers)
 
+    @property
+    def layers(self) -> list[nn.Module]:
+        """The model's decoder layers, in order."""
+        return list(self._layers)
+
     def __call__(self, enabled: bool) -> None:
         self._enabled = enabled
         if enabled:

@@ -1,0 +1,289 @@
+"""A traced step's journal: every allocation, free and op of the live-byte tracker, in order,
+with the decoder layer each belongs to. It is what the estimate's layer replay reads to build a
+deep model's step from a shallow one's (`autotune.engine.layer_replay`).
+
+Which layer an event belongs to:
+
+* inside a layer's forward (a recomputation under checkpointing included), that layer: module
+  hooks keep a stack of the layers being run;
+* in the backward pass, the layer whose backward runs: a hook on each layer's output fires when
+  the gradient of that output is complete, which is when the autograd engine starts on the
+  layer's own nodes (it runs nodes in the reverse order of their creation, so the later layer's
+  nodes all run first);
+* outside both (the resident tensors, the optimizer's step, the gradients' release), the layer
+  whose tensors the op reads: a parameter's storage, its gradient and its optimizer state carry
+  its layer's tag, a foreach op's i-th output the tag of its first list's i-th tensor, any other
+  op's outputs the one tag its inputs share. An op that reads no tagged tensor is `STICKY`: it
+  goes with whatever precedes it (AdamW's step counters, made one per parameter beside its
+  moments).
+
+The hooks and the journal allocate nothing and change no op: the journal is a record of the
+step the plain tracker would count.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from autotune.core.schemas import Phase
+from autotune.engine.emulation.tracker import (
+    _UNCOUNTED_OP_IDS,
+    LiveBytesTracker,
+    _current_graph_task_id,
+    _StorageRef,
+    local_tensor,
+)
+
+# Journal records, tuples for speed (a small trace writes some ten thousand):
+#   (ALLOC, nbytes, context, tag, phase, category)
+#   (FREE, journal index of the allocation, context)
+#   (OP, context, tag, phase, peak_check, op)
+#   (GRAD, journal index of the allocation, context)  -- that storage became a parameter's .grad
+#   (MARK, context)  -- an uncounted op (a record_function's marker): a boundary, nothing else
+ALLOC, FREE, OP, GRAD, MARK = 0, 1, 2, 3, 4
+NO_LAYER = -1  # a context outside every layer
+FIXED = -1  # a tag: no layer's, or several layers'
+STICKY = -2  # a tag: no tagged input; the event goes with the one before it
+# Categories of an allocation, for an out-of-memory's detail (`autotune.core.schemas.OomDetail`).
+OTHER, WEIGHT, OPTIMIZER_STATE = 0, 1, 2
+
+
+def storage_key(tensor: torch.Tensor) -> int | None:
+    """The tracker's key of `tensor`'s storage (None without one)."""
+    try:
+        return id(local_tensor(tensor).untyped_storage())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _key_or_none(tensor: torch.Tensor) -> int:
+    """`storage_key`, with -1 (never a key) for a tensor without a storage."""
+    key = storage_key(tensor)
+    return -1 if key is None else key
+
+
+class LayerContexts:
+    """Which layer's forward or backward is running, from hooks on `layers` (the model's
+    decoder layers, in order)."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        self.stack: list[int] = []
+        self.backward_layer = NO_LAYER
+        for index, layer in enumerate(layers):
+            layer.register_forward_pre_hook(functools.partial(self._enter, index))
+            layer.register_forward_hook(functools.partial(self._leave, index))
+
+    def reset(self) -> None:
+        self.stack.clear()
+        self.backward_layer = NO_LAYER
+
+    def current(self, phase: Phase) -> int:
+        if self.stack:
+            return self.stack[-1]
+        if phase is Phase.BACKWARD:
+            return self.backward_layer
+        return NO_LAYER
+
+    def _enter(self, index: int, module: nn.Module, args: Any) -> None:
+        self.stack.append(index)
+
+    def _leave(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        self.stack.pop()
+        if not torch.is_grad_enabled():
+            return
+        for tensor in pytree.tree_leaves(output):
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                hook = functools.partial(self._backward_of, index)
+                tensor.register_hook(hook)  # type: ignore[no-untyped-call]
+                return
+
+    def _backward_of(self, index: int, grad: torch.Tensor) -> None:
+        self.backward_layer = index
+
+
+class JournalTracker(LiveBytesTracker):  # type: ignore[no-untyped-call]
+    """A `LiveBytesTracker` that also writes `journal` (module docstring). `tags` maps the
+    storages of the parameters, gradients and optimizer state to their layer (FIXED outside
+    the layers), `categories` the weights' and optimizer state's storages to theirs; both are
+    the caller's, made before the step (`autotune.engine.layer_replay`)."""
+
+    def __init__(
+        self,
+        *args: Any,
+        contexts: LayerContexts,
+        tags: dict[int, int],
+        categories: dict[int, int],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.contexts = contexts
+        self.tags = tags
+        self.categories = categories
+        self.journal: list[tuple[Any, ...]] = []
+        self._journal_index: dict[int, int] = {}  # allocation event -> its journal index
+        self._output_tags: list[int] | int | None = None  # None: residents, looked up
+        self._count_tag = FIXED
+        self._count_key: int | None = None
+        self._added_bytes = 0
+        contexts.reset()
+
+    def _count(self, tensor: torch.Tensor) -> int:
+        key = storage_key(tensor)
+        tag = self._count_tag
+        if self._output_tags is None:  # a resident, or a gradient already there
+            tag = self.tags.get(key, FIXED) if key is not None else FIXED
+        self._count_tag = tag
+        self._count_key = key
+        added = super()._count(tensor)
+        if key is not None and tag != STICKY and key not in self.tags:
+            if self.contexts.current(self.phase) == NO_LAYER:
+                # What an op outside the layers makes from one layer's tensors is that layer's.
+                self.tags[key] = tag
+        return added
+
+    def _count_outputs(self, out: object) -> int:
+        tags = self._output_tags
+        if isinstance(tags, list) and isinstance(out, (list, tuple)) and len(out) == len(tags):
+            added = 0
+            for item, tag in zip(out, tags, strict=True):
+                self._count_tag = tag
+                added += super()._count_outputs(item)
+        else:
+            self._count_tag = tags if isinstance(tags, int) else STICKY
+            added = super()._count_outputs(out)
+        self._added_bytes += added
+        return added
+
+    def _record_allocation(self, nbytes: int) -> int:
+        event = super()._record_allocation(nbytes)
+        if event >= 0:
+            key = self._count_key
+            category = self.categories.get(key, OTHER) if key is not None else OTHER
+            self._journal_index[event] = len(self.journal)
+            context = self.contexts.current(self.phase)
+            self.journal.append((ALLOC, nbytes, context, self._count_tag, self.phase, category))
+        return event
+
+    def _record_free(self, ref: _StorageRef) -> None:
+        if ref.event >= 0 and self._active:
+            context = self.contexts.current(self.phase)
+            self.journal.append((FREE, self._journal_index[ref.event], context))
+        super()._record_free(ref)
+
+    def _release(self, ref: Any) -> None:
+        key = ref.key
+        if self._storages.get(key) is ref:
+            self.tags.pop(key, None)
+        super()._release(ref)
+
+    def record_gradient(self, parameter: torch.Tensor, tag: int) -> None:
+        """`parameter.grad` is complete (a post-accumulate-grad hook): its storage is now a
+        gradient, of `tag`'s layer."""
+        grad = parameter.grad
+        key = storage_key(grad) if grad is not None else None
+        ref = self._storages.get(key) if key is not None else None
+        if key is None or ref is None:
+            return
+        self.tags[key] = tag
+        if ref.event >= 0 and self._active:
+            context = self.contexts.current(self.phase)
+            self.journal.append((GRAD, self._journal_index[ref.event], context))
+
+    def _tags_of(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The tags of an op's outputs, and the op's own, outside the layers."""
+        tags = self.tags
+        if func.__name__.startswith("_foreach_") and args and isinstance(args[0], list | tuple):
+            per_output = [
+                tags.get(_key_or_none(t), STICKY) if isinstance(t, torch.Tensor) else STICKY
+                for t in args[0]
+            ]
+            distinct = set(per_output)
+            return per_output, (distinct.pop() if len(distinct) == 1 else FIXED)
+        found = {
+            tags[key]
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and (key := storage_key(t)) in tags
+        }
+        if not found:
+            return STICKY, STICKY
+        if len(found) == 1:
+            tag = found.pop()
+            return tag, tag
+        return FIXED, FIXED
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if id(func) in _UNCOUNTED_OP_IDS:
+            # A record_function's markers (the optimizer's step and zero_grad open one) part
+            # what comes before them from what comes after, say two sweeps of frees.
+            phase = Phase.OPTIMIZER if self._in_optimizer else self.phase
+            self.journal.append((MARK, self.contexts.current(phase)))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        kwargs = kwargs or {}
+        # The phase as the tracker will decide it; a backward pass starts outside the layers.
+        backward = not self._in_optimizer and _current_graph_task_id() != -1
+        if backward and self.phase is not Phase.BACKWARD:
+            self.contexts.backward_layer = NO_LAYER
+        phase = (
+            Phase.OPTIMIZER
+            if self._in_optimizer
+            else (Phase.BACKWARD if backward else Phase.FORWARD)
+        )
+        context = self.contexts.current(phase)
+        tag = STICKY
+        self._output_tags = STICKY
+        if context == NO_LAYER:
+            self._output_tags, tag = self._tags_of(func, args, kwargs)
+        previous_phase = self.phase
+        self._added_bytes = 0
+        try:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self._output_tags = None
+        peak_check = self._added_bytes > 0 or self.phase is not previous_phase
+        self.journal.append((OP, context, tag, self.phase, peak_check, func))
+        return out
+
+
+def parameter_tags(
+    layers: Sequence[nn.Module],
+    model: nn.Module,
+    optimizer_state: dict[Any, dict[str, Any]],
+) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+    """Before a step: the storages' layer tags (parameters, their gradients, their optimizer
+    state; buffers and parameters outside the layers FIXED), their categories (weights,
+    optimizer state), and each parameter's tag by id."""
+    tags: dict[int, int] = {}
+    categories: dict[int, int] = {}
+    by_parameter: dict[int, int] = {}
+    for index, layer in enumerate(layers):
+        for parameter in layer.parameters():
+            by_parameter[id(parameter)] = index
+    entries: list[tuple[torch.Tensor, int, int]] = []
+    for parameter in model.parameters():
+        tag = by_parameter.get(id(parameter), FIXED)
+        by_parameter.setdefault(id(parameter), tag)
+        entries.append((parameter, tag, WEIGHT))
+        if parameter.grad is not None:
+            entries.append((parameter.grad, tag, OTHER))
+        for value in optimizer_state.get(parameter, {}).values():
+            if isinstance(value, torch.Tensor):
+                entries.append((value, tag, OPTIMIZER_STATE))
+    entries += [(buffer, FIXED, WEIGHT) for buffer in model.buffers()]
+    for tensor, tag, category in entries:
+        key = storage_key(tensor)
+        if key is not None:
+            tags[key] = tag
+            categories[key] = category
+    return tags, categories, by_parameter

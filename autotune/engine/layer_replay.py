@@ -1,0 +1,574 @@
+"""The estimate's layer replay: a deep decoder's traced step built from a shallow one's.
+
+A decoder's layers are one module class with one configuration, so each runs the same ops on
+the same shapes: the step of a model of N layers is the step of a model of `TRACED_LAYERS`
+layers with the middle layers' events repeated. `LayerReplay` traces the shallow model (same
+config but the depth), journals every allocation, free and op with the layer it belongs to
+(`autotune.engine.emulation.layer_journal`), writes the deep model's journal from it
+(`expand`), and replays that through a fresh model of the caching allocator at the emulated
+GPU's capacity (`evaluate`): the same peaks, out-of-memory, per-op live bytes and allocation
+trace as the deep model's own trace, at the cost of a four-layer trace
+(docs/design.md#the-layer-replay).
+
+The rule `expand` applies, and what it checks before it trusts it:
+
+* the journal splits into runs of consecutive events of one owner (a layer or none), and every
+  run of a layer stands in a sweep: the runs of layers 0, 1, ..., d-1 back to back, or
+  d-1, ..., 0 (a forward, a backward, an optimizer op over all parameters);
+* in every sweep the runs of the middle layers 1 .. d-2 are identical: the same allocations,
+  ops and phases, each free naming the same position of the run the same number of layers away
+  (or the same event outside the layers);
+* the deep journal repeats each sweep with layer 0's run first (or last), then the middle run
+  once per middle layer, then layer d-1's; a free of the deep journal names the event its
+  template named, in the layer as far from its own, and only where the shallow journal showed
+  a free of that kind (a middle layer freeing its neighbour's output, say).
+
+Anything else raises `NotReplayable`, and the estimate traces the deep model itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autotune.core.memory.allocator import AllocatorOutOfMemory, CachingAllocator
+from autotune.core.memory.allocator_config import AllocatorConfig
+from autotune.core.schemas import OOM_OP_MAX, OomDetail, Phase, Sharding, Spec, StepOutcome
+from autotune.engine.devices.device import EmulatedDevice
+from autotune.engine.emulation.layer_journal import (
+    ALLOC,
+    FIXED,
+    FREE,
+    GRAD,
+    MARK,
+    NO_LAYER,
+    OP,
+    OPTIMIZER_STATE,
+    WEIGHT,
+    JournalTracker,
+    LayerContexts,
+    parameter_tags,
+    storage_key,
+)
+from autotune.engine.runner import InProcessRunner
+
+# The depth of the traced model: the first and last layers may differ from the others (the
+# first reads the embeddings, which need no gradient under LoRA; the last feeds the final
+# norm), and two middle layers show what a middle layer does beside another middle layer.
+TRACED_LAYERS = 5
+
+
+class NotReplayable(Exception):
+    """The shallow journal does not show the layer structure the replay relies on."""
+
+
+def owners(journal: Sequence[tuple[Any, ...]]) -> list[int | None]:
+    """Each event's layer (None: no layer's). Outside the layers an event is its tag's; an
+    untagged one goes with the event before it outside the layers; a free or a gradient's
+    completion outside the layers goes with its allocation."""
+    result: list[int | None] = []
+    sticky: int | None = None
+    last_layer = NO_LAYER  # the layer context of the last allocation or op
+    for record in journal:
+        kind = record[0]
+        if kind == MARK:
+            last_layer = record[1]
+            if last_layer == NO_LAYER:
+                sticky = None
+            result.append(None if last_layer == NO_LAYER else last_layer)
+            continue
+        if kind == FREE or kind == GRAD:
+            context = record[2]
+            if context == NO_LAYER:
+                # Between two layers (the previous layer's output dropped as the next one
+                # starts) a free goes with the layer that just ran; elsewhere (the gradients'
+                # release) with its allocation.
+                context = last_layer if last_layer != NO_LAYER else result[record[1]]
+            result.append(context)
+            continue
+        context, tag = (record[2], record[3]) if kind == ALLOC else (record[1], record[2])
+        last_layer = context
+        if context != NO_LAYER:
+            result.append(context)
+            continue
+        owner = tag if tag >= 0 else (None if tag == FIXED else sticky)
+        sticky = owner
+        result.append(owner)
+    return result
+
+
+@dataclass(frozen=True)
+class _Sweep:
+    runs: tuple[tuple[int, int], ...]  # per layer of the shallow model: [start, end)
+    ascending: bool
+
+
+def expand(
+    journal: Sequence[tuple[Any, ...]], depth: int, target_depth: int
+) -> list[tuple[Any, ...]]:
+    """The journal of the same step with `target_depth` layers instead of `depth` (module
+    docstring). Records keep their shape; a free's or gradient's reference is renumbered.
+
+    Raises:
+        NotReplayable: the journal does not have the structure the rule needs.
+    """
+    if depth < 5 or target_depth < depth:
+        raise NotReplayable(f"replay from {depth} to {target_depth} layers")
+    owner_of = owners(journal)
+    # Runs of one owner, then segments: a run outside the layers, or a sweep.
+    runs: list[tuple[int | None, int, int]] = []
+    start = 0
+    for index in range(1, len(journal) + 1):
+        if index == len(journal) or owner_of[index] != owner_of[start]:
+            runs.append((owner_of[start], start, index))
+            start = index
+    segments: list[tuple[int, int] | _Sweep] = []
+    location: dict[int, tuple[int, int, int]] = {}  # event -> (sweep segment, layer, position)
+    index = 0
+    ascending_layers = list(range(depth))
+    while index < len(runs):
+        owner, first, end = runs[index]
+        if owner is None:
+            segments.append((first, end))
+            index += 1
+            continue
+        group = runs[index : index + depth]
+        layers = [run[0] for run in group]
+        if layers == ascending_layers:
+            ascending = True
+        elif layers == ascending_layers[::-1]:
+            ascending = False
+        elif owner in (0, depth - 1) and all(
+            journal[event][0] in (FREE, GRAD) for event in range(first, end)
+        ):
+            # Frees of the first or last layer's tensors outside any sweep (the last layer's
+            # output, dropped after the final norm): events outside the layers that name
+            # the first or the last layer, which the deep model has too.
+            segments.append((first, end))
+            index += 1
+            continue
+        else:
+            raise NotReplayable(f"a sweep over layers {layers[:8]} at event {first}")
+        by_layer = sorted(group, key=lambda run: run[0] or 0)
+        sweep = _Sweep(tuple((run[1], run[2]) for run in by_layer), ascending)
+        for layer, (run_start, run_end) in enumerate(sweep.runs):
+            for position, event in enumerate(range(run_start, run_end)):
+                location[event] = (len(segments), layer, position)
+        segments.append(sweep)
+        index += depth
+
+    def relative(event: int, layer: int) -> tuple[Any, ...]:
+        record = journal[event]
+        kind = record[0]
+        if kind == ALLOC:
+            return (ALLOC, record[1], record[4], record[5])
+        if kind == OP:
+            return (OP, record[3], record[4], record[5])
+        if kind == MARK:
+            return (MARK,)
+        target = location.get(record[1])
+        if target is None:
+            return (kind, "fixed", record[1])
+        return (kind, target[0], target[1] - layer, target[2])
+
+    # The middle runs 1 .. d-2 must be one run: the same events in the same order, each free
+    # naming the same position as far away. A free naming the first or the last layer is
+    # only compared with the pure middle run's (layer 2, between two middle layers) free at
+    # the same distance, whose target is a middle run: the first and last runs may be laid
+    # out otherwise, and the deep model's middle layers next to them use runs 1 and d-2,
+    # where those frees were traced.
+    middle = range(1, depth - 1)
+    pure = 2
+
+    def is_middle(layer: int) -> bool:
+        return 1 <= layer <= depth - 2
+
+    templates: dict[int, list[list[tuple[Any, ...]]]] = {}
+    for number, segment in enumerate(segments):
+        if not isinstance(segment, _Sweep):
+            continue
+        described = [
+            [relative(event, layer) for event in range(*segment.runs[layer])]
+            for layer in range(depth)
+        ]
+        reference = described[pure]
+        for layer in middle:
+            run = described[layer]
+            if len(run) != len(reference):
+                raise NotReplayable(f"the middle layers' runs differ in length in sweep {number}")
+            for mine, theirs in zip(run, reference, strict=True):
+                if mine == theirs:
+                    continue
+                if (
+                    mine[0] in (FREE, GRAD)
+                    and mine[:3] == theirs[:3]
+                    and mine[1] != "fixed"
+                    and abs(mine[2]) == 1
+                    and not is_middle(layer + mine[2])
+                    and is_middle(pure + theirs[2])
+                ):
+                    continue
+                raise NotReplayable(f"the middle layers' events differ in sweep {number}")
+        for item in reference:
+            if item[0] in (FREE, GRAD) and item[1] != "fixed" and not is_middle(pure + item[2]):
+                raise NotReplayable(f"a middle layer names the first or last one in {number}")
+        templates[number] = described
+
+    def template_of(layer: int) -> int:
+        if layer == 0:
+            return 0
+        if layer == target_depth - 1:
+            return depth - 1
+        if layer == 1:
+            return 1
+        return depth - 2 if layer == target_depth - 2 else pure
+
+    out: list[tuple[Any, ...]] = []
+    renumbered_fixed: dict[int, int] = {}
+    renumbered: dict[tuple[int, int, int], int] = {}
+    for number, segment in enumerate(segments):
+        if not isinstance(segment, _Sweep):
+            for event in range(*segment):
+                record = journal[event]
+                if record[0] in (FREE, GRAD):
+                    target = renumbered_fixed.get(record[1])
+                    place = location.get(record[1])
+                    if place is not None and place[1] in (0, depth - 1):
+                        layer = 0 if place[1] == 0 else target_depth - 1
+                        target = renumbered.get((place[0], layer, place[2]))
+                    if target is None:
+                        raise NotReplayable(f"event {event} names a middle layer's event")
+                    record = (record[0], target, *record[2:])
+                renumbered_fixed[event] = len(out)
+                out.append(record)
+            continue
+        order = range(target_depth) if segment.ascending else range(target_depth - 1, -1, -1)
+        for layer in order:
+            source = template_of(layer)
+            run_start, run_end = segment.runs[source]
+            template = templates[number][source]
+            for position, event in enumerate(range(run_start, run_end)):
+                record = journal[event]
+                item = template[position]
+                if record[0] in (FREE, GRAD):
+                    if item[1] == "fixed":
+                        target = renumbered_fixed.get(item[2])
+                    else:
+                        target = renumbered.get((item[1], layer + item[2], item[3]))
+                    if target is None:
+                        raise NotReplayable(f"event {event} names an event not yet replayed")
+                    record = (record[0], target, *record[2:])
+                renumbered[(number, layer, position)] = len(out)
+                out.append(record)
+    return out
+
+
+def _rounded(nbytes: int, block_bytes: int) -> int:
+    return -(-nbytes // block_bytes) * block_bytes
+
+
+def evaluate(
+    journal: Sequence[tuple[Any, ...]],
+    *,
+    micro_batch: int,
+    limit_bytes: int,
+    allocator_config: AllocatorConfig | None,
+    device_total_bytes: int,
+    block_bytes: int,
+) -> StepOutcome:
+    """The outcome of the step `journal` records on the emulated GPU: the allocations replayed
+    in order through a fresh caching allocator of `limit_bytes`, as the emulated device's
+    tracker mallocs and frees them (`autotune.engine.devices.device.EmulatedDevice`), and the
+    live bytes, phase peaks and out-of-memory as the tracker counts them."""
+    allocator = CachingAllocator(
+        limit_bytes, allocator_config, device_total_bytes=device_total_bytes
+    )
+    live_bytes = 0
+    blocks: dict[int, tuple[Any, int, int]] = {}  # journal index -> (block, bytes, category)
+    gradients: set[int] = set()
+    position: dict[int, int] = {}  # journal index of an allocation -> its allocation event
+    series: list[int] = []
+    allocations: list[int] = []
+    phase_peak_bytes: dict[Phase, int] = {}
+    oom_phase: Phase | None = None
+    oom: OomDetail | None = None
+    for index, record in enumerate(journal):
+        kind = record[0]
+        if kind == ALLOC:
+            nbytes = record[1]
+            try:
+                block = allocator.malloc(nbytes)
+            except AllocatorOutOfMemory as error:
+                oom_phase = record[4]
+                oom = _oom_detail(journal, index, error, blocks, gradients)
+                break
+            counted = _rounded(nbytes, block_bytes)
+            blocks[index] = (block, counted, record[5])
+            live_bytes += counted
+            position[index] = len(allocations)
+            allocations.append(nbytes)
+        elif kind == FREE:
+            block, counted, _ = blocks.pop(record[1])
+            gradients.discard(record[1])
+            allocator.free(block)
+            live_bytes -= counted
+            allocations.append(-(position[record[1]] + 1))
+        elif kind == MARK:
+            continue
+        elif kind == OP:
+            phase = record[3]
+            if record[4] and live_bytes > phase_peak_bytes.get(phase, -1):
+                phase_peak_bytes[phase] = live_bytes
+            series.append(live_bytes)
+        else:
+            gradients.add(record[1])
+    stats = allocator.stats
+    fits = oom_phase is None
+    return StepOutcome(
+        micro_batch=micro_batch,
+        fits=fits,
+        peak_bytes=stats.peak_reserved_bytes,
+        peak_allocated_bytes=stats.peak_allocated_bytes,
+        num_alloc_retries=stats.num_alloc_retries,
+        phase_peak_bytes=phase_peak_bytes,
+        oom_phase=oom_phase,
+        oom=oom,
+        series=tuple(series) if fits else None,
+        allocations=tuple(allocations) if fits else None,
+    )
+
+
+def _oom_detail(
+    journal: Sequence[tuple[Any, ...]],
+    failed: int,
+    error: AllocatorOutOfMemory,
+    blocks: dict[int, tuple[Any, int, int]],
+    gradients: set[int],
+) -> OomDetail:
+    """What the tracker's `oom` says at the allocation `failed`: its op (the next op's record;
+    the resident tensors before the first), and the live weights, gradients and optimizer
+    state."""
+    op: object = "the step's resident tensors"
+    for record in journal[failed:]:
+        if record[0] == OP:
+            op = record[5]
+            break
+    if not any(record[0] == OP for record in journal[:failed]):
+        op = "the step's resident tensors"
+    weights = sum(b for i, (_, b, c) in blocks.items() if c == WEIGHT and i not in gradients)
+    state = sum(b for i, (_, b, c) in blocks.items() if c == OPTIMIZER_STATE)
+    grads = sum(blocks[i][1] for i in gradients if i in blocks)
+    allocated = error.allocated_bytes
+    return OomDetail(
+        allocation_bytes=error.allocation_bytes,
+        phase=journal[failed][4],
+        op=str(op)[:OOM_OP_MAX],
+        weights_bytes=weights,
+        gradients_bytes=grads,
+        optimizer_state_bytes=state,
+        activations_bytes=max(0, allocated - weights - grads - state),
+        cache_bytes=max(0, error.reserved_bytes - error.allocated_bytes),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The shallow model's trace, and when a spec may be replayed at all.
+
+_DEPTH_KEY = "num_hidden_layers"
+_SIMPLE = (int, float, str, bool, type(None))
+
+
+def _layer_signature(layer: nn.Module) -> tuple[Any, ...]:
+    """What makes two decoder layers run the same ops on the same shapes: their modules'
+    classes, parameter and buffer shapes and dtypes, and plain attributes (a sliding window,
+    an attention type, a dense or expert MLP), all but the layer's own index."""
+    signature: list[Any] = []
+    for name, module in layer.named_modules():
+        attributes = tuple(
+            sorted(
+                (key, value)
+                for key, value in vars(module).items()
+                if not key.startswith("_") and key != "layer_idx" and isinstance(value, _SIMPLE)
+            )
+        )
+        tensors = tuple(
+            (key, tuple(t.shape), t.dtype, t.requires_grad)
+            for key, t in (
+                *module.named_parameters(recurse=False),
+                *module.named_buffers(recurse=False),
+            )
+            if t is not None
+        )
+        signature.append((name, type(module).__qualname__, attributes, tensors))
+    return tuple(signature)
+
+
+def replay_depth(spec: Spec) -> int | None:
+    """The depth to replay `spec`'s model at, or None when its step must be traced whole: only
+    a transformers config (a factory's blocks may be anything), one rank (the replay does not
+    model sharded parameters' gathers or DDP's buckets), deeper than the traced model plus two,
+    and only when all of its layers are the same layer (`_layer_signature`, read from the model
+    built on the meta device: per-layer settings such as `layer_types`, a first dense layer of
+    a mixture-of-experts, or a sliding window on some layers make them differ)."""
+    config = spec.model.hf_config
+    training = spec.training
+    if config is None or training.world_size != 1 or training.sharding is not Sharding.NONE:
+        return None
+    depth = config.get(_DEPTH_KEY)
+    if not isinstance(depth, int) or depth < TRACED_LAYERS + 2:
+        return None
+    transformers = importlib.import_module("transformers")
+    try:
+        hf_config = transformers.AutoConfig.for_model(**config)
+        hf_config.use_cache = False
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(
+                hf_config, attn_implementation="sdpa"
+            )
+    except Exception:  # noqa: BLE001 - the whole trace reports the build's own error
+        return None
+    layer_class = getattr(
+        importlib.import_module("transformers.modeling_layers"), "GradientCheckpointingLayer", None
+    )
+    if layer_class is None:
+        return None
+    layers = [m for m in model.modules() if isinstance(m, layer_class)]
+    if len(layers) != depth:
+        return None
+    first = _layer_signature(layers[0])
+    if any(_layer_signature(layer) != first for layer in layers[1:]):
+        return None
+    return depth
+
+
+class LayerReplay:
+    """Trials of a deep model by the layer replay (module docstring): `device` is the emulated
+    GPU the estimate is for; the shallow model runs on a twin of it that never runs out."""
+
+    def __init__(
+        self,
+        spec: Spec,
+        device: EmulatedDevice,
+        depth: int,
+        *,
+        allowed_factory_prefixes: list[str] | None = None,
+    ) -> None:
+        assert spec.model.hf_config is not None
+        shallow = spec.model_copy(
+            update={
+                "model": spec.model.model_copy(
+                    update={"hf_config": {**spec.model.hf_config, _DEPTH_KEY: TRACED_LAYERS}}
+                )
+            }
+        )
+        self.depth = depth
+        self.device = device
+        twin = EmulatedDevice(
+            device.capacity_bytes if device.gpu is None else None,
+            gpu=device.gpu,
+            block_bytes=device.block_bytes,
+            allocator_config=device.allocator_config,
+            model_allocator=False,
+        )
+        # The shallow step's journal does not depend on the allocator; it must only never run
+        # out, so that it is whole.
+        twin.capacity_bytes = _UNBOUNDED_BYTES
+        twin.make_tracker = self._make_tracker
+        self.runner = InProcessRunner(
+            shallow, twin, allowed_factory_prefixes=allowed_factory_prefixes
+        )
+        partial = self.runner.workload.partial_checkpointing
+        layers: list[nn.Module] = getattr(partial, "layers", [])
+        if len(layers) != TRACED_LAYERS:
+            raise NotReplayable(f"the traced model has {len(layers)} layers")
+        first = _layer_signature(layers[0])
+        if any(_layer_signature(layer) != first for layer in layers[1:]):
+            raise NotReplayable("the traced model's layers differ")
+        self.layers = layers
+        self.contexts = LayerContexts(layers)
+        self._tracker: JournalTracker | None = None
+        self._tags: dict[int, int] = {}
+        self._categories: dict[int, int] = {}
+        _, _, by_parameter = parameter_tags(layers, self.runner.step.model, {})
+        for parameter in self.runner.step.model.parameters():
+            if parameter.requires_grad:
+                hook = functools.partial(self._gradient, by_parameter.get(id(parameter), FIXED))
+                parameter.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+
+    def _make_tracker(self, *args: Any, **kwargs: Any) -> JournalTracker:
+        tracker = JournalTracker(
+            *args, contexts=self.contexts, tags=self._tags, categories=self._categories, **kwargs
+        )
+        self._tracker = tracker
+        return tracker
+
+    def _gradient(self, tag: int, parameter: torch.Tensor) -> None:
+        if self._tracker is not None:
+            self._tracker.record_gradient(parameter, tag)
+
+    def trial(
+        self, micro_batch: int, accumulation_steps: int, *, checkpointing: bool
+    ) -> StepOutcome:
+        """The deep model's trial, replayed (the shallow model is left as the deep one's
+        trial would leave it).
+
+        Raises:
+            NotReplayable: the shallow journal does not show the structure the rule needs.
+        """
+        runner = self.runner
+        step = runner.step
+        optimizer = getattr(step.optimizer, "optim", step.optimizer)
+        state_was_empty = not optimizer.state
+        self._tags, self._categories, _ = parameter_tags(self.layers, step.model, optimizer.state)
+        shallow = runner.trial(micro_batch, accumulation_steps, checkpointing=checkpointing)
+        tracker = self._tracker
+        self._tracker = None
+        if not shallow.fits or tracker is None:
+            raise NotReplayable("the traced model's step did not complete")
+        journal = tracker.journal
+        # Optimizer state made inside this step (the first step's) is optimizer state from
+        # its allocation on, as the device's out-of-memory detail counts it.
+        for values in optimizer.state.values():
+            for value in values.values():
+                key = storage_key(value) if isinstance(value, torch.Tensor) else None
+                ref = tracker._storages.get(key) if key is not None else None
+                if ref is not None and ref.event >= 0:
+                    index = tracker._journal_index[ref.event]
+                    record = journal[index]
+                    journal[index] = (*record[:5], OPTIMIZER_STATE)
+        device = self.device
+        outcome = evaluate(
+            expand(journal, TRACED_LAYERS, self.depth),
+            micro_batch=micro_batch,
+            limit_bytes=device.capacity_bytes - device.kept_free_bytes,
+            allocator_config=device.allocator_config,
+            device_total_bytes=device.info.total_memory_bytes,
+            block_bytes=device.block_bytes,
+        )
+        if not outcome.fits:
+            # What the deep model's runner does after an out-of-memory (`InProcessRunner._run`),
+            # and the optimizer state its step would not have made.
+            step.clear_grads()
+            if outcome.oom_phase is Phase.OPTIMIZER:
+                if runner.has_snapshot:
+                    runner.restore()
+                else:
+                    step.reset_optimizer()
+            elif state_was_empty:
+                step.reset_optimizer()
+        return outcome
+
+    def warm_up(self, *, checkpointing: bool) -> StepOutcome:
+        outcome = self.trial(1, 1, checkpointing=checkpointing)
+        if outcome.fits:
+            self.runner.settle()
+        return outcome
+
+
+_UNBOUNDED_BYTES = 1 << 62

@@ -1,0 +1,134 @@
+"""The estimate's layer replay (autotune/engine/layer_replay.py): a deep decoder's trials built
+from a five-layer model's journal are the deep model's own traced trials to the byte (peaks,
+out-of-memory and its detail, per-op live bytes, allocation trace), and whatever the replay
+cannot vouch for is traced whole."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from autotune.core.schemas import Spec, StepOutcome
+from autotune.engine.estimate import EstimateRunner
+from autotune.engine.layer_replay import TRACED_LAYERS, replay_depth
+from autotune.engine.probe import probe_session
+
+pytest.importorskip("transformers")
+
+MiB = 2**20
+
+
+def _config(model_type: str, depth: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "model_type": model_type,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": depth,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+        "max_position_embeddings": 256,
+        **extra,
+    }
+
+
+def _spec(config: dict[str, Any], *, lora: bool, **training: Any) -> Spec:
+    settings: dict[str, Any] = {"precision": "bf16", "seq_len": 128, "max_micro_batch": 64}
+    if lora:
+        settings.update(weights="bf16", lora={"r": 8, "target_modules": "all-linear"})
+    settings.update(training)
+    return Spec.model_validate({"model": {"hf_config": config}, "training": settings})
+
+
+def _the_same(replayed: StepOutcome, traced: StepOutcome) -> None:
+    assert replayed == traced  # peaks, retries, phase peaks, out-of-memory and its detail
+    assert replayed.series == traced.series
+    assert replayed.allocations == traced.allocations
+
+
+# (micro-batch, accumulation, checkpointing): sizes that fit and sizes that run out of the
+# capacity below, in both modes, and accumulations of 2 and 3 micro-steps.
+TRIALS = [(1, 1, False), (2, 1, True), (4, 3, False), (8, 1, True), (16, 1, False), (3, 2, True)]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("model_type", "depth", "lora", "capacity_bytes"),
+    [
+        ("llama", 8, True, 20 * MiB),
+        ("llama", 12, False, 48 * MiB),
+        ("qwen2", 9, False, 32 * MiB),
+        ("qwen2", 7, True, 16 * MiB),
+    ],
+)
+def test_every_replayed_trial_is_the_whole_trace_to_the_byte(
+    model_type: str, depth: int, lora: bool, capacity_bytes: int
+) -> None:
+    spec = _spec(_config(model_type, depth), lora=lora)
+    replayed = EstimateRunner(spec, capacity_bytes=capacity_bytes)
+    traced = EstimateRunner(spec, capacity_bytes=capacity_bytes, layer_replay=False)
+    assert replayed.layer_replay and not traced.layer_replay
+    assert replayed.num_blocks == traced.num_blocks == depth
+    _the_same(replayed.warm_up(), traced.warm_up())
+    fits = set()
+    for micro_batch, accumulation, checkpointing in TRIALS:
+        outcome = replayed.trial(micro_batch, accumulation, checkpointing=checkpointing)
+        _the_same(outcome, traced.trial(micro_batch, accumulation, checkpointing=checkpointing))
+        fits.add(outcome.fits)
+    assert fits == {True, False}  # both kinds of trial were compared
+    assert replayed.layer_replay  # and every one of them was replayed, none traced whole
+
+
+@pytest.mark.e2e
+def test_a_probe_replayed_finds_the_whole_traces_maxima_and_peaks() -> None:
+    spec = _spec(_config("llama", 10), lora=True)
+    maxima = []
+    for replay in (True, False):
+        runner = EstimateRunner(spec, capacity_bytes=40 * MiB, layer_replay=replay)
+        result = probe_session(runner)
+        assert runner.layer_replay is replay
+        maxima.append(
+            [
+                (
+                    m.checkpointing,
+                    m.max_micro_batch,
+                    [(a.micro_batch, a.peak_bytes) for a in m.attempts],
+                )
+                for m in result.modes
+            ]
+        )
+    assert maxima[0] == maxima[1]
+    assert all(mode[1] >= 2 for mode in maxima[0])
+
+
+@pytest.mark.e2e
+def test_partial_checkpointing_is_traced_whole() -> None:
+    spec = _spec(_config("llama", 8), lora=True)
+    replayed = EstimateRunner(spec, capacity_bytes=64 * MiB)
+    traced = EstimateRunner(spec, capacity_bytes=64 * MiB, layer_replay=False)
+    replayed.warm_up()
+    traced.warm_up()
+    # Checkpointing the first 3 of 8 layers makes them differ from the others.
+    _the_same(
+        replayed.trial(4, checkpointing=True, checkpointed_blocks=3),
+        traced.trial(4, checkpointing=True, checkpointed_blocks=3),
+    )
+    # ... and the replay goes on for the trials it can vouch for.
+    _the_same(replayed.trial(4, checkpointing=True), traced.trial(4, checkpointing=True))
+
+
+def test_layers_that_differ_are_not_replayed() -> None:
+    # Qwen2's sliding window on the layers from max_window_layers on: two kinds of layer.
+    sliding = _config("qwen2", 8, use_sliding_window=True, sliding_window=32, max_window_layers=4)
+    assert replay_depth(_spec(sliding, lora=True)) is None
+    assert replay_depth(_spec(_config("qwen2", 8), lora=True)) == 8
+
+
+def test_only_deep_single_rank_transformers_configs_are_replayed() -> None:
+    assert replay_depth(_spec(_config("llama", TRACED_LAYERS + 1), lora=True)) is None
+    assert replay_depth(_spec(_config("llama", TRACED_LAYERS + 2), lora=True)) == 7
+    sharded = _spec(_config("llama", 16), lora=True, world_size=2, sharding="zero3")
+    assert replay_depth(sharded) is None
+    preset = Spec.model_validate({"model": {"preset": "llama-tiny"}, "training": {"seq_len": 16}})
+    assert replay_depth(preset) is None
