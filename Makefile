@@ -61,8 +61,8 @@ test: env lint
 	$(MAKE) --no-print-directory -j2 typecheck suite
 
 # The slow end-to-end tests (marked e2e: worker fleets, the demo, schema fuzzing of a live
-# server, spawned trial children): 2 minutes more than the 6 `make test` may take, so CI runs
-# them after it (.ci/run).
+# server, spawned trial children, whole tunes, any test of 9 s or more): longer than the 6
+# minutes `make test` may take, so CI runs them after it (.ci/run).
 e2e: env $(CHROMIUM)
 	AUTOTUNE_TEST_CHROMIUM=$(CHROMIUM) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup \
 		--durations=10 -m e2e

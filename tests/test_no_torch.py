@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 TORCH_FREE = ("autotune/core", "autotune/remote", "autotune/cli", "api")
 # Alembic's env.py runs migrations when imported; it is loaded by alembic, not by us.
@@ -50,6 +52,7 @@ def test_the_walk_sees_every_layer() -> None:
         assert expected in names
 
 
+@pytest.mark.e2e
 def test_torch_free_layers_never_import_torch() -> None:
     done = subprocess.run(
         [sys.executable, "-c", CHECK, *torch_free_modules()],

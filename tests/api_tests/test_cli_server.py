@@ -211,6 +211,7 @@ def test_serve_stops_on_a_sigterm_that_comes_before_uvicorn_handles_it(tmp_path:
     assert "Exception ignored" not in done.stderr
 
 
+@pytest.mark.e2e
 def test_serve_with_several_processes_stops_on_sigterm_and_dies_of_it(tmp_path: Path) -> None:
     url, process = _serve(tmp_path, "--workers", "2", AUTOTUNE_CLIENT_TOKENS=CLIENT_TOKEN)
     try:

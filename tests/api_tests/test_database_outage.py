@@ -113,6 +113,7 @@ def _serve(database_url: str, tmp_path: Path) -> tuple[int, str, float]:
     return process.returncode, process.stderr, time.monotonic() - started
 
 
+@pytest.mark.e2e
 def test_serve_says_in_one_line_that_a_silent_database_cannot_be_reached(
     tmp_path: Path,
 ) -> None:
@@ -129,6 +130,7 @@ def test_serve_says_in_one_line_that_a_silent_database_cannot_be_reached(
     print(f"serve gave up on a silent database after {elapsed_s:.1f} s")
 
 
+@pytest.mark.e2e
 def test_serve_says_in_one_line_that_a_refused_database_cannot_be_reached(
     tmp_path: Path,
 ) -> None:

@@ -50,6 +50,7 @@ def test_a_local_tuning_run_is_served_and_answers_the_cache(
     assert submitted.run is not None and submitted.run.id == run_id
 
 
+@pytest.mark.e2e
 def test_a_local_run_on_a_named_gpu_is_served_with_its_assumptions(
     db_url: str, user: ServerClient
 ) -> None:

@@ -168,6 +168,7 @@ def test_a_shutdown_releases_an_estimate_within_seconds(
 
 
 @pytest.mark.parametrize("stop", ["cancel", "shutdown", "time limit"])
+@pytest.mark.e2e
 def test_a_stop_ends_the_build_of_a_model_of_thousands_of_layers(
     stop: str, settings_factory: Callable[..., Any], clock: Any, tmp_path: Path
 ) -> None:

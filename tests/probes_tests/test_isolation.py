@@ -174,6 +174,7 @@ def test_a_child_s_cuda_starts_with_the_allocator_settings_it_is_given() -> None
     assert os.environ.get("PYTORCH_ALLOC_CONF") == worker_setting  # the worker's is left as is
 
 
+@pytest.mark.e2e
 def test_children_open_a_named_gpu_for_the_world_size_of_the_run() -> None:
     """A worker started with --gpu passes the name; each child opens the GPU as one rank of the
     spec's world size sees it (NCCL's buffers off the capacity)."""
@@ -298,6 +299,7 @@ def test_children_train_the_embeddings_and_head_beside_adapters(
     assert not [r for r in caplog.records if r.name == "probes.isolation"]
 
 
+@pytest.mark.e2e
 def test_a_child_that_dies_after_answering_is_warned_about(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -439,6 +441,7 @@ def test_autotune_errors_come_back_as_themselves() -> None:
         runner.describe()
 
 
+@pytest.mark.e2e
 def test_a_crash_in_a_measurement_stops_the_tuner_with_the_failed_call() -> None:
     spec = wide_spec("abort_in_measurement", features=16)
     runner = ChildProcessRunner(

@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.schemas import Spec
 from autotune.engine.estimate import estimate_device
@@ -46,6 +48,7 @@ def _worker(client: ServerClient, tmp_path: Path) -> Worker:
     return Worker(client, [device], config)
 
 
+@pytest.mark.e2e
 def test_models_that_cannot_be_built_fail_their_runs_and_the_worker_goes_on(
     user: ServerClient, worker: ServerClient, tmp_path: Path
 ) -> None:

@@ -265,6 +265,7 @@ def test_probe_on_a_named_gpu_states_the_gpu_its_reserve_and_assumptions(tmp_pat
     assert "emulated H100 80GB on cpu" in done.stderr
 
 
+@pytest.mark.e2e
 def test_the_allocator_settings_of_the_environment_are_the_emulated_gpu_s(
     spec_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -40,6 +40,7 @@ def long_llama(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.e2e
 def test_the_longest_sequence_on_the_emulated_gpu_as_json(long_llama: Path) -> None:
     pytest.importorskip("transformers")
     argv = ["probe", str(long_llama), "--max-seq-len", "--memory", "50MiB", "--json"]
@@ -55,6 +56,7 @@ def test_the_longest_sequence_on_the_emulated_gpu_as_json(long_llama: Path) -> N
     assert "tokens fits" in err and "out of memory" in err  # progress, one line per trial
 
 
+@pytest.mark.e2e
 def test_the_longest_sequence_in_an_estimate_stops_at_the_models_positions(
     long_llama: Path,
 ) -> None:

@@ -78,6 +78,7 @@ BYTE_PRESETS = sorted(set(PRESETS) - {"gpt2-small", "llama-small"})
 
 
 @pytest.mark.parametrize("name", BYTE_PRESETS)
+@pytest.mark.e2e
 def test_every_trial_is_the_emulated_gpus_to_the_byte(name: str) -> None:
     # What the search sees of a trial: fits, the peaks, the per-op series and the allocations.
     # Equal trials make equal probes, the search being a function of its trials.
@@ -126,6 +127,7 @@ def test_a_warm_runner_answers_a_trial_again_as_a_fresh_runner_traces_it() -> No
 
 
 @pytest.mark.parametrize("weights", ["fp32", "bf16"])
+@pytest.mark.e2e
 def test_saved_modules_beside_adapters_trace_as_on_the_emulated_gpu(weights: str) -> None:
     """peft deep-copies `modules_to_save`; the copies' fake tensors trace in the estimate's own
     mode (a deep-copied mode frees its tensors' storages twice: the process crashed, see
@@ -189,6 +191,7 @@ def test_a_llama_3_8b_estimate_for_an_80_gb_card_takes_seconds() -> None:
     assert elapsed_s < 120  # a real step of this model would not even fit in the host's RAM
 
 
+@pytest.mark.e2e
 def test_the_speed_is_a_roofline_on_the_named_card() -> None:
     spec = _spec("gpt2-tiny")
     a100 = EstimateRunner(spec, gpu=budget_for(find_gpu("A100 80GB")))

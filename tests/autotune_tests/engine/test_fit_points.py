@@ -34,6 +34,7 @@ def _answers(result: ProbeResult) -> list[tuple[int, int]]:
     return [(mode.max_micro_batch, mode.recommended_micro_batch) for mode in result.modes]
 
 
+@pytest.mark.e2e
 def test_a_traced_probe_runs_the_answer_and_the_next_size_only() -> None:
     # One preset here (the CUDA test below traces a decoder LM; bench/estimator.py every preset
     # at three capacities). Near the capacity memory is not always monotone in b (llama-tiny's
@@ -59,6 +60,7 @@ def test_a_traced_probe_runs_the_answer_and_the_next_size_only() -> None:
     assert sum(len(sizes) for sizes in _sizes(untraced)) > 4
 
 
+@pytest.mark.e2e
 def test_the_traced_fit_points_are_the_emulated_steps_to_the_byte() -> None:
     spec = preset_spec("gpt2-tiny")
     device = EmulatedDevice(capacity_for_about_four(spec) * 2)
@@ -98,6 +100,7 @@ def test_a_named_gpu_is_traced_as_that_gpu() -> None:
     assert tracer.device_info.allocator_conf == "expandable_segments:True"
 
 
+@pytest.mark.e2e
 def test_a_step_that_cannot_be_traced_is_probed_as_before(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -114,6 +117,7 @@ def test_a_step_that_cannot_be_traced_is_probed_as_before(
     assert all(mode.traced is None for mode in traced.modes)
 
 
+@pytest.mark.e2e
 def test_fp16_is_traced_as_bf16_and_the_trials_verify_it() -> None:
     # The gradient scaler cannot be traced; bf16's step holds the same tensors but its bytes.
     spec = preset_spec("cnn", precision="fp16", max_micro_batch=256)

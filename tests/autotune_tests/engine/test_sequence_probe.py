@@ -59,6 +59,7 @@ def test_the_estimate_and_the_emulated_gpu_find_the_same_certified_longest_seque
     assert emulated.device.capacity_bytes == CAPACITY_BYTES
 
 
+@pytest.mark.e2e
 def test_a_larger_micro_batch_and_a_stated_step_are_obeyed() -> None:
     pytest.importorskip("transformers")
     spec = _spec()

@@ -92,6 +92,7 @@ def test_small_grid_is_measured_exhaustively_once_each(sqlite_url: str) -> None:
     assert study.best_trial.params == {CHECKPOINTING_PARAM: True, micro_batch_param(True): 24}
 
 
+@pytest.mark.e2e
 def test_out_of_memory_is_recorded_as_an_infeasible_trial(sqlite_url: str) -> None:
     gpu = SyntheticGpu()
     trials = run_study(
@@ -175,6 +176,7 @@ def _sequence(url: str, seed: int, n_trials: int) -> list[tuple[int, int, bool]]
 
 
 @pytest.mark.parametrize("n_trials", [8, 30])
+@pytest.mark.e2e
 def test_same_seed_same_trials(sqlite_url: str, n_trials: int) -> None:
     first = _sequence(sqlite_url, 3, n_trials)
     assert _sequence(sqlite_url, 3, n_trials) == first
@@ -262,6 +264,7 @@ def test_single_mode_single_candidate(sqlite_url: str) -> None:
 
 
 @pytest.mark.parametrize("n_trials", [6, 30])
+@pytest.mark.e2e
 def test_postgresql_storage(postgres_url: str, n_trials: int) -> None:
     name = _unique_name()
     gpu = SyntheticGpu()

@@ -125,6 +125,7 @@ def test_recommendation_hits_the_target_exactly_and_fits(
         assert rec.global_batch * SEQ_LEN == spec.training.target_global_tokens
 
 
+@pytest.mark.e2e
 def test_the_study_is_stored_for_the_dashboard(tuned: Callable[[int, int], Tuned]) -> None:
     _, result, url = tuned(32, 1)
     study = optuna.load_study(study_name=STUDY_NAME, storage=url)

@@ -66,6 +66,7 @@ def trainer(callback: Any, max_steps: int = 2) -> Trainer:
     )
 
 
+@pytest.mark.e2e
 def test_fit_trains_with_the_tuned_batch_and_keeps_the_global_batch() -> None:
     callback = AutotuneBatchSize(
         target_global_batch=TARGET_GLOBAL_BATCH,

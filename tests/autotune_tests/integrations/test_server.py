@@ -79,6 +79,7 @@ def test_the_callback_applies_the_servers_stored_recommendation(
     assert fit.global_step == 2 and module.seen == [micro] * 2 * fit.accumulate_grad_batches
 
 
+@pytest.mark.e2e
 def test_tuned_arguments_from_the_servers_stored_recommendation(
     live_server: LiveServer, tmp_path: Path
 ) -> None:

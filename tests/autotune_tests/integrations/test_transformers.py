@@ -32,6 +32,7 @@ def test_the_longest_samples_come_first() -> None:
         longest_samples([], 2)
 
 
+@pytest.mark.e2e
 def test_a_trainer_trains_with_the_tuned_arguments(tmp_path: Path) -> None:
     from transformers import Trainer, TrainingArguments
 

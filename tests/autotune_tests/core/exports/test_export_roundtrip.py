@@ -124,6 +124,7 @@ def test_the_trainer_runs_what_was_measured(name: str, tmp_path: Path) -> None:
 
 @pytest.mark.xdist_group(HF_GROUP)
 @pytest.mark.parametrize("name", sorted(SHARDED))
+@pytest.mark.e2e
 def test_the_trainer_arguments_shard_as_measured(name: str, tmp_path: Path) -> None:
     case = CASES[name]
     found = consumers.hf_sharding(_exports(case), case, str(tmp_path))
@@ -164,6 +165,7 @@ def _zero_stage(sharding: str) -> int:
 
 @pytest.mark.xdist_group(TORCH_GROUP)
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.e2e
 def test_deepspeed_parses_what_was_measured(name: str) -> None:
     case = CASES[name]
     exports = _exports(case)

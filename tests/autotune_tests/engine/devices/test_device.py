@@ -221,6 +221,7 @@ _CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.e2e
 def test_a_real_cpu_allocator_failure_is_out_of_memory() -> None:
     done = subprocess.run(
         [sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=120, cwd=REPO

@@ -330,6 +330,7 @@ def test_a_weight_is_cast_once_per_autocast_region_whatever_uses_it() -> None:
     assert _count_casts(lambda: (F.linear(x, hidden), F.linear(x, hidden))) == 4
 
 
+@pytest.mark.e2e
 def test_the_cached_casts_die_when_the_outermost_autocast_region_exits() -> None:
     weight, x = torch.randn(8, 8, requires_grad=True), torch.randn(4, 8)
     casts = _Casts()

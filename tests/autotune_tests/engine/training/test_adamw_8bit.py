@@ -81,6 +81,7 @@ def test_it_follows_adamw_and_learns() -> None:
     assert abs(losses[1][-1] - losses[0][-1]) < 0.05 * losses[0][-1]
 
 
+@pytest.mark.e2e
 def test_the_estimate_traces_the_same_peaks_as_the_emulated_gpu() -> None:
     spec = Spec.model_validate(
         {
@@ -167,6 +168,7 @@ def test_sharded_states_are_torchaos_own() -> None:
             dist.destroy_process_group()
 
 
+@pytest.mark.e2e
 def test_sharded_8bit_probes_alike_on_the_emulated_gpu_and_in_estimates() -> None:
     """Issue 23: sharding propagation failed on the 3001-row shard, in both."""
     training = {

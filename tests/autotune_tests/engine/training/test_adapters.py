@@ -80,6 +80,7 @@ def test_the_probe_is_exact_on_a_lora_spec() -> None:
         assert not fresh.trial(best + 1, checkpointing=mode.checkpointing).fits
 
 
+@pytest.mark.e2e
 def test_the_estimate_traces_a_lora_step_to_the_byte() -> None:
     spec = _spec(lora={"r": 4, "target_modules": ["q_proj", "v_proj"]})
     estimate = EstimateRunner(spec, capacity_bytes=HUGE_BYTES)

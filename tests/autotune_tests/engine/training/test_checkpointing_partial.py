@@ -61,6 +61,7 @@ def test_a_micro_batch_between_the_two_modes_fits_with_some_blocks_checkpointed(
     assert fewer <= more and fewer < blocks
 
 
+@pytest.mark.e2e
 def test_more_checkpointed_blocks_keep_less_and_recompute_more() -> None:
     runner = InProcessRunner(_spec(), EmulatedDevice(2**40))
     assert runner.warm_up().fits

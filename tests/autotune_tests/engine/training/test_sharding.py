@@ -130,6 +130,7 @@ def _resident_bytes(runner: InProcessRunner) -> int:
     )
 
 
+@pytest.mark.e2e
 def test_zero3_lowers_a_rank_s_memory_as_the_arithmetic_says() -> None:
     whole = InProcessRunner(_spec(world_size=1), EmulatedDevice(HUGE_BYTES))
     assert whole.warm_up().fits
@@ -157,6 +158,7 @@ def test_zero3_lowers_a_rank_s_memory_as_the_arithmetic_says() -> None:
         previous_peak = outcome.peak_allocated_bytes
 
 
+@pytest.mark.e2e
 def test_each_stage_shards_more_and_fits_more() -> None:
     resident = {}
     for sharding in ("none", "zero1", "zero2", "zero3"):
@@ -176,6 +178,7 @@ def test_each_stage_shards_more_and_fits_more() -> None:
     assert fits == {"none": [True, False], "zero3": [True, True]}
 
 
+@pytest.mark.e2e
 def test_hybrid_shards_within_its_group() -> None:
     hybrid = InProcessRunner(
         _spec("hybrid", world_size=4, shard_group_size=2), EmulatedDevice(HUGE_BYTES)
@@ -186,6 +189,7 @@ def test_hybrid_shards_within_its_group() -> None:
     assert _resident_bytes(hybrid) == _resident_bytes(zero3)
 
 
+@pytest.mark.e2e
 def test_the_estimate_traces_a_sharded_rank() -> None:
     spec = _spec("zero3", world_size=4)
     estimate = EstimateRunner(spec, capacity_bytes=HUGE_BYTES)

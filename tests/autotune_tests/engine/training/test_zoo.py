@@ -44,7 +44,17 @@ def _tracked_peak_bytes(workload: Workload, batch: object, checkpointing: bool) 
     return peak
 
 
-@pytest.mark.parametrize("name", list(PRESETS))
+# The two small presets take half a minute each: they run with the slow end-to-end tests.
+_SLOW_PRESETS = {"llama-small", "gpt2-small"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=[pytest.mark.e2e] if name in _SLOW_PRESETS else [])
+        for name in PRESETS
+    ],
+)
 def test_every_preset_runs_forward_and_backward(name: str) -> None:
     torch.manual_seed(0)
     workload = _tiny_workload(name)
