@@ -116,18 +116,29 @@ def _changed(spec: Spec, change: Change) -> Spec | None:
 def verify(spec: Spec, change: Change, gpu: SameGpu) -> Remedy | None:
     """The change as a remedy when the changed spec's traced step fits at micro-batch 1 (plain,
     else checkpointed); None when it does not fit, or cannot be built (a model peft cannot
-    adapt, say)."""
+    adapt, say). Both modes run on one runner, as a probe's warm-ups do: the model is built
+    once."""
     changed = _changed(spec, change)
     if changed is None:
         return None
+    built: list[EstimateRunner] = []
+
+    def runner(_: Spec) -> EstimateRunner:
+        # `sequence_trial` asks for a runner of `changed` in each mode: the same one.
+        if not built:
+            built.append(gpu.runner(changed))
+        return built[0]
+
     try:
         for checkpointing in (False, True):
-            outcome, runner = sequence_trial(
-                changed, gpu.runner, micro_batch=1, checkpointing=checkpointing
+            outcome, runner_used = sequence_trial(
+                changed, runner, micro_batch=1, checkpointing=checkpointing
             )
             if outcome.fits:
-                return _remedy(changed, change, runner, checkpointing, outcome.peak_bytes, gpu)
-            if not runner.supports_checkpointing:
+                return _remedy(
+                    changed, change, runner_used, checkpointing, outcome.peak_bytes, gpu
+                )
+            if not runner_used.supports_checkpointing:
                 return None
     except ModelBuildError as error:
         # Any other error (a stop, a limit) ends the search for remedies: it is not the change's.

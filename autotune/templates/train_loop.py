@@ -90,9 +90,12 @@ def largest_block_list(model: nn.Module) -> nn.ModuleList:
 
 def shard(model: nn.Module) -> None:
     """FSDP2 as measured: every block its own unit, then the root; ZeRO-2 keeps a block's
-    parameters gathered from its forward to its backward."""
+    parameters gathered from its forward to its backward. fp32 weights under autocast are
+    gathered in the autocast dtype and their gradients reduced in fp32 (FSDP2's mixed
+    precision): gathered in fp32, autocast would keep a 16-bit copy of every block's weights
+    until the forward ends."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     device_type = next(model.parameters()).device.type
     if SHARDING == "hybrid":
@@ -100,10 +103,17 @@ def shard(model: nn.Module) -> None:
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device_type, (WORLD_SIZE,))
+    mp_policy = MixedPrecisionPolicy()
+    if AUTOCAST_DTYPE is not None and WEIGHTS_DTYPE == "float32":
+        mp_policy = MixedPrecisionPolicy(
+            param_dtype=getattr(torch, AUTOCAST_DTYPE), reduce_dtype=torch.float32
+        )
     reshard_after_forward = SHARDING != "zero2"
     for block in largest_block_list(model):
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(
+            block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy
+        )
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
 
 
 def optimizer_class() -> tuple[Any, dict[str, Any]]:

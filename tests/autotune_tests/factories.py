@@ -218,6 +218,13 @@ def linear_stack_4k(training: TrainingSpec) -> Workload:
     return _linear_stack(4096, 4)
 
 
+def linear_stack_32k_deep(training: TrainingSpec) -> Workload:
+    """Twenty-four 32768-wide linear blocks: 25.8 billion parameters. Over 8 ranks on an 80 GB
+    card only full sharding holds them: ZeRO-2 keeps every block's weights gathered (in bf16:
+    52 GB) from forward to backward beside the rank's 52 GB of fp32 state."""
+    return _linear_stack(32768, 24)
+
+
 def linear_stack_32k(training: TrainingSpec) -> Workload:
     """Twelve 32768-wide linear blocks: 12.9 billion parameters, whose fp32 weights, gradients
     and AdamW states (206 GB) fit an 80 GB card only fully sharded over 8 ranks; for estimates

@@ -21,6 +21,7 @@ from typing import Any
 from autotune.core.exports.hf import partial_lines
 from autotune.core.exports.measured import MeasuredRun, lora_snippet
 from autotune.core.exports.notes import allocator_lines, comment, shared_notes
+from autotune.core.parallel.layouts import gathers_in_16_bits
 from autotune.core.schemas import Precision, Sharding
 
 DDP_KWARGS = {"gradient_as_bucket_view": True}
@@ -62,6 +63,8 @@ def lightning_arguments(run: MeasuredRun) -> dict[str, Any]:
         }
         module["fully_shard"] = {
             "reshard_after_forward": run.sharding is not Sharding.ZERO2,
+            # FSDP2's mixed precision, as measured (`gathers_in_16_bits`): None, without.
+            "param_dtype": run.autocast_dtype if gathers_in_16_bits(run.training) else None,
             "mesh_shape": [run.world_size // run.shard_group_size, run.shard_group_size]
             if run.sharding is Sharding.HYBRID
             else [run.world_size],
@@ -154,13 +157,25 @@ def _fully_shard_lines(run: MeasuredRun, shard: dict[str, Any]) -> list[str]:
         ]
     else:
         mesh = ['mesh = self.device_mesh["data_parallel"]']
+    kwargs = f"mesh=mesh, reshard_after_forward={reshard}"
+    policy = []
+    if shard.get("param_dtype") is not None:
+        kwargs += ", mp_policy=mp_policy"
+        policy = [
+            "# Weights gathered in 16 bits, gradients reduced in fp32, as measured.",
+            f"mp_policy = MixedPrecisionPolicy(param_dtype=torch.{shard['param_dtype']}, "
+            "reduce_dtype=torch.float32)",
+        ]
     return [
         "# FSDP2 as measured: every block its own unit, then the root.",
-        "from torch.distributed.fsdp import fully_shard",
+        "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard"
+        if policy
+        else "from torch.distributed.fsdp import fully_shard",
         *mesh,
+        *policy,
         "for block in self.model.model.layers:  # your model's blocks",
-        f"    fully_shard(block, mesh=mesh, reshard_after_forward={reshard})",
-        f"fully_shard(self.model, mesh=mesh, reshard_after_forward={reshard})",
+        f"    fully_shard(block, {kwargs})",
+        f"fully_shard(self.model, {kwargs})",
     ]
 
 

@@ -11,6 +11,7 @@ keeping every batch at the measured size when smaller sizes run out.
 from __future__ import annotations
 
 from autotune.core.exports.measured import ZERO_STAGES, MeasuredRun
+from autotune.core.parallel.layouts import gathers_in_16_bits
 from autotune.core.schemas import Sharding
 
 # The variable torch 2.13 reads (`PYTORCH_CUDA_ALLOC_CONF`, the older name, still wins if set).
@@ -93,6 +94,8 @@ def data_parallel_note(run: MeasuredRun) -> str:
         ]
     else:
         how = "fully_shard on each block, then the root"
+        if gathers_in_16_bits(run.training):
+            how += f", weights gathered in {run.autocast_dtype} and gradients reduced in fp32"
         if run.sharding is Sharding.ZERO2:
             how += ", without resharding after forward"
         if run.sharding is Sharding.HYBRID:

@@ -15,7 +15,8 @@ them (docs/design.md#communication; no torch).
 
 FSDP2 pads every parameter's first dimension to a multiple of the shard count, so its buffers
 are the padded sizes (`ParameterShape.padded_numel`); gradients are reduced for trainable
-parameters only, every parameter is gathered.
+parameters only, every parameter is gathered. With fp32 master weights under bf16/fp16
+autocast, FSDP2 gathers in 16 bits and reduces in fp32 (`gathers_in_16_bits`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Literal
 from autotune.core.memory.gradient_buckets import BUCKET_CAP_BYTES, FIRST_BUCKET_CAP_BYTES
 from autotune.core.parallel.collectives import Collective, Group
 from autotune.core.parallel.topology import Topology
-from autotune.core.schemas import Phase, Sharding, TrainingSpec
+from autotune.core.schemas import Phase, Precision, Sharding, TrainingSpec, WeightsDtype
 
 Cadence = Literal["micro_step", "optimizer_step"]
 
@@ -56,8 +57,12 @@ class ShardUnit:
 
     parameters: tuple[ParameterShape, ...]
 
-    def gathered_bytes(self, shards: int) -> int:
-        return sum(p.padded_numel(shards) * p.element_size for p in self.parameters)
+    def gathered_bytes(self, shards: int, element_size: int | None = None) -> int:
+        """Bytes of the unit's all-gather: in `element_size` bytes per element when FSDP2
+        casts the parameters for it (mixed precision), else in their own."""
+        return sum(
+            p.padded_numel(shards) * (element_size or p.element_size) for p in self.parameters
+        )
 
     def reduced_bytes(self, shards: int) -> int:
         return sum(p.padded_numel(shards) * p.element_size for p in self.parameters if p.trainable)
@@ -132,14 +137,25 @@ def _ddp(model: ModelParameters, world: Group) -> list[Transfer]:
     return transfers
 
 
-def _fsdp(model: ModelParameters, shard: Group, *, regather: bool) -> list[Transfer]:
+def gathers_in_16_bits(training: TrainingSpec) -> bool:
+    """Whether FSDP2 runs with mixed precision (`MixedPrecisionPolicy(param_dtype=the autocast
+    dtype, reduce_dtype=float32)`, as the engine shards): fp32 master weights under bf16/fp16
+    autocast. Gathered in 16 bits, each block's weights are freed with it; gathered in fp32,
+    autocast's cached 16-bit casts of them would stay until the forward ends
+    (docs/design.md#sharded-data-parallel)."""
+    return training.precision is not Precision.FP32 and training.weights is WeightsDtype.FP32
+
+
+def _fsdp(
+    model: ModelParameters, shard: Group, *, regather: bool, gathered_element_size: int | None
+) -> list[Transfer]:
     shards = shard.ranks
     units = model.units
     transfers = [
         Transfer(
             "parameter all-gather for forward (FSDP2)",
             Collective.ALL_GATHER,
-            sum(u.gathered_bytes(shards) for u in units),
+            sum(u.gathered_bytes(shards, gathered_element_size) for u in units),
             len(units),
             shard,
             Phase.FORWARD,
@@ -152,7 +168,7 @@ def _fsdp(model: ModelParameters, shard: Group, *, regather: bool) -> list[Trans
             Transfer(
                 "parameter all-gather for backward (FSDP2)",
                 Collective.ALL_GATHER,
-                sum(u.gathered_bytes(shards) for u in units),
+                sum(u.gathered_bytes(shards, gathered_element_size) for u in units),
                 len(units),
                 shard,
                 Phase.BACKWARD,
@@ -199,8 +215,14 @@ def layout_transfers(
                 )
             )
         return tuple(transfers)
+    # FSDP2's mixed precision gathers every parameter in 16 bits.
+    gathered = 2 if gathers_in_16_bits(training) else None
     if sharding is not Sharding.HYBRID:
-        return tuple(_fsdp(model, world, regather=sharding is Sharding.ZERO3))
+        return tuple(
+            _fsdp(
+                model, world, regather=sharding is Sharding.ZERO3, gathered_element_size=gathered
+            )
+        )
     group_size = training.shard_group_size
     assert group_size is not None  # the spec checked it
     # A shard group within a node, or whole nodes (the spec refuses groups straddling nodes).
@@ -215,7 +237,7 @@ def layout_transfers(
         training.world_size // group_size // replicas_per_node,
         sharing_network=min(group_size, per_node),
     )
-    transfers = _fsdp(model, shard, regather=True)
+    transfers = _fsdp(model, shard, regather=True, gathered_element_size=gathered)
     shard_bytes = sum(u.reduced_bytes(group_size) for u in model.units) // group_size
     reduced_units = sum(1 for u in model.units if u.reduced_bytes(group_size))
     transfers.append(
@@ -237,5 +259,6 @@ __all__ = [
     "ParameterShape",
     "ShardUnit",
     "Transfer",
+    "gathers_in_16_bits",
     "layout_transfers",
 ]

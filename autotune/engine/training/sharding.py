@@ -37,10 +37,16 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import _disable_current_modes
 
-from autotune.core.parallel.layouts import ModelParameters, ParameterShape, ShardUnit
-from autotune.core.schemas import Sharding, TrainingSpec
+from autotune.core.parallel.layouts import (
+    ModelParameters,
+    ParameterShape,
+    ShardUnit,
+    gathers_in_16_bits,
+)
+from autotune.core.schemas import Precision, Sharding, TrainingSpec
 
 _FAKE_BACKEND = "fake"
+_COMPUTE_DTYPES = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
 
 def process_group(world_size: int, rank: int = 0) -> None:
@@ -120,11 +126,32 @@ def shard_model(model: nn.Module, training: TrainingSpec, device: torch.device) 
     kwargs: dict[str, Any] = {
         "mesh": mesh,
         "reshard_after_forward": sharding is not Sharding.ZERO2,
+        "mp_policy": mixed_precision(training),
     }
     for block in blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def mixed_precision(training: TrainingSpec) -> Any:
+    """FSDP2's mixed precision for the spec: with fp32 master weights under bf16/fp16 autocast,
+    parameters gathered in the autocast dtype and gradients reduced in fp32 (torch's
+    `MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)`); else none.
+
+    Why not fp32 gathers under autocast alone: autocast caches its cast of every leaf weight
+    until the forward's autocast region exits, and FSDP2's gathered parameters are leaves, so
+    a rank would hold a 16-bit copy of every block's weights, unsharded, at the end of the
+    forward (2 bytes per parameter of the whole model, whatever the number of ranks: an 8B
+    model's 15 GiB), and without checkpointing autograd saves those copies for backward too.
+    FSDP2's policy gathers the 16-bit weights themselves, which FSDP2 frees after each block
+    (DeepSpeed's bf16 ZeRO-3 likewise gathers 16-bit weights)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if not gathers_in_16_bits(training):
+        return MixedPrecisionPolicy()
+    dtype = _COMPUTE_DTYPES[training.precision]
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
 def zero1_optimizer(
@@ -157,6 +184,8 @@ def assumption(training: TrainingSpec) -> str:
         Sharding.ZERO3: "torch FSDP2 full shard, one unit per block and the root",
         Sharding.HYBRID: f"torch FSDP2 hybrid shard (groups of {training.shard_group_size})",
     }[training.sharding]
+    if training.sharding is not Sharding.ZERO1 and gathers_in_16_bits(training):
+        how += f", weights gathered in {training.precision} and gradients reduced in fp32"
     return (
         f"sharding {training.sharding}, {training.world_size} ranks: {how}, measured on one "
         "rank over a fake process group; gradients reduce-scattered every micro-batch; NCCL's own "

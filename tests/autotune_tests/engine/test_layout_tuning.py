@@ -83,8 +83,8 @@ def test_ddp_first_when_it_fits_on_nvlink(tmp_path: Path) -> None:
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_full_shard_when_only_it_fits(tmp_path: Path) -> None:
-    """12.9B parameters in fp32 with AdamW: only full sharding over 8 H100s holds them."""
-    spec = _stack("linear_stack_32k", 32768, world_size=8, target_global_batch=32)
+    """25.8B parameters in fp32 with AdamW: only full sharding over 8 H100s holds them."""
+    spec = _stack("linear_stack_32k_deep", 32768, world_size=8, target_global_batch=32)
     result = _tune(spec, tmp_path)
     layouts = _by_layout(result)
     assert result.recommendation is not None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.core.remedies import LORA_RANK, NOT_MODELLED_OFFLOAD, sharded_change
+from autotune.core.remedies import LORA_RANK, MAX_WORLD_SIZE, NOT_MODELLED_OFFLOAD, sharded_change
 from autotune.core.schemas import DeviceInfo, DeviceKind, Spec
 from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.estimate import EstimateRunner, estimate_device
@@ -46,7 +46,7 @@ def test_every_change_that_makes_it_fit_fits_on_the_emulated_gpu() -> None:
         "bf16 weights",
         f"LoRA rank {LORA_RANK} on all linear layers",
         "8-bit AdamW",
-        "3 GPUs with ZeRO-3 (FSDP full shard)",
+        "2 GPUs with ZeRO-3 (FSDP full shard)",
     }
     # The weights alone are past the capacity: no length helps, and pairs are not needed.
     assert advice.still_too_large == ["any sequence of 64 tokens or more"]
@@ -61,8 +61,6 @@ def test_every_change_that_makes_it_fit_fits_on_the_emulated_gpu() -> None:
         # The emulated GPU runs the changed step: the traced peak to the byte.
         assert (outcome.fits, outcome.peak_bytes) == (True, remedy.peak_bytes), remedy.change
         assert remedy.capacity_bytes == CAPACITY_BYTES and remedy.samples_per_s is None
-    # The fewest: two GPUs do not fit in either mode.
-    assert verify(spec, sharded_change(2, 1 << 20), ONE_GPU) is None
 
 
 @pytest.mark.e2e
@@ -91,3 +89,23 @@ def test_the_same_gpu_is_the_named_card_when_there_is_one() -> None:
         kind=DeviceKind.CUDA, name="NVIDIA H100 80GB HBM3", total_memory_bytes=1, capacity_bytes=1
     )
     assert SameGpu.of(card).gpu_name == "H100 80GB"  # nvidia-smi's name, in the catalogue
+
+
+class _CountingGpu(SameGpu):
+    """The same GPU, listing the world size of every runner built."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        super().__init__(None, capacity_bytes)
+        object.__setattr__(self, "built", [])
+
+    def runner(self, spec: Spec) -> EstimateRunner:
+        self.built.append(spec.training.world_size)  # type: ignore[attr-defined]
+        return super().runner(spec)
+
+
+def test_a_change_is_verified_in_both_modes_on_one_runner() -> None:
+    """40 MiB hold llama-tiny on 2 ranks in neither mode: both traced on one runner (the
+    model built once), not one each."""
+    gpu = _CountingGpu(40 * 2**20)
+    assert verify(_spec(), sharded_change(2, MAX_WORLD_SIZE), gpu) is None
+    assert gpu.built == [2]  # type: ignore[attr-defined]

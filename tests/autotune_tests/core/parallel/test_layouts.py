@@ -133,3 +133,25 @@ def test_fsdp_pads_each_parameter_to_the_shard_count() -> None:
     assert shape.padded_numel(4) == 12 * 6
     assert shape.padded_numel(3) == 54
     assert ShardUnit((shape,)).gathered_bytes(4) == 12 * 6 * 4
+
+
+def test_fp32_weights_under_autocast_are_gathered_in_16_bits_and_reduced_in_fp32() -> None:
+    model = _llama_8b_like()
+    topology = topology_for(TrainingSpec(world_size=8), find_gpu("H100 80GB"))
+
+    def sizes(**training: Any) -> list[tuple[Collective, int]]:
+        spec = TrainingSpec(world_size=8, sharding="zero3", **training)
+        return [(t.collective, t.size_bytes) for t in layout_transfers(spec, model, topology)]
+
+    fp32 = sizes()
+    assert sizes(precision="bf16") == [
+        (Collective.ALL_GATHER, fp32[0][1] // 2),
+        (Collective.ALL_GATHER, fp32[1][1] // 2),
+        fp32[2],
+    ]
+    # bf16 weights (no master copy) are gathered and reduced as they are: in bf16.
+    bf16 = _llama_8b_like(element_size=2)
+    spec = TrainingSpec(world_size=8, sharding="zero3", precision="bf16", weights="bf16")
+    assert [t.size_bytes for t in layout_transfers(spec, bf16, topology)] == [
+        size // 2 for _, size in fp32
+    ]

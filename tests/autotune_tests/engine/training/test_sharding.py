@@ -19,6 +19,7 @@ from autotune.engine.emulation.tracker import local_tensor
 from autotune.engine.estimate import EstimateRunner
 from autotune.engine.runner import InProcessRunner
 from autotune.engine.training.sharding import blocks
+from tests.autotune_tests.factories import TINY_LLAMA_CONFIG
 from tests.autotune_tests.gloo import run_gloo_rank
 
 pytestmark = pytest.mark.xdist_group("real-fsdp")
@@ -215,3 +216,40 @@ def test_the_estimate_traces_a_sharded_rank() -> None:
 def test_sharding_settings_are_checked_by_field(training: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Spec.model_validate({"model": {"preset": "llama-tiny"}, "training": training})
+
+
+def _forward_peak(layers: int, ranks: int) -> int:
+    spec = Spec.model_validate(
+        {
+            "model": {"hf_config": {**TINY_LLAMA_CONFIG, "num_hidden_layers": layers}},
+            "training": {
+                "seq_len": 16,
+                "precision": "bf16",
+                "sharding": "zero3",
+                "world_size": ranks,
+            },
+        }
+    )
+    runner = EstimateRunner(spec, capacity_bytes=HUGE_BYTES)
+    assert runner.warm_up(checkpointing=True).fits
+    return runner.trial(1, checkpointing=True).phase_peak_bytes[Phase.FORWARD]
+
+
+def test_a_zero3_rank_holds_no_16_bit_copy_of_every_block() -> None:
+    """Under bf16 autocast with fp32 master weights, a ZeRO-3 rank gathers each block's weights
+    in bf16 (FSDP2's mixed precision) and frees them after it: eight more blocks add their fp32
+    shards and one saved input each to the forward's peak, not the 2 bytes per parameter of
+    autocast's cached casts of every gathered fp32 block (kept until the forward ends, whatever
+    the number of ranks: the reason ZeRO-3 fitted an 8B model on no count of 24 GB cards)."""
+    pytest.importorskip("transformers")
+    ranks = 16
+    extra_blocks = 8
+    hidden, ffn = TINY_LLAMA_CONFIG["hidden_size"], TINY_LLAMA_CONFIG["intermediate_size"]
+    kv = (
+        hidden
+        * TINY_LLAMA_CONFIG["num_key_value_heads"]
+        // TINY_LLAMA_CONFIG["num_attention_heads"]
+    )
+    block_params = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn + 2 * hidden
+    added = _forward_peak(2 + extra_blocks, ranks) - _forward_peak(2, ranks)
+    assert added < extra_blocks * 2 * block_params
