@@ -424,23 +424,26 @@ def test_expandable_segments_that_fit_no_larger_micro_batch_leave_the_allocator_
     tmp_path: Path,
 ) -> None:
     """On 124 MiB expandable segments fit less than the default allocator (9 plain where it
-    fits 12; the estimator bench's gpt2-tiny rows): no candidate above the default's answer
-    runs under them, and the fastest, 12 x 1 under the default allocator, is recommended
-    with exports that set nothing."""
-    result = _tune_with_expandable_segments(tmp_path, 124 * MiB, 12)
+    fits 10), verified by trials and not recommended. Target 7 (a prime: 7 x 1 or 1 x 7), which
+    the default allocator fits either way: nothing above its answer is measured under them
+    (only a size it runs out at, if any), and 7 x 1 without checkpointing is recommended with
+    exports that set nothing."""
+    result = _tune_with_expandable_segments(tmp_path, 124 * MiB, 7)
 
     plain = result.probe.modes[0]
-    assert plain.expandable_segments is not None
-    assert not plain.expandable_segments.recommended
+    option = plain.expandable_segments
+    assert option is not None and option.max_micro_batch is not None
+    assert option.max_micro_batch < plain.max_micro_batch and not option.recommended
+    assert result.trials
     for trial in result.trials:
         if trial.allocator_conf is not None:
-            # Only where the default allocator runs out below its answer (a dip) and
-            # expandable segments were verified to fit it.
+            # Only at a size the default allocator runs out at below its answer (a dip),
+            # which they were verified to fit.
             mode = result.probe.modes[trial.checkpointing]
-            assert trial.micro_batch in mode.runs_out_below
+            assert trial.micro_batch in mode.runs_out_below, trial
     rec = result.recommendation
     assert rec is not None and rec.allocator_conf is None
-    assert (rec.micro_batch, rec.accumulation_steps, rec.checkpointing) == (12, 1, False)
+    assert (rec.micro_batch, rec.accumulation_steps, rec.checkpointing) == (7, 1, False)
     exports = result.exports
     assert exports is not None and exports.allocator_conf is None
     texts = render_exports(exports)
