@@ -303,25 +303,32 @@ def by_mode(modes: list[dict[str, Any]], checkpointing: str) -> dict[str, Any]:
     return next(m for m in modes if str(m["checkpointing"]).lower() == checkpointing)
 
 
+def default_beside_expandable(row: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The default allocator's estimate made by the same code as the row's estimate under
+    expandable segments: the zoo run's own, or the one `--expandable-column` reran beside it
+    (None: not run yet)."""
+    if "expandable_load_average" not in row and "estimate_expandable_segments" in row:
+        modes: list[dict[str, Any]] = row["estimate"]
+        return modes
+    return row.get("estimate_default_rerun")
+
+
 def expandable_summary(rows: list[dict[str, Any]]) -> list[str]:
     """What the traced answers under expandable segments say against the default allocator's,
     counted over every mode of every row (lines of the results' text)."""
-    done = [
-        row
-        for row in rows
-        if {"estimate_expandable_segments", "estimate_default_rerun"} <= set(row)
-    ]
+    defaults = {id(row): default_beside_expandable(row) for row in rows}
+    done = [row for row in rows if defaults[id(row)] is not None]
     if not done:
         return []
     pairs = [
         (row, default, expandable)
         for row in done
         for default, expandable in zip(
-            row["estimate_default_rerun"], row["estimate_expandable_segments"], strict=True
+            defaults[id(row)] or [], row["estimate_expandable_segments"], strict=True
         )
     ]
     changed = sum(
-        [m["max"] for m in row["estimate_default_rerun"]] != [m["max"] for m in row["estimate"]]
+        [m["max"] for m in defaults[id(row)] or []] != [m["max"] for m in row["estimate"]]
         for row in done
     )
     higher = [(row, d, e) for row, d, e in pairs if e["max"] > d["max"]]
@@ -341,7 +348,7 @@ def expandable_summary(rows: list[dict[str, Any]]) -> list[str]:
 
     lines = [
         "Estimate with `PYTORCH_ALLOC_CONF=expandable_segments:True` beside the default "
-        "allocator's, both rerun by the same code (the last two columns of the estimates; the "
+        "allocator's, both made by the same code (the last two columns; the "
         "expandable one in bold where it differs"
         + (f"; {len(done)} of the {len(rows)} rows, '-': not run" if len(done) < len(rows) else "")
         + f"): of {len(pairs)} modes, a larger "
@@ -423,8 +430,8 @@ def _write(
         "",
         "| preset | capacity (MiB) | estimate: max plain / ckpt | emulated: max plain / ckpt "
         "| exact | estimate s/mode | emulated s/mode | real trials per mode: fit run / fit traced "
-        "| traced agrees | emulated, fit traced s/mode | estimate rerun, default allocator "
-        "| estimate rerun, expandable segments |",
+        "| traced agrees | emulated, fit traced s/mode | estimate beside expandable segments: "
+        "default allocator | estimate, expandable segments |",
         "|---|---:|---|---|---|---:|---:|---|---|---:|---|---|",
     ]
     for row in rows:
@@ -436,7 +443,7 @@ def _write(
             # Bold where expandable segments change the traced answer.
             if "estimate_expandable_segments" not in row:
                 return "-"
-            defaults = row.get("estimate_default_rerun", row["estimate_expandable_segments"])
+            defaults = default_beside_expandable(row) or row["estimate_expandable_segments"]
             return " / ".join(
                 f"**{mode['max']}**" if mode["max"] != default["max"] else str(mode["max"])
                 for mode, default in zip(
@@ -455,7 +462,7 @@ def _write(
             f"{trials(row['emulated_traced_fit'])} | "
             f"{'yes' if row['traced_fit_agrees'] else '**no**'} | "
             f"{row['emulated_traced_fit_s_per_mode']:.1f} | "
-            f"{maxima(row['estimate_default_rerun']) if 'estimate_default_rerun' in row else '-'}"
+            f"{maxima(default_beside_expandable(row) or []) or '-'}"
             f" | {expandable_maxima(row)} |"
         )
     exact = sum(row["exact"] for row in rows)
