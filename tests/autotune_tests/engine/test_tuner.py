@@ -399,8 +399,9 @@ def test_a_micro_batch_only_expandable_segments_fit_is_measured_and_recommended(
     assert larger.allocator_conf == EXPANDABLE and larger.state is TrialState.COMPLETE
     one_each = [t for (b, _), t in under.items() if b == 1]
     assert one_each and all(t.allocator_conf is None for t in one_each)
-    # 23 samples per forward against 23 forwards of 1: several times the samples/s.
-    assert all((larger.samples_per_s or 0) > 2 * (t.samples_per_s or 0) for t in one_each)
+    # 23 samples per forward against 23 forwards of 1: the fastest median (several times the
+    # samples/s on an idle machine; 1.7 times at a load average of 9 on 2 cores).
+    assert all((larger.samples_per_s or 0) > (t.samples_per_s or 0) for t in one_each)
     if any(ties_with(t, larger) for t in one_each):
         # Only a machine so loaded that the step times spread over the gap: then the
         # allocator is left alone (`test_a_tie_leaves_the_allocator_alone`), and said so.
