@@ -222,6 +222,8 @@ class TrialRow(TableBase):
     accumulation_steps: Mapped[int]
     checkpointing: Mapped[bool]
     checkpointed_blocks: Mapped[int | None]
+    # PYTORCH_ALLOC_CONF it ran under when not the device's (null: the device's; before 0015).
+    allocator_conf: Mapped[str | None] = mapped_column(String(1000))
     state: Mapped[str] = mapped_column(String(16))
     samples_per_s: Mapped[float | None]
     tokens_per_s: Mapped[float | None]

@@ -137,6 +137,7 @@ class Progress:
         head = (
             f"{self.trial_label(trial.number)}: micro-batch {trial.micro_batch:>4} x "
             f"{trial.accumulation_steps:>3} steps, checkpointing {trial.checkpointing_label}"
+            + (f", {trial.allocator_conf}" if trial.allocator_conf else "")
         )
         source = f" ({self.speed})" if self.speed else ""
         if trial.state is TrialState.COMPLETE and trial.samples_per_s is not None:

@@ -253,7 +253,8 @@ def print_tune_result(
         f"{rec.global_batch}, checkpointing {rec.checkpointing_label}{layout}: "
         f"{speed_text(rec.samples_per_s, rec.tokens_per_s, rec.world_size)} "
         f"({speed_label(result.device)}), peak {format_bytes(rec.peak_bytes)} of "
-        f"{format_bytes(rec.capacity_bytes)} per GPU",
+        f"{format_bytes(rec.capacity_bytes)} per GPU"
+        + (f", with PYTORCH_ALLOC_CONF={rec.allocator_conf}" if rec.allocator_conf else ""),
         soft_wrap=True,
     )
     if result.exports is not None:
@@ -319,7 +320,10 @@ def print_trials(console: Console, result: TuneResult) -> None:
     )
     samples_per_s = f"samples/s per GPU ({speed_label(result.device)})"
     split = any(trial.compute_time_s is not None for trial in result.trials)
+    # Where some ran under expandable segments (sizes only they fit): which did.
+    allocator = any(trial.allocator_conf is not None for trial in result.trials)
     columns = ["micro-batch", "accumulation", "checkpointing", samples_per_s, "peak"]
+    columns += ["PYTORCH_ALLOC_CONF"] if allocator else []
     # With several ranks (estimated): the step is compute + exposed communication.
     for column in columns + (["compute", "comm.", "exposed"] if split else []):
         trials.add_column(column, justify="right")
@@ -331,6 +335,7 @@ def print_trials(console: Console, result: TuneResult) -> None:
             f"{trial.samples_per_s:,.1f}" if trial.samples_per_s else trial.state.value,
             format_bytes(trial.peak_bytes) if trial.peak_bytes else "-",
         ]
+        cells += [trial.allocator_conf or "device's"] if allocator else []
         parts = (trial.compute_time_s, trial.communication_time_s, trial.exposed_communication_s)
         times = ["-" if part is None else format_seconds(part) for part in parts]
         trials.add_row(*cells, *(times if split else []))

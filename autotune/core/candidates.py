@@ -1,5 +1,6 @@
 """The tuner's search space: every (micro-batch, accumulation, checkpointing) that hits the
-target global batch exactly, and an explanation when none does.
+target global batch exactly, under the allocator settings it fits with, and an explanation
+when none does.
 
 Pure and torch-free. The probe supplies, per checkpointing mode, the largest micro-batch that
 fits; a candidate is any micro-batch `b` up to that limit with `b * G * world_size == target`.
@@ -7,10 +8,10 @@ fits; a candidate is any micro-batch `b` up to that limit with `b * G * world_si
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from autotune.core.schemas import Infeasible
+from autotune.core.schemas import Infeasible, ModeProbe
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,8 @@ class Candidate:
     checkpointing: bool
     # With checkpointing, the first this many blocks only (partial checkpointing); None: all.
     checkpointed_blocks: int | None = None
+    # PYTORCH_ALLOC_CONF to measure it under when not the device's (`probe_candidates`).
+    allocator_conf: str | None = None
 
     def global_batch(self, world_size: int) -> int:
         """Samples per optimizer step across all ranks."""
@@ -34,6 +37,15 @@ def _check_arguments(target_global_batch: int, world_size: int) -> None:
         raise ValueError(f"target_global_batch must be >= 1, got {target_global_batch}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+
+
+def _per_rank_samples(target_global_batch: int, world_size: int) -> int:
+    """Samples each rank takes per optimizer step; 0 when the ranks cannot share the target
+    evenly (no candidate reaches it)."""
+    _check_arguments(target_global_batch, world_size)
+    if target_global_batch % world_size:
+        return 0
+    return target_global_batch // world_size
 
 
 def enumerate_candidates(
@@ -50,10 +62,7 @@ def enumerate_candidates(
     Returns:
         Candidates without checkpointing first, then with, each by increasing micro-batch.
     """
-    _check_arguments(target_global_batch, world_size)
-    if target_global_batch % world_size:
-        return []
-    per_rank_samples = target_global_batch // world_size
+    per_rank_samples = _per_rank_samples(target_global_batch, world_size)
     candidates: list[Candidate] = []
     for checkpointing in sorted(max_micro_batch):
         limit = min(max_micro_batch[checkpointing], per_rank_samples)
@@ -62,6 +71,72 @@ def enumerate_candidates(
             for b in range(1, limit + 1)
             if per_rank_samples % b == 0
         )
+    return candidates
+
+
+def probe_candidates(
+    target_global_batch: int,
+    world_size: int,
+    modes: Sequence[ModeProbe],
+    *,
+    accumulation_probed: bool = True,
+) -> list[Candidate]:
+    """The tuner's candidates from the probe's answers, one per (checkpointing, micro-batch):
+    under the device's allocator settings every one within its mode's limit, and where those
+    stop short (or the size is one of the mode's `runs_out_below`), under the mode's
+    expandable segments when their search verified a limit that holds it
+    (docs/design.md#expandable-segments-as-a-knob). A limit is the mode's recommended
+    micro-batch, or with accumulation (G >= 2) its accumulating one.
+
+    Args:
+        accumulation_probed: False before the tuner's accumulation probes, which these
+            candidates size: an unset accumulating limit reads as the recommended one. After
+            them an unset one reads as 0 (nothing accumulates).
+
+    Returns:
+        As `enumerate_candidates` orders them.
+    """
+    per_rank_samples = _per_rank_samples(target_global_batch, world_size)
+
+    def limit(recommended: int, accumulating: int | None, steps: int) -> int:
+        if steps == 1:
+            return recommended
+        if accumulating is None:
+            return 0 if accumulation_probed else recommended
+        return accumulating
+
+    candidates: list[Candidate] = []
+    for mode in sorted(modes, key=lambda m: m.checkpointing):
+        option = mode.expandable_segments
+        if option is not None and (
+            option.max_micro_batch is None or option.recommended_micro_batch is None
+        ):
+            option = None  # traced only: nothing verified to measure under
+        largest = max(
+            mode.recommended_micro_batch,
+            option.recommended_micro_batch or 0 if option is not None else 0,
+        )
+        for b in range(1, min(largest, per_rank_samples) + 1):
+            if per_rank_samples % b:
+                continue
+            steps = per_rank_samples // b
+            default_fits = b <= limit(
+                mode.recommended_micro_batch, mode.accumulating_micro_batch, steps
+            )
+            if option is not None and (not default_fits or b in mode.runs_out_below):
+                assert option.recommended_micro_batch is not None
+                within = b <= limit(
+                    option.recommended_micro_batch, option.accumulating_micro_batch, steps
+                )
+                if within and b not in option.runs_out_below:
+                    candidates.append(
+                        Candidate(
+                            b, steps, mode.checkpointing, allocator_conf=option.allocator_conf
+                        )
+                    )
+                    continue
+            if default_fits:
+                candidates.append(Candidate(b, steps, mode.checkpointing))
     return candidates
 
 

@@ -1,7 +1,8 @@
 """Which measured configuration to recommend. The fastest, unless another one's samples/s are
 within the measured noise of it (their step-time spreads overlap): then the speeds cannot be
-told apart, and the simpler configuration wins, with fewer accumulation steps and without
-checkpointing (no recompute, fewer optimizer-step boundaries to get wrong). On an emulated
+told apart, and the simpler configuration wins: under the device's own allocator settings (a
+process-wide change is made only for a gain), without checkpointing (no recompute), with fewer
+accumulation steps (fewer optimizer-step boundaries to get wrong). On an emulated
 GPU timed by the CPU, a single run's noise would otherwise pick 32 x 2 once and 16 x 4 the next.
 """
 
@@ -35,12 +36,18 @@ def ties_with(trial: Trial, fastest: Trial) -> bool:
 
 def choose(pool: Sequence[Trial]) -> Trial | None:
     """The recommended trial of `pool` (complete trials with samples/s): among those tied
-    with the fastest, the one without checkpointing, then with the fewest accumulation steps,
-    then the fastest."""
+    with the fastest, the one under the device's allocator settings, then without
+    checkpointing, then with the fewest accumulation steps, then the fastest."""
     if not pool:
         return None
     fastest = max(pool, key=lambda t: t.samples_per_s or 0.0)
     tied = [t for t in pool if t is fastest or ties_with(t, fastest)]
     return min(
-        tied, key=lambda t: (t.checkpointing, t.accumulation_steps, -(t.samples_per_s or 0.0))
+        tied,
+        key=lambda t: (
+            t.allocator_conf is not None,
+            t.checkpointing,
+            t.accumulation_steps,
+            -(t.samples_per_s or 0.0),
+        ),
     )

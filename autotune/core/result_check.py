@@ -19,15 +19,21 @@ Each invariant is written next to the code that guarantees it:
   attempts stay within capacity; 0 <= recommended <= max; the accumulating max, when set, is at
   most the recommended one (`tuner._probe_accumulation`); a traced fit, when given, predicted
   a size within the cap from two or more distinct fitting steps (`engine.fit_points`);
+* expandable segments, per mode (`probe.evaluate_expandable_segments`): the device's settings
+  with them; verified figures ordered as a mode's are (recommended <= max, accumulating <=
+  recommended, sizes that run out below the max);
 * the trials (`study.run_study`, `throughput.measure_throughput`): increasing numbers, distinct
-  candidates, each an exact candidate of `candidates.enumerate_candidates` under the probe's
-  limits; a complete trial has finite positive samples/s equal to micro x accumulation / step
-  time and a peak within capacity (an estimate's step: its compute plus its exposed
-  communication, exposed at most all of it); an out-of-memory trial has no throughput;
+  candidates, each an exact candidate of `candidates.probe_candidates` under the probe's
+  limits, under the allocator settings it assigns (expandable segments only where the device's
+  settings stop short and theirs were verified); a complete trial has finite positive
+  samples/s equal to micro x accumulation / step time and a peak within capacity (an
+  estimate's step: its compute plus its exposed communication, exposed at most all of it); an
+  out-of-memory trial has no throughput;
 * the answer (`tuner._recommend`): a recommendation iff some trial completed, equal to the
   trial `ranking.choose` picks from the pool (the fastest, or a simpler one tied with it within
-  the measured noise), for the spec's world size, hitting the target, with exports that say the
-  same; otherwise an explanation, and no candidate left unmeasured.
+  the measured noise), for the spec's world size, hitting the target, under the allocator
+  settings its trial ran under (or expandable segments where they fit every size up to it),
+  with exports that say the same; otherwise an explanation, and no candidate left unmeasured.
 
 `check_attempt` and `check_trial` hold one streamed attempt or trial to the same rules, as far
 as they can be judged alone (the server checks each as it arrives, against the largest capacity
@@ -37,16 +43,23 @@ the run's target allows).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from autotune.core.candidates import enumerate_candidates
+from autotune.core.candidates import Candidate, probe_candidates
 from autotune.core.exports import ZERO_STAGES
 from autotune.core.gpus.catalogue import UnknownGpu, find_gpu
 from autotune.core.gpus.cuda_reserve import budget_for
+from autotune.core.memory.allocator_config import (
+    AllocatorConfig,
+    AllocatorConfigError,
+    canonical_conf,
+    parse_alloc_conf,
+)
 from autotune.core.parallel.layout_choice import LAYOUT_ORDER, layout_candidates
 from autotune.core.ranking import choose, recommendable
 from autotune.core.schemas import (
+    AllocatorOption,
     DeviceInfo,
     DeviceKind,
     LayoutVerdict,
@@ -210,6 +223,15 @@ def capacity_violations(spec: Spec, device: DeviceInfo) -> list[Violation]:
     return violations
 
 
+def expandable_conf(device: DeviceInfo) -> str:
+    """The device's allocator settings with expandable segments, canonical: the settings a
+    mode is evaluated under (`autotune.engine.probe.with_expandable_segments`)."""
+    config = parse_alloc_conf(device.allocator_conf) if device.allocator_conf else None
+    conf = canonical_conf(replace(config or AllocatorConfig(), expandable_segments=True))
+    assert conf is not None  # differs from the defaults by expandable segments at least
+    return conf
+
+
 def _finite_positive(value: float | None) -> bool:
     return value is not None and math.isfinite(value) and value > 0
 
@@ -299,6 +321,32 @@ class _Check:
             self.fail(f"{field}.max_micro_batch", "no attempt at max + 1 that runs out of memory")
         if mode.traced is not None:
             self._traced(f"{field}.traced", mode.traced, cap)
+        if mode.expandable_segments is not None:
+            self._expandable(f"{field}.expandable_segments", mode.expandable_segments)
+
+    def _expandable(self, field: str, option: AllocatorOption) -> None:
+        """The mode under expandable segments: the device's settings with them, and verified
+        figures that relate as a mode's do."""
+        if option.allocator_conf != expandable_conf(self.result.device):
+            self.fail(
+                f"{field}.allocator_conf", "not the device's settings with expandable segments"
+            )
+        top = option.max_micro_batch
+        recommended = option.recommended_micro_batch
+        if top is None:
+            if recommended is not None or option.accumulating_micro_batch is not None:
+                self.fail(field, "verified figures without a verified max_micro_batch")
+            if option.recommended:
+                self.fail(f"{field}.recommended", "recommended without being verified")
+            return
+        if recommended is None or not 0 <= recommended <= top:
+            self.fail(f"{field}.recommended_micro_batch", "outside [0, max_micro_batch]")
+        accumulating = option.accumulating_micro_batch
+        if accumulating is not None and not accumulating <= (recommended or 0):
+            self.fail(f"{field}.accumulating_micro_batch", "above recommended_micro_batch")
+        dips = option.runs_out_below
+        if dips != sorted(set(dips)) or any(not 1 <= b < top for b in dips):
+            self.fail(f"{field}.runs_out_below", "not increasing sizes in [1, max_micro_batch)")
 
     def attempt(self, at: str, attempt: StepOutcome) -> None:
         """What an attempt violates on its own."""
@@ -358,6 +406,10 @@ class _Check:
             mode = self.modes.get(trial.checkpointing)
             if mode is None:
                 self.fail(f"{at}.checkpointing", "a mode the probe did not search")
+            elif not self._allocator_assigned(at, trial):
+                pass  # under settings the tuner would not measure it with: said
+            elif trial.allocator_conf is not None:
+                pass  # a candidate under expandable segments, within their verified limits
             elif trial.micro_batch > mode.recommended_micro_batch:
                 self.fail(
                     f"{at}.micro_batch",
@@ -368,9 +420,42 @@ class _Check:
             ):
                 self.fail(f"{at}.micro_batch", "above the probe's max when accumulating")
 
+    def _candidates(self) -> dict[tuple[bool, int], Candidate]:
+        """The tuner's candidates under the probe's answers, by (checkpointing, micro-batch)."""
+        target = self.spec.training.target_global_batch
+        if target is None:
+            return {}
+        modes = self.result.probe.modes
+        candidates = probe_candidates(target, self.spec.training.world_size, modes)
+        return {(c.checkpointing, c.micro_batch): c for c in candidates}
+
+    def _allocator_assigned(self, at: str, trial: Trial) -> bool:
+        """Whether `trial` ran under the allocator settings the tuner measures it under: the
+        device's where they fit it, its mode's verified expandable segments where only they do
+        (`candidates.probe_candidates`); False once said why not."""
+        candidate = self._candidates().get((trial.checkpointing, trial.micro_batch))
+        if trial.allocator_conf is None:
+            if candidate is not None and candidate.allocator_conf is not None:
+                self.fail(
+                    f"{at}.allocator_conf",
+                    "measured under the device's settings where only expandable segments fit it",
+                )
+                return False
+            return True
+        if candidate is None or candidate.allocator_conf != trial.allocator_conf:
+            self.fail(
+                f"{at}.allocator_conf",
+                "not a candidate under these settings: its mode's expandable segments were not "
+                "verified to fit it within the headroom, or the device's settings fit it",
+            )
+            return False
+        return True
+
     def trial(self, at: str, trial: Trial, *, streamed: bool) -> None:
         """What a trial violates on its own (`streamed`: a FAILED one may be posted)."""
         training = self.spec.training
+        if trial.allocator_conf is not None:
+            self._trial_allocator(at, trial.allocator_conf)
         target = training.target_global_batch
         if target is None and streamed:  # a result's are refused by `_probe_only`
             self.fail(at, "a trial although the spec has no target_global_batch to tune for")
@@ -386,6 +471,17 @@ class _Check:
                 f"{training.world_size} = {product}, not the target {target}",
             )
         self._measurement(at, trial, streamed=streamed)
+
+    def _trial_allocator(self, at: str, conf: str) -> None:
+        """A trial's own settings: canonical ones with expandable segments (the only other
+        settings the tuner measures under)."""
+        try:
+            config = parse_alloc_conf(conf)
+        except AllocatorConfigError:
+            self.fail(f"{at}.allocator_conf", "not settings torch accepts")
+            return
+        if not config.expandable_segments or canonical_conf(config) != conf:
+            self.fail(f"{at}.allocator_conf", "not canonical settings with expandable segments")
 
     def _measurement(self, at: str, trial: Trial, *, streamed: bool) -> None:
         if trial.state is TrialState.FAILED and not streamed:
@@ -482,6 +578,7 @@ class _Check:
                 rec.peak_bytes,
             ):
                 self.fail("recommendation", "its numbers differ from its trial's")
+            self._recommended_allocator(trial)
             chosen = choose(pool)
             if chosen is not None and chosen is not trial:
                 self.fail(
@@ -492,6 +589,48 @@ class _Check:
                     "samples/s)",
                 )
         self._exports()
+
+    def _recommended_allocator(self, trial: Trial) -> None:
+        """The recommendation holds for the settings its trial ran under, with the sizes that
+        run out under them; or, measured under the device's, for expandable segments where
+        those fit every size up to it (verified: no size running out, a max at least its
+        micro-batch), with no size to keep out of (`tuner._with_dips`)."""
+        rec = self.result.recommendation
+        assert rec is not None
+        mode = self.modes.get(rec.checkpointing)
+        if mode is None:
+            return  # its trial's mode was never probed: said by `trials`
+        option = mode.expandable_segments
+        if trial.allocator_conf is not None:
+            if rec.allocator_conf != trial.allocator_conf:
+                self.fail("recommendation.allocator_conf", "not the settings its trial ran under")
+                return
+            assert option is not None  # the trial was a candidate under them
+            dips = [b for b in option.runs_out_below if b < rec.micro_batch]
+        elif rec.allocator_conf is None:
+            dips = [b for b in mode.runs_out_below if b < rec.micro_batch]
+        else:
+            steadier = (
+                option is not None
+                and option.allocator_conf == rec.allocator_conf
+                and option.recommended
+                and option.max_micro_batch is not None
+                and rec.micro_batch <= option.max_micro_batch
+                and not option.runs_out_below
+            )
+            if not steadier:
+                self.fail(
+                    "recommendation.allocator_conf",
+                    "set, but its trial ran under the device's settings and these were not "
+                    "verified to fit every size up to its micro-batch",
+                )
+                return
+            dips = []
+        if rec.runs_out_below != dips:
+            self.fail(
+                "recommendation.runs_out_below",
+                f"not {dips}, the sizes below it that run out under its allocator settings",
+            )
 
     def _exports(self) -> None:
         rec = self.result.recommendation
@@ -514,6 +653,9 @@ class _Check:
             ("lightning", "module", "gradient_checkpointing"): rec.checkpointing,
         }
         expected[("checkpointed_blocks",)] = rec.checkpointed_blocks if rec.checkpointing else None
+        # Every text sets the settings the recommendation holds for, and keeps its dips out.
+        expected[("allocator_conf",)] = rec.allocator_conf
+        expected[("runs_out_below",)] = rec.runs_out_below
         training = self.spec.training
         if training.target_global_tokens is not None:
             # The samples the token target was turned into are full packed sequences.
@@ -569,13 +711,7 @@ class _Check:
         target = self.spec.training.target_global_batch
         if target is None:
             return
-        limits = {m.checkpointing: m.recommended_micro_batch for m in result.probe.modes}
-        candidates = [
-            c
-            for c in enumerate_candidates(target, self.spec.training.world_size, limits)
-            if c.accumulation_steps == 1
-            or c.micro_batch <= self._accumulating_limit(c.checkpointing)
-        ]
+        candidates = self._candidates()
         if candidates:
             self.fail(
                 "recommendation",

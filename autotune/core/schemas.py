@@ -739,6 +739,13 @@ class AllocatorOption(FrozenModel):
     recommended_micro_batch: int | None = Field(default=None, ge=0)
     runs_out_below: MicroBatches = Field(default_factory=list, max_length=4096)
     trials: int = Field(default=0, ge=0, description="Real trials the verification took.")
+    accumulating_micro_batch: int | None = Field(
+        default=None,
+        ge=0,
+        description="Largest micro-batch within the headroom under these settings when "
+        "gradients accumulate; set by the tuner when it measures accumulating candidates under "
+        "them (ModeProbe.accumulating_micro_batch's twin).",
+    )
     recommended: bool = Field(
         default=False,
         description="The settings raise the mode's answer, or fit every size up to it where "
@@ -890,6 +897,13 @@ class Trial(FrozenModel):
         description="With checkpointing, the first this many blocks only (partial "
         "checkpointing); None: every block.",
     )
+    allocator_conf: str | None = Field(
+        default=None,
+        max_length=ALLOCATOR_CONF_MAX,
+        description="PYTORCH_ALLOC_CONF the trial ran under when not the device's: its mode's "
+        "expandable-segments settings (ModeProbe.expandable_segments), for a micro-batch that "
+        "fits within the headroom only under them. None: the device's settings.",
+    )
     state: TrialState
     samples_per_s: PositiveRate | None = None
     tokens_per_s: PositiveRate | None = None
@@ -957,8 +971,9 @@ class Recommendation(FrozenModel):
         default=None,
         max_length=ALLOCATOR_CONF_MAX,
         description="PYTORCH_ALLOC_CONF the recommendation holds for when it is not the "
-        "device's (expandable segments, where they fit every size up to micro_batch); every "
-        "export sets it. None: the device's settings.",
+        "device's: expandable segments, where its trial ran under them (they fit a larger "
+        "micro-batch) or where they fit every size up to micro_batch; every export sets it. "
+        "None: the device's settings.",
     )
 
     samples_per_s: PositiveRate = Field(description="Per GPU (one rank's samples/s).")

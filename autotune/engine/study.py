@@ -108,6 +108,8 @@ class _Tuning:
         measured = self.refine(candidate) if self.refine is not None else candidate
         if measured.checkpointed_blocks is not None:
             trial.set_user_attr("checkpointed_blocks", measured.checkpointed_blocks)
+        if measured.allocator_conf is not None:
+            trial.set_user_attr("allocator_conf", measured.allocator_conf)
         measurement = self.measure(measured)
         self.cache[candidate] = _Measured(trial.number, measurement)
         record = _trial_record(trial.number, measured, measurement)

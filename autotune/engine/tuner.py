@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 import math
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
-from autotune.core.candidates import Candidate, enumerate_candidates, explain_infeasible
+from autotune.core.candidates import Candidate, explain_infeasible, probe_candidates
 from autotune.core.exports import build_exports
 from autotune.core.ranking import choose, recommendable
 from autotune.core.result_check import check_result
@@ -141,26 +141,39 @@ def tune_session(
         session, on_attempt=on_attempt, tracer=tracer, on_phase=on_phase, expandable=expandable
     )
     device_info = probe_result.device  # as measured: after the probe's warm-up
-    limits = {mode.checkpointing: mode.recommended_micro_batch for mode in probe_result.modes}
-    candidates = enumerate_candidates(target_global_batch, training.world_size, limits)
+    # The session each candidate runs on, by the allocator settings it is measured under.
+    sessions: dict[str | None, TrialRunner] = {None: session}
+    if expandable is not None:
+        conf = expandable.session.device_info.allocator_conf
+        assert conf is not None  # the device's settings with expandable segments
+        sessions[conf] = expandable.session
+    world_size = training.world_size
+    limits = _largest_recommended(probe_result)
+    candidates = probe_candidates(
+        target_global_batch, world_size, probe_result.modes, accumulation_probed=False
+    )
     infeasible = None
     if any(c.accumulation_steps > 1 for c in candidates):
         if on_phase is not None:
             on_phase("probe: the largest micro-batch while gradients accumulate (G = 2)", None)
         probe_result = _probe_accumulation(session, probe_result, candidates)
-        accumulating = {m.checkpointing: m.accumulating_micro_batch for m in probe_result.modes}
-        candidates = [
-            c
-            for c in candidates
-            if c.accumulation_steps == 1 or c.micro_batch <= (accumulating[c.checkpointing] or 0)
-        ]
+        # Under the device's settings first: what they stop short of accumulating at is what
+        # expandable segments are tried for.
+        candidates = probe_candidates(
+            target_global_batch, world_size, probe_result.modes, accumulation_probed=False
+        )
+        if expandable is not None:
+            probe_result = _probe_accumulation(
+                expandable.session, probe_result, candidates, expandable_segments=True
+            )
+        candidates = probe_candidates(target_global_batch, world_size, probe_result.modes)
         if not candidates:
-            infeasible = _accumulation_does_not_fit(training.world_size, limits)
+            infeasible = _accumulation_does_not_fit(world_size, limits)
     if not candidates:
         infeasible = (
             infeasible
             or _headroom_leaves_nothing(probe_result, training.headroom)
-            or explain_infeasible(target_global_batch, training.world_size, limits)
+            or explain_infeasible(target_global_batch, world_size, limits)
         )
         return checked_result(
             TuneResult(
@@ -182,7 +195,7 @@ def tune_session(
         )
     trials = run_study(
         candidates,
-        lambda c: session.measure(
+        lambda c: sessions[c.allocator_conf].measure(
             c.micro_batch,
             c.accumulation_steps,
             checkpointing=c.checkpointing,
@@ -195,7 +208,7 @@ def tune_session(
         seed=seed,
         first=priority_candidates(candidates),
         progress=on_trial,
-        refine=_partial_checkpointing(session, probe_result),
+        refine=_partial_checkpointing(sessions, probe_result),
     )
     recommendation = _recommend(
         trials, spec, capacity_bytes=device_info.capacity_bytes, num_blocks=session.num_blocks
@@ -278,9 +291,15 @@ def _accumulation_does_not_fit(world_size: int, max_micro_batch: dict[bool, int]
 
 
 def _probe_accumulation(
-    session: TrialRunner, probe_result: ProbeResult, candidates: list[Candidate]
+    session: TrialRunner,
+    probe_result: ProbeResult,
+    candidates: list[Candidate],
+    *,
+    expandable_segments: bool = False,
 ) -> ProbeResult:
-    """Per mode, the exact largest micro-batch within the headroom when gradients accumulate.
+    """Per mode, the exact largest micro-batch within the headroom when gradients accumulate,
+    under the device's allocator settings, or with `expandable_segments` under the mode's
+    expandable segments (`session` runs under them), for the candidates measured under them.
 
     The probe measures G = 1, where gradients appear only during backward. With G >= 2 the
     gradients of the first micro-batch are alive through the next one's forward and backward,
@@ -291,33 +310,55 @@ def _probe_accumulation(
     budget_bytes = int(capacity_bytes * (1.0 - session.spec.training.headroom))
     modes = []
     for mode in probe_result.modes:
+        option = mode.expandable_segments if expandable_segments else None
+        conf = option.allocator_conf if option is not None else None
         cap = max(
             (
                 c.micro_batch
                 for c in candidates
-                if c.checkpointing is mode.checkpointing and c.accumulation_steps > 1
+                if c.checkpointing is mode.checkpointing
+                and c.accumulation_steps > 1
+                and c.allocator_conf == conf
             ),
             default=0,
         )
-        if cap == 0:
+        if cap == 0 or (expandable_segments and option is None):
             modes.append(mode)
             continue
+        known = mode.recommended_micro_batch
+        if option is not None:
+            known = option.recommended_micro_batch or 0
         fits = _accumulating_fits(session, mode.checkpointing, budget_bytes)
         search = find_max_micro_batch(
             fits,
             cap=cap,
             capacity_bytes=budget_bytes,
-            known_fitting=min(cap, mode.recommended_micro_batch),
+            known_fitting=min(cap, known),
             allocator_config=device_allocator_config(session.device_info),
         )
         logger.info(
-            "checkpointing=%s: max accumulating micro-batch %d after %d trials",
+            "checkpointing=%s%s: max accumulating micro-batch %d after %d trials",
             mode.checkpointing,
+            f" ({conf})" if conf else "",
             search.max_micro_batch,
             len(search.attempts),
         )
-        modes.append(mode.model_copy(update={"accumulating_micro_batch": search.max_micro_batch}))
+        update: dict[str, object] = {"accumulating_micro_batch": search.max_micro_batch}
+        if option is not None:
+            update = {"expandable_segments": option.model_copy(update=update)}
+        modes.append(mode.model_copy(update=update))
     return probe_result.model_copy(update={"modes": modes})
+
+
+def _largest_recommended(probe_result: ProbeResult) -> dict[bool, int]:
+    """Per mode, the largest micro-batch within the headroom under any allocator settings the
+    probe verified (what an explanation of an unreachable target counts as fitting)."""
+    limits = {}
+    for mode in probe_result.modes:
+        option = mode.expandable_segments
+        verified = option.recommended_micro_batch if option is not None else None
+        limits[mode.checkpointing] = max(mode.recommended_micro_batch, verified or 0)
+    return limits
 
 
 def _accumulating_fits(
@@ -337,29 +378,43 @@ def _accumulating_fits(
 
 
 def _partial_checkpointing(
-    session: TrialRunner, probe_result: ProbeResult
+    sessions: Mapping[str | None, TrialRunner], probe_result: ProbeResult
 ) -> Callable[[Candidate], Candidate]:
     """What the study measures of a checkpointed candidate whose micro-batch does not fit
     without checkpointing: the fewest blocks checkpointed at which it fits within the headroom,
     found by real trials (docs/design.md#partial-checkpointing), the same micro-batch at a
     fraction of the recompute. More blocks than that only cost time, so the fewest is the
     fastest, and k is a dimension the study need not search; it is looked for only for the
-    candidates the study measures."""
-    num_blocks = session.num_blocks
+    candidates the study measures, on the session of the allocator settings each is measured
+    under (`sessions`, by `Candidate.allocator_conf`)."""
+    default = sessions[None]
+    num_blocks = default.num_blocks
     plain = next((m for m in probe_result.modes if not m.checkpointing), None)
-    budget_bytes = int(session.device_info.capacity_bytes * (1.0 - session.spec.training.headroom))
+    budget_bytes = int(default.device_info.capacity_bytes * (1.0 - default.spec.training.headroom))
+
+    def plain_limit(accumulating: bool, allocator_conf: str | None) -> int:
+        """The largest plain micro-batch within the headroom under those settings."""
+        assert plain is not None
+        limit = (
+            (plain.accumulating_micro_batch or 0)
+            if accumulating
+            else plain.recommended_micro_batch
+        )
+        option = plain.expandable_segments
+        if allocator_conf is not None and option is not None:
+            verified = (
+                option.accumulating_micro_batch if accumulating else option.recommended_micro_batch
+            )
+            limit = max(limit, verified or 0)
+        return limit
 
     def refine(candidate: Candidate) -> Candidate:
         if not num_blocks or num_blocks < 2 or plain is None or not candidate.checkpointing:
             return candidate
         accumulating = candidate.accumulation_steps > 1
-        plain_limit = (
-            (plain.accumulating_micro_batch or 0)
-            if accumulating
-            else plain.recommended_micro_batch
-        )
-        if candidate.micro_batch <= plain_limit:
+        if candidate.micro_batch <= plain_limit(accumulating, candidate.allocator_conf):
             return candidate  # it fits without checkpointing: the study has that one too
+        session = sessions[candidate.allocator_conf]
         steps = ACCUMULATION_PROBE_STEPS if accumulating else 1
 
         def fits(blocks: int) -> bool:
@@ -395,6 +450,7 @@ def _recommend(
     assert best is not None and best.samples_per_s is not None and best.peak_bytes is not None
     world_size = spec.training.world_size
     return Recommendation(
+        allocator_conf=best.allocator_conf,
         micro_batch=best.micro_batch,
         accumulation_steps=best.accumulation_steps,
         checkpointing=best.checkpointing,
@@ -418,8 +474,13 @@ def _with_dips(recommendation: Recommendation, probe_result: ProbeResult) -> Rec
     )
     if mode is None:
         return recommendation
-    below = [b for b in mode.runs_out_below if b < recommendation.micro_batch]
     option = mode.expandable_segments
+    if recommendation.allocator_conf is not None:
+        # Measured under expandable segments: the sizes that run out are theirs.
+        assert option is not None and option.allocator_conf == recommendation.allocator_conf
+        dips = [b for b in option.runs_out_below if b < recommendation.micro_batch]
+        return recommendation.model_copy(update={"runs_out_below": dips})
+    below = [b for b in mode.runs_out_below if b < recommendation.micro_batch]
     if (
         below
         and option is not None
@@ -429,8 +490,8 @@ def _with_dips(recommendation: Recommendation, probe_result: ProbeResult) -> Rec
         and not option.runs_out_below
     ):
         # Under expandable segments every size up to the answer fits, verified by trials: the
-        # same step, with no batch size to keep out of. (A larger answer they allow would need
-        # its throughput measured under them: not done here.)
+        # same step, with no batch size to keep out of. (A larger answer they allow is a
+        # candidate measured under them: `probe_candidates`.)
         return recommendation.model_copy(update={"allocator_conf": option.allocator_conf})
     return recommendation.model_copy(update={"runs_out_below": below})
 

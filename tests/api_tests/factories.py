@@ -6,6 +6,7 @@ from autotune.core.exports import build_exports
 from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.gpus.cuda_reserve import budget_for
 from autotune.core.schemas import (
+    AllocatorOption,
     DeviceInfo,
     DeviceKind,
     ModelSpec,
@@ -188,6 +189,56 @@ def tune_result(spec: Spec, device: DeviceInfo, *, study_name: str | None = None
             recommendation, token_model=True, transformers_version=None, training=spec.training
         ),
         study_name=study_name,
+    )
+
+
+EXPANDABLE = "expandable_segments:True"
+
+
+def expandable_tune_result(spec: Spec, device: DeviceInfo) -> TuneResult:
+    """`tune_result` where expandable segments fit 16 plain (the default allocator 8, with or
+    without accumulating), and 16 x 2 measured under them is the fastest: the recommendation
+    and its exports hold for them. Passes every check of `autotune.core.result_check`."""
+    valid = tune_result(spec, device)
+    plain, checkpointed = valid.probe.modes
+    option = AllocatorOption(
+        allocator_conf=EXPANDABLE,
+        traced_max_micro_batch=16,
+        max_micro_batch=16,
+        recommended_micro_batch=16,
+        accumulating_micro_batch=16,
+        trials=2,
+        recommended=True,
+    )
+    modes = [plain.model_copy(update={"expandable_segments": option}), checkpointed]
+    faster = trial(2, micro_batch=16, accumulation_steps=2).model_copy(
+        update={
+            "allocator_conf": EXPANDABLE,
+            "samples_per_s": 200.0,
+            "tokens_per_s": 200.0 * 64,
+            "step_time_s": 32 / 200.0,
+        }
+    )
+    assert valid.recommendation is not None
+    rec = valid.recommendation.model_copy(
+        update={
+            "micro_batch": 16,
+            "accumulation_steps": 2,
+            "samples_per_s": 200.0,
+            "tokens_per_s": 200.0 * 64,
+            "allocator_conf": EXPANDABLE,
+        }
+    )
+    exports = build_exports(
+        rec, token_model=True, transformers_version=None, training=spec.training
+    )
+    return valid.model_copy(
+        update={
+            "probe": valid.probe.model_copy(update={"modes": modes}),
+            "trials": [*valid.trials, faster],
+            "recommendation": rec,
+            "exports": exports,
+        }
     )
 
 

@@ -161,7 +161,9 @@ def test_the_run_allocator_settings_go_down_and_up(db_url: str) -> None:
     database.dispose()
 
 
-def test_the_expandable_segments_columns_go_down_and_up(db_url: str) -> None:
+def _columns_go_down_and_up(db_url: str, below: str, added: set[tuple[str, str]]) -> None:
+    """The (table, column) pairs `added` after revision `below` are there at head, gone once
+    downgraded to `below`, and back after migrating again."""
     from alembic import command
 
     database = Database(db_url)
@@ -172,22 +174,33 @@ def test_the_expandable_segments_columns_go_down_and_up(db_url: str) -> None:
             inspector = inspect(connection)
             return {
                 (table, c["name"])
-                for table in ("autotune_probe_modes", "autotune_recommendations")
+                for table in {table for table, _ in added}
                 for c in inspector.get_columns(table)
             }
 
-    added = {
-        ("autotune_probe_modes", "expandable_segments"),
-        ("autotune_recommendations", "allocator_conf"),
-    }
     assert added <= columns()
     with database.engine.connect() as connection:
-        command.downgrade(alembic_config(connection), "0011")
+        command.downgrade(alembic_config(connection), below)
         connection.commit()
     assert not added & columns()
     migrate(database)
     assert added <= columns()
     database.dispose()
+
+
+def test_the_expandable_segments_columns_go_down_and_up(db_url: str) -> None:
+    _columns_go_down_and_up(
+        db_url,
+        "0011",
+        {
+            ("autotune_probe_modes", "expandable_segments"),
+            ("autotune_recommendations", "allocator_conf"),
+        },
+    )
+
+
+def test_the_trial_allocator_column_goes_down_and_up(db_url: str) -> None:
+    _columns_go_down_and_up(db_url, "0014", {("autotune_trials", "allocator_conf")})
 
 
 def test_the_layout_columns_go_down_and_up(db_url: str) -> None:

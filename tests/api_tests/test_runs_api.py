@@ -14,10 +14,12 @@ from api.settings import Settings
 from autotune.remote.client import Conflict, InvalidRequest, NotFound, ServerClient
 from autotune.remote.protocol import RunStatus
 from tests.api_tests.factories import (
+    EXPANDABLE,
     GIB,
     a100,
     emulated,
     emulated_device,
+    expandable_tune_result,
     finished_run,
     tiny_spec,
 )
@@ -447,3 +449,24 @@ def test_a_topology_no_box_holds_is_422_naming_the_field(
     assert response.status_code == 422
     (problem,) = response.json()["detail"]
     assert field in problem["msg"]
+
+
+def test_a_trial_under_expandable_segments_is_stored_with_its_settings(
+    user: ServerClient, worker: ServerClient
+) -> None:
+    """The allocator settings a trial ran under (revision 0015), the recommendation's and the
+    accumulating limit under expandable segments come back as they were posted."""
+    spec = tiny_spec()
+    run_id = user.submit_run(spec, emulated()).id
+    claim = worker.claim("w1", [emulated_device()])
+    assert claim is not None and claim.run_id == run_id
+    posted = expandable_tune_result(spec, emulated_device())
+    for posted_trial in posted.trials:
+        worker.post_trial(run_id, claim.lease_id, posted_trial)
+    worker.submit_result(run_id, claim.lease_id, posted)
+
+    run = user.get_run(run_id)
+    assert [t.trial.allocator_conf for t in run.trials] == [None, None, EXPANDABLE]
+    assert run.recommendation is not None and run.recommendation.allocator_conf == EXPANDABLE
+    option = run.modes[0].expandable_segments
+    assert option is not None and option.accumulating_micro_batch == 16

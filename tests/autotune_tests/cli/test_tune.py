@@ -12,7 +12,13 @@ from rich.console import Console
 from autotune.cli.main import main
 from autotune.cli.tune import print_tune_result
 from autotune.core.schemas import Infeasible
-from tests.api_tests.factories import emulated_device, tiny_spec, tune_result
+from tests.api_tests.factories import (
+    EXPANDABLE,
+    emulated_device,
+    expandable_tune_result,
+    tiny_spec,
+    tune_result,
+)
 
 
 def printed(result: object) -> str:
@@ -26,6 +32,22 @@ def test_the_probe_table_s_columns_are_explained() -> None:
     assert "within headroom: the largest micro-batch that leaves 5% of the capacity free" in text
     assert "when accumulating: the same while the gradients of earlier micro-batches" in text
     assert "Measured configurations" in text
+
+
+def test_the_allocator_settings_of_trials_and_recommendation_are_printed() -> None:
+    out = io.StringIO()
+    print_tune_result(
+        Console(file=out, width=200), expandable_tune_result(tiny_spec(), emulated_device())
+    )
+    text = out.getvalue()
+    assert "PYTORCH_ALLOC_CONF" in text.split("Measured configurations")[1]
+    # The trial only expandable segments fit, and those under the device's settings.
+    assert EXPANDABLE in text and "device's" in text
+    assert f"per GPU, with PYTORCH_ALLOC_CONF={EXPANDABLE}" in " ".join(text.split())
+    # Without such trials, no column.
+    plain = io.StringIO()
+    print_tune_result(Console(file=plain, width=200), tune_result(tiny_spec(), emulated_device()))
+    assert "PYTORCH_ALLOC_CONF" not in plain.getvalue().split("Recommendation")[0]
 
 
 def test_no_empty_table_of_measured_configurations() -> None:

@@ -6,7 +6,13 @@ import itertools
 
 import pytest
 
-from autotune.core.candidates import Candidate, enumerate_candidates, explain_infeasible
+from autotune.core.candidates import (
+    Candidate,
+    enumerate_candidates,
+    explain_infeasible,
+    probe_candidates,
+)
+from autotune.core.schemas import AllocatorOption, ModeProbe
 
 
 def _brute_force(target: int, world: int, limits: dict[bool, int]) -> set[Candidate]:
@@ -119,3 +125,92 @@ def test_nearest_batches_match_brute_force(world: int) -> None:
             below = [n for n in reachable if n < target]
             assert infeasible.nearest_below == (max(below) if below else None)
             assert infeasible.nearest_above == min(n for n in reachable if n > target)
+
+
+# ---------------------------------------------------------------------------------------------
+# Candidates under expandable segments (`probe_candidates`).
+
+EXPANDABLE = "expandable_segments:True"
+
+
+def _mode(
+    recommended: int,
+    accumulating: int | None = None,
+    *,
+    dips: tuple[int, ...] = (),
+    option: AllocatorOption | None = None,
+) -> ModeProbe:
+    return ModeProbe(
+        checkpointing=False,
+        max_micro_batch=recommended,
+        recommended_micro_batch=recommended,
+        accumulating_micro_batch=accumulating,
+        capped=False,
+        attempts=[],
+        runs_out_below=list(dips),
+        expandable_segments=option,
+    )
+
+
+def _verified(
+    recommended: int, accumulating: int | None = None, **fields: object
+) -> AllocatorOption:
+    return AllocatorOption.model_validate(
+        {
+            "allocator_conf": EXPANDABLE,
+            "max_micro_batch": recommended,
+            "recommended_micro_batch": recommended,
+            "accumulating_micro_batch": accumulating,
+            "recommended": True,
+            **fields,
+        }
+    )
+
+
+def _under(candidates: list[Candidate]) -> dict[int, str | None]:
+    return {c.micro_batch: c.allocator_conf for c in candidates}
+
+
+def test_without_expandable_segments_the_candidates_are_the_enumerated_ones() -> None:
+    modes = [_mode(8, 4)]
+    assert probe_candidates(24, 1, modes) == [
+        c
+        for c in enumerate_candidates(24, 1, {False: 8})
+        if c.accumulation_steps == 1 or c.micro_batch <= 4
+    ]
+    # Before the accumulation probe an unset accumulating limit is the recommended one.
+    assert _under(probe_candidates(24, 1, [_mode(8)], accumulation_probed=False)) == {
+        b: None for b in (1, 2, 3, 4, 6, 8)
+    }
+    assert _under(probe_candidates(24, 1, [_mode(8)])) == {}
+
+
+def test_expandable_segments_take_the_sizes_the_default_allocator_stops_short_of() -> None:
+    # Default: 8 alone, 4 accumulating; expandable segments: 12 alone, 6 accumulating.
+    modes = [_mode(8, 4, option=_verified(12, 6))]
+    assert _under(probe_candidates(24, 1, modes)) == {
+        1: None,
+        2: None,
+        3: None,
+        4: None,
+        6: EXPANDABLE,  # 6 x 4 accumulates: the default allocator holds 4 at most
+    }
+    # At G = 1 (target 12): 12 fits only under them.
+    assert _under(probe_candidates(12, 1, modes))[12] == EXPANDABLE
+    # A size the default allocator runs out at below its answer, verified under them.
+    dipped = [_mode(8, 8, dips=(6,), option=_verified(12, 12))]
+    assert _under(probe_candidates(12, 1, dipped))[6] == EXPANDABLE
+    # Their own dips are never candidates under them; the default's stay as they were.
+    both = [_mode(8, 8, dips=(6,), option=_verified(12, 12, runs_out_below=[6]))]
+    assert _under(probe_candidates(12, 1, both))[6] is None
+
+
+def test_expandable_segments_only_traced_add_no_candidate() -> None:
+    traced = AllocatorOption(allocator_conf=EXPANDABLE, traced_max_micro_batch=12)
+    assert _under(probe_candidates(12, 1, [_mode(8, 8, option=traced)])) == {
+        b: None for b in (1, 2, 3, 4, 6)
+    }
+    # Before accumulating limits under them are known, the sizes to probe are their answer's.
+    modes = [_mode(8, 4, option=_verified(12))]
+    assert _under(probe_candidates(24, 1, modes, accumulation_probed=False))[12] == EXPANDABLE
+    assert 12 not in _under(probe_candidates(24, 1, modes))

@@ -14,13 +14,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from autotune.core.result_check import check_result
-from autotune.core.schemas import Spec, TuneResult
+from autotune.core.result_check import check_result, check_trial
+from autotune.core.schemas import AllocatorOption, Spec, TuneResult
 from autotune.core.throughput import Measurement
 from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.runner import InProcessRunner
 from autotune.engine.tuner import tune, tune_session
-from tests.api_tests.factories import attempt, cuda_device, emulated_device, tiny_spec, tune_result
+from tests.api_tests.factories import (
+    attempt,
+    cuda_device,
+    emulated_device,
+    expandable_tune_result,
+    tiny_spec,
+    trial,
+    tune_result,
+)
 from tests.probes_tests.factories import wide_spec
 
 MIB = 2**20
@@ -350,6 +358,13 @@ def test_a_size_below_the_max_that_runs_out_passes_when_listed_as_a_dip() -> Non
     assert first["micro_batch"] < data["probe"]["modes"][0]["max_micro_batch"]
     first.update(fits=False, peak_bytes=CAPACITY + 1)
     data["probe"]["modes"][0]["runs_out_below"] = [first["micro_batch"]]
+    result = TuneResult.model_validate(data)
+    # The recommendation (plain, above it) lists it, and so do its exports.
+    assert [v.field for v in check_result(tiny_spec(), result)] == [
+        "recommendation.runs_out_below"
+    ]
+    _rec(data, runs_out_below=[first["micro_batch"]])
+    data["exports"]["runs_out_below"] = [first["micro_batch"]]
     assert check_result(tiny_spec(), TuneResult.model_validate(data)) == []
 
 
@@ -437,3 +452,126 @@ def test_the_tuner_raises_on_a_result_that_breaks_an_invariant(tmp_path: Path) -
             n_trials=1,
             target_seconds=0.01,
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# Trials under expandable segments: where only they fit a micro-batch, within their limits.
+
+EXPANDABLE = "expandable_segments:True"
+
+
+def _with_expandable_segments() -> TuneResult:
+    return expandable_tune_result(tiny_spec(), emulated_device())
+
+
+def _option(data: Data, **values: object) -> None:
+    data["probe"]["modes"][0]["expandable_segments"].update(values)
+
+
+EXPANDABLE_BROKEN: list[tuple[str, Callable[[Data], object], str]] = [
+    (
+        "under expandable segments where the default allocator fits",
+        lambda d: _trial(d, 1, allocator_conf=EXPANDABLE),
+        "trials[1].allocator_conf",
+    ),
+    (
+        "under expandable segments above their accumulating limit",
+        lambda d: _option(d, accumulating_micro_batch=8),
+        "trials[2].allocator_conf",
+    ),
+    (
+        "under expandable segments that were only traced",
+        lambda d: _option(
+            d,
+            max_micro_batch=None,
+            recommended_micro_batch=None,
+            accumulating_micro_batch=None,
+            recommended=False,
+        ),
+        "trials[2].allocator_conf",
+    ),
+    (
+        "under the default allocator where only expandable segments fit",
+        lambda d: _trial(d, 2, allocator_conf=None),
+        "trials[2].allocator_conf",
+    ),
+    (
+        "under settings without expandable segments",
+        lambda d: _trial(d, 2, allocator_conf="max_split_size_mb:40"),
+        "trials[2].allocator_conf",
+    ),
+    (
+        "a recommendation not under its trial's settings",
+        lambda d: _rec(d, allocator_conf=None),
+        "recommendation.allocator_conf",
+    ),
+    (
+        "exports that do not set the settings",
+        lambda d: d["exports"].update(allocator_conf=None),
+        "exports.allocator_conf",
+    ),
+    (
+        "an option not the device's settings with expandable segments",
+        lambda d: _option(d, allocator_conf="expandable_segments:True,max_split_size_mb:40"),
+        "probe.modes[0].expandable_segments.allocator_conf",
+    ),
+    (
+        "an option recommended above its max",
+        lambda d: _option(d, recommended_micro_batch=17),
+        "probe.modes[0].expandable_segments.recommended_micro_batch",
+    ),
+    (
+        "dips not the settings' own",
+        lambda d: _rec(d, runs_out_below=[3]),
+        "recommendation.runs_out_below",
+    ),
+]
+
+
+def test_a_trial_under_expandable_segments_only_they_fit_passes() -> None:
+    result = _with_expandable_segments()
+    assert check_result(tiny_spec(), result) == []
+    # The same figures measured under the default allocator, where it does not fit 16.
+    assert (
+        result.trials[-1].allocator_conf,
+        result.exports and result.exports.allocator_conf,
+    ) == (
+        EXPANDABLE,
+        EXPANDABLE,
+    )
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [(m, f) for _, m, f in EXPANDABLE_BROKEN],
+    ids=[name for name, _, _ in EXPANDABLE_BROKEN],
+)
+def test_each_inconsistent_allocator_setting_is_named(
+    mutate: Callable[[Data], object], field: str
+) -> None:
+    data = _with_expandable_segments().model_dump(mode="json")
+    mutate(data)
+    violations = check_result(tiny_spec(), TuneResult.model_validate(data))
+    assert field in [v.field for v in violations], violations
+
+
+def test_a_default_allocator_trial_holds_for_expandable_segments_that_fit_every_size() -> None:
+    data = _valid().model_dump(mode="json")
+    _rec(data, allocator_conf=EXPANDABLE)
+    data["exports"]["allocator_conf"] = EXPANDABLE
+    fields = [v.field for v in check_result(tiny_spec(), TuneResult.model_validate(data))]
+    assert fields == ["recommendation.allocator_conf"]
+    # Verified to fit every size up to 16 plain, none running out: the 8 x 4 holds for them.
+    data["probe"]["modes"][0]["expandable_segments"] = AllocatorOption(
+        allocator_conf=EXPANDABLE, max_micro_batch=16, recommended_micro_batch=8, recommended=True
+    ).model_dump(mode="json")
+    assert check_result(tiny_spec(), TuneResult.model_validate(data)) == []
+
+
+def test_a_streamed_trial_under_other_settings_is_refused() -> None:
+    under = trial(0).model_copy(update={"allocator_conf": "expandable_segments:False"})
+    assert [v.field for v in check_trial(tiny_spec(), under, CAPACITY)] == ["trial.allocator_conf"]
+    assert (
+        check_trial(tiny_spec(), under.model_copy(update={"allocator_conf": EXPANDABLE}), CAPACITY)
+        == []
+    )
