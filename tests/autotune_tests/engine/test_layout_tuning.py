@@ -60,7 +60,10 @@ def test_ddp_first_when_it_fits_on_nvlink(tmp_path: Path) -> None:
     spec = _stack("linear_stack_4k", 4096, world_size=8, target_global_batch=256)
     result = _tune(spec, tmp_path)
     layouts = _by_layout(result)
-    assert list(layouts) == [Sharding.NONE, Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3]
+    # The losers' order is theirs: FSDP2's ZeRO-2 computes on 16-bit weights, no casts, and
+    # can beat ZeRO-1's fp32 weights under autocast despite its gathers every micro-step.
+    assert list(layouts)[0] is Sharding.NONE
+    assert set(layouts) == {Sharding.NONE, Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3}
     assert result.recommendation is not None
     assert result.recommendation.sharding is Sharding.NONE
     assert result.layouts[0].verdict is LayoutVerdict.CHOSEN
