@@ -85,6 +85,7 @@ CASES: dict[str, Case] = {
     "zero1": Case({"world_size": 2, "sharding": "zero1"}),
     "zero2": Case({"world_size": 2, "sharding": "zero2"}),
     "zero3": Case({"world_size": 2, "sharding": "zero3"}),
+    "zero3-bf16": Case({"precision": "bf16", "world_size": 2, "sharding": "zero3"}),
     "hybrid": Case({"world_size": 4, "sharding": "hybrid", "shard_group_size": 2}),
     "token-target": Case({"target_global_tokens": 2 * 2 * SEQ_LEN}),
     "partial-checkpointing": Case({}, checkpointing=True, checkpointed_blocks=1),
@@ -229,6 +230,16 @@ def sharding_of(model: nn.Module, optimizer: object, *, ddp_bucket_view: bool | 
     return "none"
 
 
+def gathers_of(model: nn.Module) -> str:
+    """What FSDP2's ranks gather parameters and reduce gradients in (its mixed-precision
+    policy): 16-bit gathers and fp32 reductions under autocast of fp32 weights."""
+    blocks = decoder_layers(model)
+    if not any(type(p).__name__ == "DTensor" for p in blocks[0].parameters()):
+        return "not sharded"
+    policy = blocks[0]._get_fsdp_state()._fsdp_param_group.mp_policy  # type: ignore[operator]
+    return f"param_dtype={policy.param_dtype} reduce_dtype={policy.reduce_dtype}"
+
+
 def properties(
     seen: Observation,
     model: nn.Module,
@@ -243,6 +254,7 @@ def properties(
     forwards = len(seen.batch_sizes)
     frozen = {_dtype(p) for p in model.parameters() if not p.requires_grad}
     return {
+        "gathers": gathers_of(model),
         "micro_batch": seen.batch_sizes[0],
         "accumulation": forwards,
         "world_size": world_size,

@@ -36,6 +36,7 @@ CANNOT_EXPRESS: dict[tuple[str, str], tuple[dict[str, Any], str]] = {
     ("axolotl", "bf16-autocast"): ({"weights": ["bfloat16"]}, "Axolotl cannot express"),
     ("axolotl", "fp16"): ({"weights": ["float16"]}, "Axolotl cannot express"),
     ("axolotl", "combination"): ({"weights": ["bfloat16"]}, "Axolotl cannot express"),
+    ("axolotl", "zero3-bf16"): ({"weights": ["bfloat16"]}, "Axolotl cannot express"),
     # optimizer: adamw_bnb_8bit is the Trainer's bitsandbytes AdamW(optim_bits=8), which keeps
     # the embeddings' states in 32 bits.
     ("axolotl", "adamw8bit"): ({"optimizer": "AdamW"}, "embeddings' states in 32 bits"),
@@ -81,7 +82,7 @@ def _all_text(exports: Exports, consumer: str) -> str:
 
 
 NAMES = list(CASES)
-SHARDED = {"zero1", "zero2", "zero3", "hybrid", "adamw8bit-zero3"}
+SHARDED = {"zero1", "zero2", "zero3", "zero3-bf16", "hybrid", "adamw8bit-zero3"}
 
 
 # ---------------------------------------------------------------------------------------------
