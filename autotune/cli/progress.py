@@ -16,12 +16,12 @@ from rich.console import Console
 from rich.status import Status
 
 from autotune.core.bytesize import format_bytes
-from autotune.core.schemas import StepOutcome, Trial, TrialState
+from autotune.core.schemas import StepKind, StepOutcome, Trial, TrialState
 from autotune.remote.client import ServerClient
 from autotune.remote.protocol import Run, RunStatus
 
 if TYPE_CHECKING:
-    from autotune.engine.runner import StepKind, TrialRunner
+    from autotune.engine.runner import TrialRunner
 
 # While a followed run shows nothing new, say that it is still there this often.
 QUIET_LINE_S = 30.0
@@ -119,12 +119,12 @@ class Progress:
         """An `AnnouncedRunner`'s step is about to run."""
         mode = f"checkpointing {'on' if checkpointing else 'off'}"
         steps = f" x {accumulation_steps} steps" if accumulation_steps > 1 else ""
-        if kind == "measure":  # StepKind.MEASURE (its module imports torch)
+        if kind is StepKind.MEASURE:
             label = self.trial_label(self._measured)
             self._measured += 1
             self.starting(f"{label}: micro-batch {micro_batch}{steps}, {mode}: timing")
         else:
-            what = "warm-up" if kind == "warm-up" else "step"  # a probe's tracked step
+            what = "warm-up" if kind is StepKind.WARM_UP else "step"  # a probe's tracked step
             self.starting(f"{what}, {mode}: micro-batch {micro_batch}{steps}")
 
     def runner(self, runner: TrialRunner) -> TrialRunner:

@@ -630,6 +630,14 @@ class Phase(StrEnum):
 OOM_OP_MAX = 200  # characters of the op an allocation failed in
 
 
+class StepKind(StrEnum):
+    """Which step a runner is about to run (what the CLI's progress announces)."""
+
+    WARM_UP = "warm-up"
+    TRIAL = "trial"  # a tracked step: does it fit, its peak
+    MEASURE = "measure"  # a fit check, then timed steps
+
+
 class OomDetail(FrozenModel):
     """The allocation that did not fit, and what the memory held at that moment: the trained
     model's weights, its gradients, the optimizer's state, everything else allocated (the

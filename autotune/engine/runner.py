@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from enum import StrEnum
 from typing import Protocol
 
-from autotune.core.schemas import DeviceInfo, Phase, Spec, StepOutcome
+from autotune.core.schemas import DeviceInfo, Phase, Spec, StepKind, StepOutcome
 from autotune.core.throughput import Measurement, measure_throughput
 from autotune.engine.devices.device import Device
 from autotune.engine.training.step import TrainingStep
@@ -137,12 +136,6 @@ class ForwardingRunner:
             target_seconds=target_seconds,
             checkpointed_blocks=checkpointed_blocks,
         )
-
-
-class StepKind(StrEnum):
-    WARM_UP = "warm-up"
-    TRIAL = "trial"  # a tracked step: does it fit, its peak
-    MEASURE = "measure"  # a fit check, then timed steps
 
 
 # A step is about to run: its kind, micro-batch, accumulation steps and checkpointing.

@@ -9,6 +9,7 @@ import re
 from rich.console import Console
 
 from autotune.cli.progress import Progress
+from autotune.core.schemas import StepKind
 from tests.api_tests.factories import trial
 
 
@@ -38,3 +39,18 @@ def test_past_the_plan_a_trial_is_counted_without_a_total() -> None:
     progress.phase("measure", 2)
     assert progress.trial_label(1) == "trial 2 of 2"
     assert progress.trial_label(2) == "trial 3"  # partial checkpointing's refinements
+
+
+def test_each_kind_of_step_is_announced_by_its_own_words() -> None:
+    out = io.StringIO()
+    progress = Progress(Console(file=out, width=200))
+    progress.phase("measure", 1)
+    progress.step_starting(StepKind.WARM_UP, 1, 1, False)
+    progress.step_starting(StepKind.TRIAL, 12, 1, True)
+    progress.step_starting(StepKind.MEASURE, 8, 4, False)
+    lines = out.getvalue().splitlines()[1:]
+    assert lines[0].endswith("warm-up, checkpointing off: micro-batch 1 ...")
+    assert lines[1].endswith("step, checkpointing on: micro-batch 12 ...")
+    assert lines[2].endswith(
+        "trial 1 of 1: micro-batch 8 x 4 steps, checkpointing off: timing ..."
+    )
