@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
-from autotune.core.schemas import DeviceInfo, Phase, Spec, StepKind, StepOutcome
+from autotune.core.errors import SpecError
+from autotune.core.schemas import DeviceInfo, Phase, Sharding, Spec, StepKind, StepOutcome
 from autotune.core.throughput import Measurement, measure_throughput
 from autotune.engine.devices.device import Device
 from autotune.engine.training.step import TrainingStep
@@ -207,7 +208,17 @@ class InProcessRunner:
         that exits after one trial passes False: the copy would cost host memory the size of
         the whole training state (18 GB for a 1.5B-parameter model) for nothing.
         `workload`: one built already (a live module, `autotune.python_api`), not from the
-        spec's model source."""
+        spec's model source.
+
+        Raises:
+            SpecError: `sharding: auto`, which no one session runs (before building anything).
+        """
+        if spec.training.sharding is Sharding.AUTO:
+            layouts = ", ".join(s.value for s in Sharding if s.is_layout)
+            raise SpecError(
+                "training.sharding: auto is tune's choice, which measures every layout; this "
+                f"runs one: set one of {layouts} (--sharding for a config file)"
+            )
         self.spec = spec
         self.device = device
         self.workload = workload or build_workload(

@@ -4,9 +4,12 @@ own vocabulary (docs/design.md#config-files).
 The file's framework is kept when it can express the layout: DeepSpeed (a dict, a path, a
 DeepSpeed JSON's own `zero_optimization`) says ZeRO 1-3 by its stage; FSDP (`fsdp_config`,
 `fsdp`) says zero3 and zero2 by `reshard_after_forward` (and FSDP1's strategy name where the
-file has one), hybrid by Axolotl's `dp_shard_size`/`dp_replicate_size` or FSDP1's
-`hybrid_shard`. Otherwise the export's keys (ZeRO-1 through DeepSpeed, the others through FSDP)
-replace the other framework's; no sharding (DDP) takes the layout keys out.
+file has one), hybrid by Axolotl's `dp_shard_size`/`dp_replicate_size`; a TrainingArguments
+file says FSDP2 and its notes the hybrid groups (accelerate's `ParallelismConfig`, which the
+file cannot hold, set at launch), or FSDP1's `hybrid_shard` before transformers 5. Otherwise
+the export's keys (ZeRO-1 through DeepSpeed, the others through FSDP) replace the other
+framework's; no sharding (DDP) takes the layout keys out, with the keys Axolotl takes only with
+FSDP2.
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ _STRATEGY_WORDS = frozenset({*_FSDP1.values(), "no_shard", "hybrid_shard_zero2"}
 _STAGE_IN_NAME = re.compile(r"zero[0-3]")
 _AX_FSDP_KEYS = ("fsdp", AXOLOTL_KEYS["fsdp_config"], AXOLOTL_KEYS["fsdp_version"])
 _AX_GROUP_KEYS = (AXOLOTL_KEYS["dp_shard_size"], AXOLOTL_KEYS["dp_replicate_size"])
+# Axolotl keys its schema accepts only with FSDP2 (axolotl/utils/schemas/validation.py and
+# config.py of AXOLOTL_VERSION: "requires FSDP2"), which go with the FSDP keys.
+_AX_FSDP_ONLY_KEYS = ("fp8_enable_fsdp_float8_all_gather", "fp32_norms", "fp32_norm_classes")
 
 
 def measured_layout(converted: Converted, rec: Recommendation) -> Sharding | None:
@@ -116,7 +122,12 @@ def _axolotl(
     data: dict[str, Any], chosen: Sharding, exports: Exports, base: Path, notes: list[str]
 ) -> dict[str, Any]:
     deepspeed_key, config_key = AXOLOTL_KEYS["deepspeed"], AXOLOTL_KEYS["fsdp_config"]
-    remove_fsdp = {key: REMOVE for key in (*_AX_FSDP_KEYS, *_AX_GROUP_KEYS) if key in data}
+    fsdp_keys: tuple[str, ...] = (*_AX_FSDP_KEYS, *_AX_GROUP_KEYS)
+    dropped = [key for key in _AX_FSDP_ONLY_KEYS if key in data]
+    if dropped and chosen not in _FSDP_LAYOUTS:
+        fsdp_keys += tuple(dropped)
+        notes.append(f"{', '.join(dropped)}: removed with FSDP (Axolotl takes them only with it)")
+    remove_fsdp = {key: REMOVE for key in fsdp_keys if key in data}
     if chosen is Sharding.NONE:
         return {**remove_fsdp, **({deepspeed_key: REMOVE} if deepspeed_key in data else {})}
     if data.get(deepspeed_key) and chosen in _DEEPSPEED_LAYOUTS:
@@ -136,7 +147,7 @@ def _axolotl(
         edits.update(_groups(data, chosen, exports))
         return edits
     # The other framework, or none: the export's keys in place of the file's.
-    edits = {key: REMOVE for key in (*_AX_FSDP_KEYS, *_AX_GROUP_KEYS, deepspeed_key)}
+    edits = {key: REMOVE for key in (*fsdp_keys, deepspeed_key)}
     edits = {key: value for key, value in edits.items() if key in data}
     layout_keys = (deepspeed_key, *_AX_FSDP_KEYS, *_AX_GROUP_KEYS)
     edits.update({key: exports.axolotl[key] for key in layout_keys if key in exports.axolotl})
@@ -186,14 +197,7 @@ def _hf(
     config = data.get(config_key) if isinstance(data.get(config_key), dict) else {}
     assert isinstance(config, dict)
     if chosen is Sharding.HYBRID:
-        # Hybrid groups of FSDP2 need accelerate's ParallelismConfig, which no JSON holds;
-        # FSDP1's hybrid_shard shards within each node, as measured.
-        notes.append(f"{fsdp_key}: hybrid written as FSDP1's hybrid_shard (within each node)")
-        return {
-            **unset,
-            fsdp_key: True,
-            config_key: Merge(version=1, reshard_after_forward=_FSDP1[chosen]),
-        }
+        return {**unset, **_hf_hybrid(exports, notes)}
     if fsdp and chosen in _FSDP_LAYOUTS:
         if isinstance(fsdp, list | str):  # transformers 4's words
             words = fsdp.split() if isinstance(fsdp, str) else fsdp
@@ -209,3 +213,38 @@ def _hf(
         if key in exports.hf:
             edits[key] = exports.hf[key]
     return edits
+
+
+# accelerate's environment for its ParallelismConfig (accelerate/parallelism_config.py), which
+# `accelerate launch --parallelism_config_dp_replicate_size R --parallelism_config_dp_shard_size
+# S` sets (accelerate/utils/launch.py) and `Accelerator` reads when no config is passed.
+PARALLELISM_ENV = {
+    "on": "ACCELERATE_USE_PARALLELISM_CONFIG",
+    "replicate": "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",
+    "shard": "PARALLELISM_CONFIG_DP_SHARD_SIZE",
+}
+
+
+def _hf_hybrid(exports: Exports, notes: list[str]) -> dict[str, Any]:
+    """Hybrid sharding in a TrainingArguments file. FSDP2 (the export's, transformers 5): its
+    keys, with the groups said in the notes, since they live in accelerate's
+    `ParallelismConfig`, which the file cannot hold (`TrainingArguments.to_dict` writes it as
+    null); before transformers 5, FSDP1's `hybrid_shard`, which shards within each node."""
+    fsdp_key, config_key = HF_KEYS["fsdp"], HF_KEYS["fsdp_config"]
+    if exports.hf.get(fsdp_key) is not True:
+        notes.append(f"{fsdp_key}: hybrid written as FSDP1's hybrid_shard (within each node)")
+        return {
+            fsdp_key: True,
+            config_key: Merge(version=1, reshard_after_forward=_FSDP1[Sharding.HYBRID]),
+        }
+    groups = exports.hf["parallelism_config"]
+    replicate, shard = groups["dp_replicate_size"], groups["dp_shard_size"]
+    notes.append(
+        f"parallelism_config: FSDP2 written; its hybrid groups ({replicate} x {shard} ranks) "
+        "cannot be held by the file: launch with accelerate launch "
+        f"--parallelism_config_dp_replicate_size {replicate} "
+        f"--parallelism_config_dp_shard_size {shard}, or set "
+        f"{PARALLELISM_ENV['on']}=true {PARALLELISM_ENV['replicate']}={replicate} "
+        f"{PARALLELISM_ENV['shard']}={shard}"
+    )
+    return {fsdp_key: True, config_key: Merge(version=2, reshard_after_forward=True)}

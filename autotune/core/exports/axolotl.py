@@ -11,6 +11,9 @@ What Axolotl cannot express, said in the text:
   dtype (`resolve_dtype`), so an autocast spec becomes a bf16-weights run (less memory than
   measured); Axolotl's default `bf16: auto` would do the same to an fp32 spec, so every export
   sets both flags.
+* fp32 gradient reductions under FSDP2 (measured with 16-bit gathers): Axolotl shards through
+  accelerate, whose `bf16`/`fp16` policy reduces gradients in that dtype, and no Axolotl key
+  sets the policy (its `fsdp_config.mixed_precision_policy` reaches no FSDP argument).
 * a fractional `lora_alpha` (its schema takes an integer): rounded, and the text says so.
 * partial checkpointing: Axolotl checkpoints every layer (more recompute, no more memory).
 * DDP's `gradient_as_bucket_view` (no key): one more gradient copy than measured.
@@ -27,6 +30,7 @@ import yaml
 from autotune.core.exports.deepspeed import deepspeed_config
 from autotune.core.exports.measured import MeasuredRun
 from autotune.core.exports.notes import comment, shared_notes
+from autotune.core.parallel.layouts import gathers_in_16_bits
 from autotune.core.schemas import OptimizerName, Precision, Sharding
 
 AXOLOTL_VERSION = "0.19.0"
@@ -130,6 +134,13 @@ def _notes(run: MeasuredRun, config: dict[str, Any]) -> list[str]:
             lines.append(
                 "Full fine-tuning of fp16 weights fails in the gradient scaler: use bf16 or LoRA."
             )
+    if run.fsdp2 and gathers_in_16_bits(run.training):
+        lines += [
+            f"FSDP2 here gathers parameters and reduces gradients in {run.autocast_dtype} "
+            "(accelerate's "
+            f"{run.precision.value} policy;",
+            "no Axolotl key sets another): measured reducing them in fp32.",
+        ]
     if run.optimizer is OptimizerName.ADAMW_8BIT and run.fsdp2:
         lines.append("adamw_torch_8bit is torchao's AdamW8bit, measured for FSDP2 shards.")
     elif run.optimizer is OptimizerName.ADAMW_8BIT:

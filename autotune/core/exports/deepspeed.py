@@ -9,6 +9,12 @@
   classes (DeepSpeed builds any `torch.optim` class it is named); bitsandbytes' AdamW8bit is a
   client optimizer passed to `deepspeed.initialize`, which ZeRO accepts only with
   `zero_allow_untested_optimizer` (as it does SGD and Adafactor).
+* Mixed precision of the collectives: FSDP2 was measured gathering every parameter in the
+  autocast dtype and reducing gradients in fp32. Under `torch_autocast` DeepSpeed gives each
+  weight of its `lower_precision_safe_modules` (torch's Linear and Conv layers by default) one
+  communication dtype, the autocast dtype, for both its ZeRO-3 gathers and its gradient
+  reductions (`communication_data_type` does not apply to them), and moves the other parameters
+  in fp32: 16-bit gathers with fp32 reductions cannot be expressed, and the notes say so.
 * Sharding: ZeRO stages 1-3; hybrid sharding within groups cannot be expressed since 0.19
   removed MiCS, so hybrid is stage 3 over all ranks (less memory per rank than measured, more
   traffic across nodes), and the notes say so.
@@ -20,6 +26,7 @@ from typing import Any
 
 from autotune.core.exports.measured import ZERO_STAGES, MeasuredRun
 from autotune.core.exports.notes import comment, shared_notes
+from autotune.core.parallel.layouts import gathers_in_16_bits
 from autotune.core.schemas import OptimizerName, Sharding
 
 # Our name for each setting -> DeepSpeed's top-level key.
@@ -102,6 +109,14 @@ def deepspeed_notes(run: MeasuredRun) -> str:
             "bf16 weights with no second copy cannot be expressed: DeepSpeed's bf16 optimizer",
             *copy,
             "which was not measured, and runs without autocast. Leave it room.",
+        ]
+    if run.fsdp2 and gathers_in_16_bits(run.training):
+        dtype = run.autocast_dtype
+        lines += [
+            "Under torch_autocast DeepSpeed gathers (ZeRO-3) the Linear layers' weights and",
+            f"reduces their gradients in {dtype}, the other parameters' in fp32",
+            "(communication_data_type does not apply to them). Measured: FSDP2 gathering every",
+            f"parameter in {dtype} and reducing gradients in fp32, which cannot be expressed.",
         ]
     if run.sharding is Sharding.HYBRID:
         lines += [

@@ -11,6 +11,13 @@ within the measured groups: the text says so). The rendered text states which ru
 
 Data parallel: the recommendation was measured for torch DDP with `gradient_as_bucket_view=True`,
 which no `TrainingArguments` key sets: the text shows where to set it.
+
+FSDP2's mixed precision: fp32 weights under autocast were measured with parameters gathered in
+the autocast dtype and gradients reduced in fp32 (`MixedPrecisionPolicy(param_dtype,
+reduce_dtype=float32)`). No `fsdp_config` key reaches accelerate's `mixed_precision_policy`
+(transformers 5's `_process_fsdp_args`), and with `bf16`/`fp16` accelerate's own default reduces
+in the 16-bit dtype too (its plugin's `set_mixed_precision`); the Trainer builds its FSDP plugin
+from `args.fsdp_plugin_args`, so the text sets the measured policy there.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Any
 from autotune.core.exports.deepspeed import deepspeed_config
 from autotune.core.exports.measured import MeasuredRun, lora_snippet
 from autotune.core.exports.notes import allocator_lines, comment, shared_notes
+from autotune.core.parallel.layouts import gathers_in_16_bits
 from autotune.core.schemas import OptimizerName, Precision, Sharding
 
 # Our name for each setting -> its `TrainingArguments` field (the checkpointing flag's name
@@ -148,6 +156,7 @@ def render_hf(run: MeasuredRun, hf: dict[str, Any]) -> str:
         + _sharding_lines(run, hf)
         + allocator_lines(run)
         + f"{imports}\nargs = TrainingArguments(\n{kwargs}    # ... your other arguments\n)\n"
+        + _mixed_precision_lines(run, hf)
         + _ddp_lines(run)
         + _optimizer_lines(run)
         + _weights_lines(run)
@@ -207,6 +216,27 @@ def _sharding_lines(run: MeasuredRun, hf: dict[str, Any]) -> str:
     return (
         "# FSDP1 (the fsdp string): transformers before 5 has no FSDP2 here; FSDP2 was measured."
         f"{hybrid}\n"
+    )
+
+
+def _mixed_precision_lines(run: MeasuredRun, hf: dict[str, Any]) -> str:
+    """FSDP2's measured policy, set where the Trainer builds its FSDP plugin from (see the
+    module docstring); under FSDP1's strings, what accelerate does instead."""
+    if not run.fsdp2 or not gathers_in_16_bits(run.training):
+        return ""
+    dtype = run.autocast_dtype
+    if hf.get("fsdp") is not True:
+        return (
+            f"\n# FSDP1 under {run.precision.value}: accelerate gathers and reduces in {dtype}; "
+            "measured: FSDP2 reducing\n# gradients in fp32.\n"
+        )
+    return (
+        f"\n# FSDP2's mixed precision as measured: parameters gathered in {dtype}, gradients "
+        "reduced in\n# fp32. No fsdp_config key sets it (accelerate's default would reduce in "
+        f"{dtype}); the Trainer\n# builds its FSDP plugin from args.fsdp_plugin_args:\n"
+        "import torch\nfrom torch.distributed.fsdp import MixedPrecisionPolicy\n\n"
+        'args.fsdp_plugin_args["mixed_precision_policy"] = MixedPrecisionPolicy(\n'
+        f"    param_dtype=torch.{dtype}, reduce_dtype=torch.float32\n)\n"
     )
 
 

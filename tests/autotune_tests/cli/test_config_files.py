@@ -144,6 +144,25 @@ def test_submit_write_needs_a_config_file(
     assert err.count("\n") == 1 and "--write: only a config file" in err
 
 
+def test_probe_sharding_auto_exits_2_naming_the_layouts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A probe runs one layout; auto is tune's choice among them: refused before any model is
+    built (it raised a KeyError from the step's sharding once)."""
+    config, before = copied(tmp_path, "llama-3-lora-1b-ray.yml")
+    model = tiny_llama_directory(tmp_path, **LONG_CONTEXT)
+    argv = ["probe", str(config), "--model", str(model), "--estimate", "T4", "--json"]
+    assert main([*argv, "--sharding", "auto"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines()[-1] == (
+        "autotune: error: training.sharding: auto is tune's choice, which measures every "
+        "layout; this runs one: set one of none, zero1, zero2, zero3, hybrid (--sharding for "
+        "a config file)"
+    )
+    assert config.read_text() == before
+
+
 @pytest.mark.e2e
 def test_tune_sharding_auto_writes_the_chosen_layout_in_the_files_keys(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

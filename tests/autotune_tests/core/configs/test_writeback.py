@@ -6,6 +6,7 @@ DeepSpeed's `DeepSpeedConfig`."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -245,6 +246,22 @@ def test_axolotl_fsdp_becomes_deepspeed_for_zero1(tmp_path: Path) -> None:
     assert validated.deepspeed["zero_optimization"]["stage"] == 1  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("sharding", [Sharding.ZERO1, Sharding.NONE])
+def test_axolotls_fsdp2_only_keys_go_with_fsdp(tmp_path: Path, sharding: Sharding) -> None:
+    # fp8_enable_fsdp_float8_all_gather: Axolotl's schema refuses it without FSDP2.
+    path = auto_file(tmp_path, "llama-3-3b-fp8-fsdp2.yaml")
+    before, after, notes = chosen(path, sharding)
+    assert "-fp8_enable_fsdp_float8_all_gather: true" in layout_lines(before, after)
+    assert notes == [
+        "fp8_enable_fsdp_float8_all_gather: removed with FSDP (Axolotl takes them only with it)"
+    ]
+    validated = axolotl_validated(after)
+    assert validated.fsdp_version is None and validated.fsdp_config is None  # type: ignore[attr-defined]
+    assert validated.fp8 is True  # type: ignore[attr-defined]
+    stage = (validated.deepspeed or {}).get("zero_optimization", {}).get("stage")  # type: ignore[attr-defined]
+    assert stage == (1 if sharding is Sharding.ZERO1 else None)
+
+
 def test_axolotl_without_a_layout_gets_the_exports_fsdp2_keys(tmp_path: Path) -> None:
     path = auto_file(tmp_path, "llama-3-lora-1b.yml")
     before, after, _ = chosen(path, Sharding.ZERO3)
@@ -317,3 +334,31 @@ def test_training_arguments_fsdp_and_deepspeed(tmp_path: Path) -> None:
     before, after, _ = chosen(plain, Sharding.ZERO2, **read)
     args = TrainingArguments(**json.loads(after))
     assert args.fsdp and args.fsdp_config["reshard_after_forward"] is False
+
+
+def test_training_arguments_hybrid_is_fsdp2_with_its_groups_in_the_launch(tmp_path: Path) -> None:
+    """transformers 5 writes FSDP2; its hybrid groups live in accelerate's ParallelismConfig,
+    which a TrainingArguments file cannot hold: the note says how to launch, and accelerate's
+    own config, read from that launch's environment, builds the measured mesh."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from transformers import TrainingArguments
+
+    from tests.autotune_tests.core.exports.consumers import launched
+
+    path = saved_arguments(tmp_path, fsdp=True, fsdp_config={"reshard_after_forward": False})
+    options = RankOptions(nodes=2, gpus_per_node=2, sharding=Sharding.AUTO)
+    before, after, notes = chosen(path, Sharding.HYBRID, options, model="org/model", seq_len=32)
+    written = json.loads(after)
+    assert (written["fsdp"], written["fsdp_config"]["version"]) == (True, 2)
+    assert written["parallelism_config"] is None
+    [note] = notes
+    assert "--parallelism_config_dp_replicate_size 2 --parallelism_config_dp_shard_size 2" in note
+    environment = dict(pair.split("=") for pair in note.split(" set ")[1].split())
+    with launched(4):
+        os.environ.update(environment)
+        args = TrainingArguments(**written)
+        plugin = args.fsdp_plugin_args
+        assert (plugin["fsdp_version"], plugin["reshard_after_forward"]) == (2, True)
+        mesh = ParallelismConfig().get_device_mesh("cpu")  # as Accelerator builds it
+        assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
+        assert tuple(mesh.shape) == (2, 2)

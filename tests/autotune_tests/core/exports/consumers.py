@@ -3,17 +3,23 @@ properties of that run (`roundtrip.properties`) or, where this CPU-only machine 
 library short of running it, the same properties read from the objects it builds.
 
 Depths: the plain loop runs one step (sharded runs over a fake process group, as the engine
-measures them); Hugging Face runs `Trainer.train()` for one step on one rank, and reads its
-DeepSpeed config and FSDP plugin for sharded runs (FSDP through accelerate needs a GPU);
+measures them); Hugging Face runs `Trainer.train()` for one step on one rank, reads its
+DeepSpeed config for ZeRO-1, and for FSDP2 builds the Trainer on the run's (fake) ranks and
+shards the model with accelerate's own `fsdp2_prepare_model` (accelerate's FSDP state itself
+needs a GPU: `accelerate_fsdp2` says what it stands in for);
 Lightning runs one step with the module's `configure_model`/`configure_optimizers` as pasted,
 the Trainer's precision plugin and accumulation, and reads the strategy objects; DeepSpeed reads
-`DeepSpeedConfig`; Axolotl validates with its own `validate_config` and builds the optimizer
-class and the LoRA adapters the way its trainer builds them.
+`DeepSpeedConfig`; Axolotl validates with its own `validate_config`, builds the optimizer
+class and the LoRA adapters the way its trainer builds them, and shards the model under FSDP2
+with its own `fsdp2_prepare_model`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -25,6 +31,7 @@ from autotune.core.schemas import Exports
 from tests.autotune_tests.core.exports.roundtrip import (
     Case,
     fake_ranks,
+    gathers_of,
     leave_fake_ranks,
     observe,
     properties,
@@ -135,34 +142,76 @@ def hf_run(exports: Exports, case: Case, tmp: str) -> dict[str, Any]:
 
 
 def hf_sharding(exports: Exports, case: Case, tmp: str) -> dict[str, Any]:
-    """What the Trainer's arguments set up on several ranks: the DeepSpeed config (ZeRO-1) or
-    accelerate's FSDP plugin and device mesh sizes (FSDP2)."""
-    namespace = hf_objects(exports, tmp)
-    args = namespace["args"]
-    found: dict[str, Any] = {
-        "micro_batch": args.per_device_train_batch_size,
-        "accumulation": args.gradient_accumulation_steps,
-    }
-    if args.deepspeed:
-        found.update(deepspeed_properties(args.deepspeed, case.spec().world_size))
-        return found
-    from accelerate.utils import FullyShardedDataParallelPlugin
+    """What the Trainer's arguments set up on several ranks: the DeepSpeed config (ZeRO-1), or
+    the model as accelerate's FSDP2 shards it for the Trainer (its mesh and mixed precision)."""
+    world = case.spec().world_size
+    found: dict[str, Any] = {}
+    if "deepspeed" in exports.hf:
+        args = hf_objects(exports, tmp)["args"]
+        found.update(deepspeed_properties(args.deepspeed, world))
+    else:
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
-    plugin = FullyShardedDataParallelPlugin(**args._process_fsdp_args())
+        with launched(world):
+            namespace = hf_objects(exports, tmp)
+            args = namespace["args"]
+            model = accelerate_fsdp2(args, namespace["model"], fsdp2_prepare_model)
+            found["sharding"] = sharding_of(model, None, ddp_bucket_view=None)
+            found["gathers"] = gathers_of(model)
+    batch = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    return {"micro_batch": batch[0], "accumulation": batch[1], **found}
+
+
+@contextlib.contextmanager
+def launched(world_size: int) -> Iterator[None]:
+    """This process as rank 0 of `world_size` ranks launched by torchrun: a fake process group
+    and torchrun's environment, both undone after (with accelerate's shared state)."""
+    from accelerate.state import AcceleratorState
+
+    saved = dict(os.environ)
+    fake_ranks(world_size)
+    os.environ.update(
+        WORLD_SIZE=str(world_size),
+        RANK="0",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+    )
+    try:
+        yield
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        leave_fake_ranks()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def accelerate_fsdp2(
+    args: Any, model: nn.Module, prepare: Callable[[Any, nn.Module], nn.Module]
+) -> nn.Module:
+    """`model` sharded by `prepare` (accelerate's `fsdp2_prepare_model`, or Axolotl's patch of
+    it) for the Trainer built from `args`, under `launched`.
+
+    The Trainer builds its accelerator and FSDP plugin from `args.fsdp_plugin_args` here as on a
+    GPU box, but accelerate keeps the plugin and the device mesh only for GPU ranks: on this
+    CPU's ranks this does what `AcceleratorState` and `Accelerator` do there, with accelerate's
+    own calls: `set_mixed_precision` of the Trainer's precision on the plugin, and the device
+    mesh of `args.parallelism_config` (which `Accelerator` refuses on CPU ranks)."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from transformers import Trainer
+
+    parallelism, args.parallelism_config = args.parallelism_config, None
+    accelerator = Trainer(model=model, args=args).accelerator
+    plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
     assert plugin.fsdp_version == 2
-    parallelism = args.parallelism_config
-    mesh: tuple[int, ...] = (case.spec().world_size,)
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    accelerator.state.fsdp_plugin = plugin
     if parallelism is not None:
-        # accelerate's own device mesh for these sizes, on the run's ranks.
-        fake_ranks(case.spec().world_size)
-        try:
-            device_mesh = parallelism.build_device_mesh("cpu")
-            assert device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
-            mesh = tuple(device_mesh.shape)
-        finally:
-            leave_fake_ranks()
-    found["sharding"] = f"fsdp2 mesh {mesh} reshard_after_forward={plugin.reshard_after_forward}"
-    return found
+        accelerator.state.parallelism_config = parallelism
+        accelerator.state.device_mesh = parallelism.get_device_mesh("cpu")
+    return prepare(accelerator, model)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,8 +417,29 @@ def axolotl_run(exports: Exports, case: Case, tmp: str) -> dict[str, Any]:
         )
         reshard = cfg.fsdp_config.reshard_after_forward
         found["sharding"] = f"fsdp2 mesh {mesh} reshard_after_forward={reshard}"
+        found["gathers"] = _axolotl_gathers(cfg, case, tmp)
     if cfg.deepspeed:
         found["zero_stage"] = cfg.deepspeed["zero_optimization"]["stage"]
     if cfg.sample_packing:
         found["tokens_per_sample"] = cfg.sequence_len
     return found
+
+
+def _axolotl_gathers(cfg: Any, case: Case, tmp: str) -> str:
+    """What Axolotl's FSDP2 gathers and reduces in: the model loaded in its dtype, sharded by
+    Axolotl's own `fsdp2_prepare_model` for the Trainer arguments its builder passes (`bf16`,
+    `fp16`, `fsdp`, `fsdp_config`: `axolotl/core/builders`)."""
+    from axolotl.monkeypatch.accelerate.fsdp2 import fsdp2_prepare_model
+    from transformers import TrainingArguments
+
+    with launched(case.spec().world_size):
+        args = TrainingArguments(
+            output_dir=tmp,
+            use_cpu=True,
+            bf16=bool(cfg.bf16),
+            fp16=bool(cfg.fp16),
+            fsdp=True,
+            fsdp_config=dict(cfg.fsdp_config),
+        )
+        model = tiny_llama().to(cfg.torch_dtype)
+        return gathers_of(accelerate_fsdp2(args, model, fsdp2_prepare_model))

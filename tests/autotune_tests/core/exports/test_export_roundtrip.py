@@ -29,6 +29,7 @@ HF_GROUP = "export_roundtrip_trainer"
 # A few seconds per group for imports and the engine's runs: scheduled first.
 pytestmark = pytest.mark.slow
 
+_BF16_REDUCTIONS = "param_dtype=torch.bfloat16 reduce_dtype=torch.bfloat16"
 # (consumer, case) -> {property: what the consumer builds instead of the measured value}, and
 # the words its text uses to say so.
 CANNOT_EXPRESS: dict[tuple[str, str], tuple[dict[str, Any], str]] = {
@@ -36,7 +37,11 @@ CANNOT_EXPRESS: dict[tuple[str, str], tuple[dict[str, Any], str]] = {
     ("axolotl", "bf16-autocast"): ({"weights": ["bfloat16"]}, "Axolotl cannot express"),
     ("axolotl", "fp16"): ({"weights": ["float16"]}, "Axolotl cannot express"),
     ("axolotl", "combination"): ({"weights": ["bfloat16"]}, "Axolotl cannot express"),
-    ("axolotl", "zero3-bf16"): ({"weights": ["bfloat16"]}, "Axolotl cannot express"),
+    # ... and under FSDP2 accelerate's bf16 policy, which reduces gradients in bf16 too.
+    ("axolotl", "zero3-bf16"): (
+        {"weights": ["bfloat16"], "gathers": _BF16_REDUCTIONS},
+        "reduces gradients in bfloat16",
+    ),
     # optimizer: adamw_bnb_8bit is the Trainer's bitsandbytes AdamW(optim_bits=8), which keeps
     # the embeddings' states in 32 bits.
     ("axolotl", "adamw8bit"): ({"optimizer": "AdamW"}, "embeddings' states in 32 bits"),
@@ -45,6 +50,9 @@ CANNOT_EXPRESS: dict[tuple[str, str], tuple[dict[str, Any], str]] = {
     # A client optimizer: the notes name it, the JSON cannot.
     ("deepspeed", "adamw8bit"): ({"optimizer": None}, "bitsandbytes.optim.AdamW8bit"),
     ("deepspeed", "adamw8bit-zero3"): ({"optimizer": None}, "torchao.optim.AdamW8bit"),
+    # torch_autocast gives the Linear weights one communication dtype for gathers and
+    # reductions (read from DeepSpeed's engine in test_deepspeed_engine).
+    ("deepspeed", "zero3-bf16"): ({"gathers": _BF16_REDUCTIONS}, "reduces their gradients in"),
     # MiCS is gone: ZeRO-3 over all ranks.
     ("deepspeed", "hybrid"): ({}, "Hybrid sharding (groups of 2) cannot be expressed"),
 }
@@ -137,7 +145,8 @@ def test_the_trainer_arguments_shard_as_measured(name: str, tmp_path: Path) -> N
         assert found["optimizer"] == measured_run["optimizer"]
         keys = {"micro_batch", "accumulation", "autocast", "weights"}
     else:
-        keys = {"micro_batch", "accumulation", "sharding"}
+        # FSDP2 as accelerate shards the model for the Trainer: its mesh and mixed precision.
+        keys = {"micro_batch", "accumulation", "sharding", "gathers"}
     assert {key: found[key] for key in keys} == _expected("hf", name, keys)
 
 
@@ -199,7 +208,7 @@ def test_axolotl_validates_what_was_measured(name: str, tmp_path: Path) -> None:
     if "trainable_params" in found:
         keys.add("trainable_params")
     if "sharding" in found:
-        keys.add("sharding")
+        keys |= {"sharding", "gathers"}
     assert {key: found[key] for key in keys} == _expected("axolotl", name, keys)
     assert found["checkpointing"] is bool(_measured(name)["checkpointed"])
     if case.checkpointed_blocks is not None:

@@ -180,6 +180,29 @@ def test_a_mig_device_is_identified_as_its_slice() -> None:
         assert info.driver_version == slice_device.driver_version
 
 
+def test_a_mig_slice_sized_for_a_64_mib_allocator_reads_64_mib_once_a_step_ran() -> None:
+    """A card like the Lightning bench's (tests/autotune_tests/integrations/lightning_card.py):
+    a MIG slice sized so its allocator gets 64 MiB once CUDA's context, kernels and handles are
+    loaded. Before any step NVML's free memory still holds the kernels and cuBLAS handles the
+    first step loads, so the device's provisional capacity is 64 MiB plus those; the first
+    completed step reads it again, and from then on, for every trial after the warm-up and the
+    probe's result (read after the warm-up), it is the allocator's 64 MiB."""
+    gpu, spec = small_gpu(), _tiny_lm_spec()
+    with SimulatedCuda(gpu, mig=MigSlice("calibration", 2**30, gpu.sm_count)) as cuda:
+        assert (
+            InProcessRunner(spec, CudaDevice(0, runtime=cuda)).trial(2, checkpointing=False).fits
+        )
+        outside_bytes = cuda.outside_allocator_bytes
+    with SimulatedCuda(gpu, mig=MigSlice("bench", 64 * MiB + outside_bytes, gpu.sm_count)) as cuda:
+        device = CudaDevice(0, runtime=cuda)
+        step_loads_bytes = outside_bytes - cuda.outside_allocator_bytes
+        assert step_loads_bytes > 0
+        assert device.info.capacity_bytes == 64 * MiB + step_loads_bytes
+        assert InProcessRunner(spec, device).trial(2, checkpointing=False).fits
+        assert device.info.capacity_bytes == cuda.free_bytes() + cuda.memory_reserved(0)
+        assert device.info.capacity_bytes == 64 * MiB
+
+
 def test_the_capacity_is_read_once_a_step_s_kernels_and_handles_exist() -> None:
     with SimulatedCuda(small_gpu()) as cuda:
         runner = InProcessRunner(_tiny_lm_spec(), CudaDevice(0, runtime=cuda))
