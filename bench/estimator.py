@@ -303,14 +303,31 @@ def by_mode(modes: list[dict[str, Any]], checkpointing: str) -> dict[str, Any]:
     return next(m for m in modes if str(m["checkpointing"]).lower() == checkpointing)
 
 
-# Read off the committed rows by hand (27 Nov 2026); not investigated further.
+# What replays of the rows found (27 Nov 2026; docs/design.md#expandable-segments-as-a-knob and
+# #the-caching-allocator-on-the-emulated-gpu give the allocation steps).
 EXPANDABLE_NOTE = (
     "These are traced answers, not trials: the probe verifies expandable segments with real "
-    "trials only where the trace predicts a gain. Two rows look wrong and were not looked into: "
-    "gpt2-mini at 360.0 MiB plain, where not even micro-batch 1 fits under expandable segments "
-    "(its trials at 2 and 1 run out) while 12 fits checkpointed, and mlp at 42.0 MiB "
-    "checkpointed, where micro-batch 1 does not fit under the default allocator while 64 fits "
-    "plain (the committed rows say the same) and 64 fits under expandable segments."
+    "trials only where the trace predicts a gain. Rerun after the model's expandable segments "
+    "were checked against torch's rules (none changed): every answer, and every size below one "
+    "that runs out, as before. The smaller answers are torch's rules at "
+    "work, which the model follows (the allocator's `expandable_segments` rules in "
+    "docs/design.md): in one segment, the holes best fit leaves serve only what fits them, and "
+    "growing costs a whole 20 MiB page, where plain segments give a request of 10 MiB or more "
+    "a segment of its own size. gpt2-tiny at 124.0 MiB plain, micro-batch 10: log-softmax's "
+    "10 MiB gradient finds 5 MiB free in a hole and 7 at the end of the large pool's 60 MiB; "
+    "growing by a page makes 136 MiB and no page is wholly free, so it runs out where the "
+    "default allocator serves it from a 20 MiB segment's free 12 MiB. gpt2-mini at 360.0 MiB "
+    "plain, micro-batch 1: the optimizer's 24 MiB square root of the embedding's second moment "
+    "finds 18.4 MiB free in pieces of the 300 MiB large pool (2.6 at the end), and two pages "
+    "make 364 MiB; the defaults give it a 24 MiB segment (peak 354 MiB), and checkpointed at "
+    "12 the holes fall elsewhere (peak 346 MiB). mlp at 42.0 MiB checkpointed, where micro-batch "
+    "1 runs out under the default allocator while 64 fits plain: the emulated GPU's placement "
+    "of the residents (packed first into a fresh allocator), not a card's. Its recomputed bf16 "
+    "copy of the second weight takes a free 2.8 MiB block whole, its bf16 gradient then leaves "
+    "a 2 MiB hole, and the optimizer's 4 MiB square root finds 2.8, 2 and 3.9 MiB free and "
+    "needs a third 20 MiB segment; replayed in a card's order (the Adam state made in the "
+    "warm-up's optimizer step, after its gradients), checkpointed 1 and 64 fit in 42 MiB. "
+    "Placing the residents as the warm-up placed them is not done yet."
 )
 
 

@@ -31,6 +31,7 @@ from autotune.cli.options import (
     add_device_args,
     add_expandable_segments_arg,
     add_server_args,
+    allocator_config_from_environment,
     memory_size,
     non_negative_seconds,
     positive_seconds,
@@ -76,7 +77,14 @@ def _serve(args: argparse.Namespace, early_signals: list[int]) -> int:
     logging.getLogger("probes").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     if not args.token:
         raise SpecError("--token: required (or set AUTOTUNE_TOKEN): a worker token of the server")
-    devices = read_inventory(args.device or default_device_name(args.gpu), args.memory, args.gpu)
+    # Read once, here: the inventory, the estimates and every trial child get them from here.
+    allocator_config = allocator_config_from_environment()
+    devices = read_inventory(
+        args.device or default_device_name(args.gpu),
+        args.memory,
+        args.gpu,
+        allocator_config=allocator_config,
+    )
     config = WorkerConfig(
         worker_id=args.worker_id or default_worker_id(),
         storage_url=args.db or worker_study_url(args.data_dir),
@@ -90,6 +98,7 @@ def _serve(args: argparse.Namespace, early_signals: list[int]) -> int:
         expandable_segments=not args.no_expandable_segments,
         estimate_time_limit_s=args.estimate_time_limit,
         estimate_memory_limit_bytes=args.estimate_memory_limit,
+        allocator_config=allocator_config,
     )
     with (
         ServerClient(args.server, token=args.token) as client,

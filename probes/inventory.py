@@ -13,12 +13,11 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 from autotune.core.bytesize import format_bytes
 from autotune.core.errors import SpecError
-from autotune.core.memory.allocator_config import config_from_environ
+from autotune.core.memory.allocator_config import AllocatorConfig, settings_text
 from autotune.core.schemas import DeviceInfo, DeviceKind
 from probes.isolation import read_devices
 
@@ -41,7 +40,7 @@ class WorkerDevice:
 ESTIMATE_DEVICE = "estimate"
 
 
-def estimate_inventory() -> list[WorkerDevice]:
+def estimate_inventory(allocator_config: AllocatorConfig) -> list[WorkerDevice]:
     """One estimate device per catalogue GPU, with this worker's allocator settings.
 
     One small estimate is traced here: the first estimate in a process pays about 2 s of
@@ -51,7 +50,6 @@ def estimate_inventory() -> list[WorkerDevice]:
     from autotune.core.schemas import ModelSpec, Spec
     from autotune.engine.estimate import EstimateRunner, estimate_device
 
-    allocator_config = config_from_environ(os.environ)
     warm = EstimateRunner(Spec(model=ModelSpec(preset="mlp")), capacity_bytes=2**30)
     warm.warm_up(checkpointing=False)
     warm.trial(2, 2, checkpointing=False)
@@ -75,32 +73,42 @@ def default_device_name(gpu: str | None = None) -> str:
 
 
 def read_inventory(
-    device_name: str, memory_bytes: int | None, gpu: str | None = None
+    device_name: str,
+    memory_bytes: int | None,
+    gpu: str | None = None,
+    *,
+    allocator_config: AllocatorConfig | None = None,
 ) -> list[WorkerDevice]:
-    """The devices for a `--device` / `--memory` / `--gpu` choice.
+    """The devices for a `--device` / `--memory` / `--gpu` choice, under the caching
+    allocator's settings the worker started with (`allocator_config`, read by its entry point;
+    None: torch's defaults), which its trial children's CUDA starts with too.
 
     Raises:
         SpecError: "cpu" without a memory size or a GPU, an unknown device or GPU name, or a
             GPU name with a CUDA device.
         DeviceError: CUDA was asked for and is unavailable.
     """
+    allocator_config = allocator_config or AllocatorConfig()
     if device_name == ESTIMATE_DEVICE:
         if memory_bytes is not None or gpu is not None:
             raise SpecError("--device estimate: estimates every catalogue GPU; no --memory/--gpu")
-        devices = estimate_inventory()
+        devices = estimate_inventory(allocator_config)
         logger.info("estimates for %d catalogue GPUs", len(devices))
         return devices
     if device_name == "cpu" or gpu is not None:
         from autotune.engine.devices.device import open_device  # refuses what cannot be opened
 
-        # What the trial children read from the environment they inherit from this worker.
-        allocator_config = config_from_environ(os.environ)
         info = open_device(
             device_name, memory_bytes, gpu=gpu, allocator_config=allocator_config
         ).info
         devices = [WorkerDevice(info, device_name, memory_bytes, gpu)]
     else:
-        infos = read_devices(device_name, memory_bytes, timeout_s=INVENTORY_TIMEOUT_S)
+        infos = read_devices(
+            device_name,
+            memory_bytes,
+            timeout_s=INVENTORY_TIMEOUT_S,
+            allocator_conf=settings_text(allocator_config),
+        )
         devices = [
             WorkerDevice(info, f"cuda:{info.index}", memory_bytes)
             for info in infos

@@ -45,7 +45,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Literal
 
 from autotune.core.errors import AutotuneError
-from autotune.core.memory.allocator_config import config_from_environ
+from autotune.core.memory.allocator_config import AllocatorConfig, parse_alloc_conf
 from autotune.core.schemas import DeviceInfo, DeviceKind, Spec, StepOutcome
 from autotune.core.throughput import Measurement
 from probes.errors import TrialCrashed, TrialError
@@ -85,9 +85,11 @@ class ChildRequest:
     `worker_pid` is the worker's process id; `spawned` says whether it is the parent too.
     `allowed_factories`: the worker's `--allow-factory` prefixes; a factory outside them is
     refused in the child too, before anything is imported (`autotune.core.factoryaccess`).
-    `allocator_conf`: the `PYTORCH_ALLOC_CONF` the child's CUDA starts with (None: the worker's
-    environment as it is). `simulated_gpu`: a cuda device runs on the simulated CUDA backend of
-    this catalogue GPU (`autotune.engine.devices.simulated_cuda`), where no card is."""
+    `allocator_conf`: the caching allocator's settings (`PYTORCH_ALLOC_CONF`'s text), which
+    the child's CUDA starts with and its emulated GPU models (None: torch's defaults); the
+    worker read its own once, as it started, and passes them or others down.
+    `simulated_gpu`: a cuda device runs on the simulated CUDA backend of this catalogue GPU
+    (`autotune.engine.devices.simulated_cuda`), where no card is."""
 
     operation: Operation
     device_name: str
@@ -192,11 +194,12 @@ def _become_expendable(worker_pid: int, spawned: bool) -> None:
     threading.Thread(target=_watch_parent, args=(parent_pid, worker_pid), daemon=True).start()
 
 
-def _open_devices(device_name: str, memory_bytes: int | None) -> list[DeviceInfo]:
+def _open_devices(
+    device_name: str, memory_bytes: int | None, allocator_config: AllocatorConfig
+) -> list[DeviceInfo]:
     """ "cuda" is every visible GPU; anything else the one device it names."""
     from autotune.engine.devices.device import open_device
 
-    allocator_config = config_from_environ(os.environ)  # the worker's, inherited
     if device_name == "cuda":
         import torch
 
@@ -210,25 +213,34 @@ def _open_devices(device_name: str, memory_bytes: int | None) -> list[DeviceInfo
 
 
 def use_allocator_conf(conf: str | None, environ: MutableMapping[str, str]) -> None:
-    """Give a child's CUDA the allocator settings `conf` (None: leave the environment as it
-    is). torch reads them once, when CUDA starts (its first tensor on the card), so this runs
-    before anything in the child can touch CUDA. `PYTORCH_CUDA_ALLOC_CONF` would win over
-    `PYTORCH_ALLOC_CONF` (`config_from_environ`), so it goes."""
-    if conf is None:
-        return
+    """Give a child's CUDA the allocator settings `conf` (None: torch's defaults), whatever it
+    inherited from the worker's environment. torch reads them once, when CUDA starts (its
+    first tensor on the card), so this runs before anything in the child can touch CUDA.
+    `PYTORCH_CUDA_ALLOC_CONF` would win over `PYTORCH_ALLOC_CONF`
+    (`autotune.core.memory.allocator_config.config_from_environ`), so it goes."""
     environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    environ["PYTORCH_ALLOC_CONF"] = conf
+    if conf is None:
+        environ.pop("PYTORCH_ALLOC_CONF", None)
+    else:
+        environ["PYTORCH_ALLOC_CONF"] = conf
+
+
+def _allocator_config(request: ChildRequest) -> AllocatorConfig:
+    """The settings the request gives the child, parsed (the worker checked them)."""
+    conf = request.allocator_conf
+    return AllocatorConfig() if conf is None else parse_alloc_conf(conf)
 
 
 def _perform(request: ChildRequest) -> object:
     if request.operation == "devices":
-        return _open_devices(request.device_name, request.memory_bytes)
+        return _open_devices(request.device_name, request.memory_bytes, _allocator_config(request))
     if request.simulated_gpu is None:
         return _perform_on(request, None)
     from autotune.core.gpus.catalogue import find_gpu
     from autotune.engine.devices.simulated_cuda import SimulatedCuda
 
-    # It reads the allocator's settings from the environment as CUDA starts, as torch does.
+    # It reads the allocator's settings from the environment as CUDA starts, as torch does:
+    # those `use_allocator_conf` put there.
     with SimulatedCuda(find_gpu(request.simulated_gpu), environ=os.environ) as cuda:
         return _perform_on(request, cuda)
 
@@ -245,8 +257,8 @@ def _perform_on(request: ChildRequest, cuda: CudaRuntime | None) -> object:
         request.memory_bytes,
         gpu=request.gpu,
         world_size=spec.training.world_size,
-        # The child's entry point: torch reads the worker's environment, which it inherits.
-        allocator_config=config_from_environ(os.environ),
+        # What the child's CUDA started with (`use_allocator_conf`).
+        allocator_config=_allocator_config(request),
         cuda=cuda,
     )
     session = InProcessRunner(
@@ -489,11 +501,16 @@ def run_child(
 
 
 def read_devices(
-    device_name: str, memory_bytes: int | None, *, timeout_s: float
+    device_name: str,
+    memory_bytes: int | None,
+    *,
+    timeout_s: float,
+    allocator_conf: str | None = None,
 ) -> list[DeviceInfo]:
     """The devices "cpu" (emulated; needs `memory_bytes`), "cuda" (every visible GPU) or
     "cuda:N" would run on, read in a child process: a CUDA context created to read a GPU's
     free memory must not live on in the worker, where it would take memory from every trial.
+    `allocator_conf`: the allocator settings the child's CUDA starts with (None: the defaults).
 
     Raises:
         SpecError, DeviceError: as `autotune.engine.devices.device.open_device`.
@@ -503,6 +520,7 @@ def read_devices(
         device_name=device_name,
         memory_bytes=memory_bytes,
         worker_pid=os.getpid(),
+        allocator_conf=allocator_conf,
     )
     # Always spawned: a forkserver started now would outlive the need for it.
     devices = run_child(request, timeout_s=timeout_s)
@@ -526,8 +544,8 @@ class ChildProcessRunner:
             worker's `--allow-factory`); by default none.
         trace_fit: the first child (`describe`) also traces the step at the search's fit
             points, which `fit_points` gives the probe (a `FitTracer`).
-        allocator_conf: the `PYTORCH_ALLOC_CONF` every child's CUDA starts with (None: the
-            worker's own environment).
+        allocator_conf: the allocator settings (`PYTORCH_ALLOC_CONF`'s text) every child's
+            CUDA starts with and its emulated GPU models (None: torch's defaults).
         simulated_gpu: run "cuda" devices on the simulated CUDA backend of this catalogue GPU.
     """
 

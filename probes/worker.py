@@ -51,6 +51,7 @@ from autotune.core.bytesize import format_bytes
 from autotune.core.defaults import ESTIMATE_MEMORY_LIMIT_BYTES, ESTIMATE_TIME_LIMIT_S
 from autotune.core.errors import FactoryRefused, ModelBuildError, SpecError
 from autotune.core.factoryaccess import check_factory_allowed
+from autotune.core.memory.allocator_config import AllocatorConfig, settings_text
 from autotune.core.schemas import Sharding, Spec, StepOutcome, Trial, TrialState, TuneResult
 from autotune.engine.probe import (
     ExpandableSegments,
@@ -117,6 +118,10 @@ class WorkerConfig:
     # process's resident memory; past either it fails (`EstimateLimitExceeded`).
     estimate_time_limit_s: float = ESTIMATE_TIME_LIMIT_S
     estimate_memory_limit_bytes: int = ESTIMATE_MEMORY_LIMIT_BYTES
+    # The caching allocator's settings this worker started with (`PYTORCH_ALLOC_CONF`, read
+    # once by its entry point): its trial children's CUDA starts with them, and its emulated
+    # GPUs and estimates model them.
+    allocator_config: AllocatorConfig = AllocatorConfig()
 
 
 class _LeaseKeeper:
@@ -508,6 +513,8 @@ class Worker:
         allocator_conf: str | None = None,
         spec: Spec | None = None,
     ) -> ChildProcessRunner:
+        """Trials in children whose CUDA starts with `allocator_conf` (None: the worker's own
+        allocator settings)."""
         return ChildProcessRunner(
             spec or claim.spec,
             device.device_name,
@@ -518,7 +525,7 @@ class Worker:
             start_method=self.config.start_method,
             allowed_factories=self.config.allowed_factories,
             trace_fit=trace_fit,
-            allocator_conf=allocator_conf,
+            allocator_conf=allocator_conf or settings_text(self.config.allocator_config),
         )
 
     def _expandable_segments(
@@ -570,15 +577,14 @@ class Worker:
         spec = spec or claim.spec
         from autotune.core.gpus.catalogue import find_gpu
         from autotune.core.gpus.cuda_reserve import budget_for
-        from autotune.core.memory.allocator_config import config_from_environ
         from autotune.engine.estimate import EstimateRunner
 
         assert device.gpu is not None
         return EstimateRunner(
             spec,
             gpu=budget_for(find_gpu(device.gpu), spec.training.world_size),
-            # This worker's environment, as its inventory reported it.
-            allocator_config=config_from_environ(os.environ),
+            # This worker's settings, as its inventory reported them.
+            allocator_config=self.config.allocator_config,
             allowed_factory_prefixes=list(self.config.allowed_factories),
             interrupt=interrupt,
         )

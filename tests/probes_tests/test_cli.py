@@ -119,3 +119,24 @@ def test_registering_the_command_does_not_import_torch() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_worker_reads_its_allocator_settings_once_and_refuses_bad_ones(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The entry point reads PYTORCH_ALLOC_CONF (a value torch refuses is a usage error naming
+    it); the inventory models the settings it is given, not whatever the environment says
+    later."""
+    from autotune.core.memory.allocator_config import parse_alloc_conf
+    from probes.inventory import read_inventory
+
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:yes")
+    assert main(["worker", "--token", "t", "--device", "cpu", "--memory", "4GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "PYTORCH_ALLOC_CONF" in err and "expected True or False" in err
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:40")
+    given = parse_alloc_conf("expandable_segments:True")
+    (device,) = read_inventory("cpu", 4 * GIB, allocator_config=given)
+    assert device.info.allocator_conf == "expandable_segments:True"
+    (default,) = read_inventory("cpu", 4 * GIB)
+    assert default.info.allocator_conf is None

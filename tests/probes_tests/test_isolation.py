@@ -29,7 +29,7 @@ from autotune.engine.probe import probe_session
 from autotune.engine.runner import InProcessRunner
 from autotune.engine.tuner import tune_session
 from probes.errors import TrialCrashed, TrialError, WorkerShutdown
-from probes.isolation import ChildProcessRunner, StartMethod
+from probes.isolation import ChildProcessRunner, StartMethod, use_allocator_conf
 from tests.autotune_tests.factories import TINY_LLAMA_CONFIG
 from tests.probes_tests.factories import HEAVY_STATE_ROWS, wide_spec
 from tests.probes_tests.live import MARK_VARIABLE, REPO, marked_pids, new_mark, wait_for_no_marked
@@ -139,19 +139,16 @@ def test_child_trials_equal_the_same_trials_in_one_process() -> None:
     assert _trial_children() == set()
 
 
-@pytest.mark.e2e
-def test_a_child_s_cuda_starts_with_the_allocator_settings_it_is_given() -> None:
-    """The run's allocator settings reach the child's CUDA before it starts: on the simulated
-    CUDA backend, which reads PYTORCH_ALLOC_CONF as CUDA initializes (as torch does once, at its
-    first tensor), a child's trial reserves what a process started with expandable segments
-    reserves, not what the defaults do; the device reports the settings."""
-    spec = Spec.model_validate(
-        {"model": {"preset": "gpt2-tiny"}, "training": {"seq_len": 16, "max_micro_batch": 64}}
-    )
-    conf = "expandable_segments:True"
-    worker_setting = os.environ.get("PYTORCH_ALLOC_CONF")
+_SIMULATED_SPEC = Spec.model_validate(
+    {"model": {"preset": "gpt2-tiny"}, "training": {"seq_len": 16, "max_micro_batch": 64}}
+)
+
+
+def _simulated_peaks_at_32(spec: Spec) -> dict[str | None, int]:
+    """The step's peak at b = 32 on the simulated T4, in this process, under torch's default
+    allocator settings (None) and under expandable segments: they differ."""
     peaks = {}
-    for setting in (None, conf):
+    for setting in (None, "expandable_segments:True"):
         config = parse_alloc_conf(setting) if setting else None
         with SimulatedCuda(find_gpu("T4"), allocator_config=config) as cuda:
             session = InProcessRunner(
@@ -159,7 +156,20 @@ def test_a_child_s_cuda_starts_with_the_allocator_settings_it_is_given() -> None
             )
             session.warm_up(checkpointing=False)
             peaks[setting] = session.trial(32, checkpointing=False).peak_bytes
-    assert peaks[None] != peaks[conf]  # at b = 32 the settings reserve differently
+    assert peaks[None] != peaks["expandable_segments:True"]
+    return peaks
+
+
+@pytest.mark.e2e
+def test_a_child_s_cuda_starts_with_the_allocator_settings_it_is_given() -> None:
+    """The run's allocator settings reach the child's CUDA before it starts: on the simulated
+    CUDA backend, which reads PYTORCH_ALLOC_CONF as CUDA initializes (as torch does once, at its
+    first tensor), a child's trial reserves what a process started with expandable segments
+    reserves, not what the defaults do; the device reports the settings."""
+    spec = _SIMULATED_SPEC
+    conf = "expandable_segments:True"
+    worker_setting = os.environ.get("PYTORCH_ALLOC_CONF")
+    peaks = _simulated_peaks_at_32(spec)
     runner = ChildProcessRunner(
         spec,
         "cuda:0",
@@ -172,6 +182,36 @@ def test_a_child_s_cuda_starts_with_the_allocator_settings_it_is_given() -> None
     assert runner.warm_up(checkpointing=False).fits
     assert runner.trial(32, checkpointing=False).peak_bytes == peaks[conf]
     assert os.environ.get("PYTORCH_ALLOC_CONF") == worker_setting  # the worker's is left as is
+
+
+def test_a_child_starts_with_the_settings_it_is_given_whatever_it_inherited() -> None:
+    """The worker passes its settings down (read once, as it started): a child's environment
+    holds exactly those, so neither a PYTORCH_CUDA_ALLOC_CONF (which would win) nor another
+    PYTORCH_ALLOC_CONF inherited from wherever the child was forked changes what its CUDA
+    starts with."""
+    inherited = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:40", "PYTORCH_ALLOC_CONF": "x"}
+    environ = dict(inherited, PATH="/bin")
+    use_allocator_conf("expandable_segments:True", environ)
+    assert environ == {"PATH": "/bin", "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    environ = dict(inherited, PATH="/bin")
+    use_allocator_conf(None, environ)  # torch's defaults
+    assert environ == {"PATH": "/bin"}
+
+
+@pytest.mark.e2e
+def test_a_child_given_no_settings_has_the_defaults_whatever_the_worker_has(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the simulated CUDA backend, which reads the environment as CUDA starts: a worker
+    whose own environment has expandable segments, running children for torch's defaults,
+    gets children whose CUDA reserves what the defaults do (at b = 32 the two differ)."""
+    spec = _SIMULATED_SPEC
+    peaks = _simulated_peaks_at_32(spec)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    runner = ChildProcessRunner(spec, "cuda:0", None, start_method="spawn", simulated_gpu="T4")
+    assert runner.device_info.allocator_conf is None
+    assert runner.warm_up(checkpointing=False).fits
+    assert runner.trial(32, checkpointing=False).peak_bytes == peaks[None]
 
 
 @pytest.mark.e2e

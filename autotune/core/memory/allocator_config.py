@@ -105,6 +105,13 @@ def config_from_environ(environ: Mapping[str, str]) -> AllocatorConfig:
     return AllocatorConfig()
 
 
+def settings_text(config: AllocatorConfig) -> str | None:
+    """The `PYTORCH_ALLOC_CONF` text that gives another process `config`: the text it was
+    parsed from (keys this model ignores, such as the pinned-memory ones, included), else its
+    canonical form; None for torch's defaults given no text."""
+    return config.settings or canonical_conf(config)
+
+
 def canonical_conf(config: AllocatorConfig) -> str | None:
     """The settings that differ from torch's defaults, as one `PYTORCH_ALLOC_CONF` string in a
     fixed order, so that equal configs read the same however they were written (results and

@@ -320,6 +320,40 @@ def test_expandable_pages_can_run_out_where_exact_segments_fit() -> None:
     plain.malloc(12 * MIB)
 
 
+def test_holes_inside_an_expandable_segment_cost_a_page_where_segments_fit() -> None:
+    """The large pool of gpt2-tiny's step at micro-batch 10 (32 tokens, vocabulary 8192) on
+    124 MiB, in miniature (docs/design.md#expandable-segments-as-a-knob): the embedding and its
+    two Adam states (8 MiB each), its bf16 copy (4), the bf16 logits (5), their fp32 copy and
+    log-softmax (10 each), then backward's 10 MiB gradients. In one segment the freed 5 and 10
+    MiB leave a 15 MiB hole, which best fit prefers to the tail that could grow
+    (`get_free_block`: an expandable block counts as large as it can grow); the next 10 MiB
+    finds 5 MiB there and 7 at the tail, and growing maps a whole 20 MiB page
+    (`try_allocate_expandable_block`, `map_block`); the retry unmaps only whole free pages
+    (`release_blocks`, `unmap_block`), of which there are none. Plain segments serve it from a
+    20 MiB segment's free 12 MiB (`get_allocation_size`, `should_split`)."""
+    capacity = 68 * MIB  # 8 MiB short of a fourth page; 8 MiB more than the plain step needs
+    outcomes: dict[str, int | None] = {}
+    for conf in ("", "expandable_segments:True"):
+        allocator = CachingAllocator(capacity, parse_alloc_conf(conf))
+        for size_mib in (8, 8, 8, 4):  # the residents and the bf16 embedding
+            allocator.malloc(size_mib * MIB)
+        bf16_logits, logits = allocator.malloc(5 * MIB), allocator.malloc(10 * MIB)
+        allocator.malloc(10 * MIB)  # log-softmax, kept for backward
+        allocator.free(logits)
+        allocator.free(bf16_logits)
+        allocator.malloc(10 * MIB)  # the loss's gradient
+        try:
+            allocator.malloc(10 * MIB)  # log-softmax's backward
+        except AllocatorOutOfMemory:
+            outcomes[conf] = None
+        else:
+            outcomes[conf] = allocator.stats.peak_reserved_bytes // MIB
+        if conf:
+            assert [b for b in layout(allocator)[0] if not b[1]] == [(5, False), (7, False)]
+            assert allocator.stats.num_alloc_retries == 1
+    assert outcomes == {"": 60, "expandable_segments:True": None}
+
+
 def test_a_freed_expandable_page_is_mapped_again_before_the_segment_grows() -> None:
     allocator = CachingAllocator(GIB, parse_alloc_conf("expandable_segments:True"))
     blocks = [allocator.malloc(10 * MIB) for _ in range(6)]  # pages 0, 1 and 2

@@ -19,6 +19,7 @@ from autotune.core.memory.allocator_config import (
     canonical_conf,
     config_from_environ,
     parse_alloc_conf,
+    settings_text,
 )
 
 
@@ -244,3 +245,16 @@ def test_the_canonical_form_reads_back_to_a_config_that_allocates_the_same(
     same_divisions = tuple(0 if n <= 1 else n for n in divisions)
     assert back == replace(config, roundup_power2_divisions=same_divisions)
     assert canonical_conf(back) == text
+
+
+def test_the_settings_another_process_gets_are_the_text_read_else_the_canonical_form() -> None:
+    """What a worker hands its trial children: the text it read, keys the model ignores
+    included (a child's real CUDA reads those too); a config made in code, its canonical form;
+    the defaults, nothing."""
+    text = "pinned_use_cuda_host_register:True,expandable_segments:True"
+    assert settings_text(parse_alloc_conf(text)) == text
+    assert parse_alloc_conf(text) == parse_alloc_conf("expandable_segments:True")
+    made = AllocatorConfig(expandable_segments=True, max_split_bytes=64 * MIB)
+    assert settings_text(made) == "max_split_size_mb:64,expandable_segments:True"
+    assert parse_alloc_conf(settings_text(made) or "") == made
+    assert settings_text(AllocatorConfig()) is None
