@@ -25,7 +25,7 @@ Speed (`--speed`): what an estimate costs at the sizes people ask about, each ca
 process of its own (its wall and CPU seconds, and its peak RSS, imports excluded from the times):
 both modes of a 7B LoRA probe, a 70B LoRA probe under ZeRO-3 on 8 ranks, a whole `tune` of an 8B
 LoRA, and one measurement at several accumulation counts. `--profile` adds the top entries of a
-cProfile of the 7B probe. `--label before|after|replay` files the figures under that label,
+cProfile of the 7B probe. `--label before|after|replay|speed-replay` files the figures under that label,
 keeping the other labels'. Writes bench/results/estimator_speed.{json,md} only.
 """
 
@@ -627,8 +627,9 @@ SPEED_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], str, str]] = {
     ),
 }
 ACCUMULATIONS = (1, 8, 64, 2**20)
-# Rows by round: before and after the reuse of traces, and after the layer replay.
-SPEED_LABELS = ("before", "after", "replay")
+# Rows by round: before and after the reuse of traces, after the layer replay, and after its
+# speed passes (round 3).
+SPEED_LABELS = ("before", "after", "replay", "speed-replay")
 # Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
 # of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).
 SPEED_NOTES = [
@@ -864,7 +865,7 @@ def _write_speed(document: dict[str, Any]) -> None:
     lines = [
         "# What an estimate costs",
         "",
-        f"Made by `bench/estimator.py --speed [--profile] --label before|after|replay` on "
+        f"Made by `bench/estimator.py --speed [--profile] --label {'|'.join(SPEED_LABELS)}` on "
         f"{document['machine']}, each case in a child process of its own. The machine's 2 cores "
         "were shared with other jobs (the load average is beside each figure), so wall seconds "
         "stretch with the load; CPU seconds (user + system of the child) are the figure to "
@@ -926,7 +927,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="add the estimate under expandable segments to the committed zoo rows only",
     )
-    parser.add_argument("--label", choices=SPEED_LABELS, default="replay")
+    parser.add_argument("--label", choices=SPEED_LABELS, default="speed-replay")
     parser.add_argument("--profile", action="store_true", help="profile the 7B probe")
     parser.add_argument("--speed-case", choices=sorted(SPEED_CASES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
