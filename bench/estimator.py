@@ -25,8 +25,8 @@ Speed (`--speed`): what an estimate costs at the sizes people ask about, each ca
 process of its own (its wall and CPU seconds, and its peak RSS, imports excluded from the times):
 both modes of a 7B LoRA probe, a 70B LoRA probe under ZeRO-3 on 8 ranks, a whole `tune` of an 8B
 LoRA, and one measurement at several accumulation counts. `--profile` adds the top entries of a
-cProfile of the 7B probe. `--label before|after|replay` files the figures under that label,
-keeping the other labels'. Writes bench/results/estimator_speed.{json,md} only.
+cProfile of the 7B probe. `--label before|after|replay|speed-replay` files the figures under
+that label, keeping the other labels'. Writes bench/results/estimator_speed.{json,md} only.
 """
 
 from __future__ import annotations
@@ -644,8 +644,9 @@ SPEED_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], str, str]] = {
     ),
 }
 ACCUMULATIONS = (1, 8, 64, 2**20)
-# Rows by round: before and after the reuse of traces, and after the layer replay.
-SPEED_LABELS = ("before", "after", "replay")
+# Rows by round: before and after the reuse of traces, after the layer replay, and after its
+# speed passes (round 3).
+SPEED_LABELS = ("before", "after", "replay", "speed-replay")
 # Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
 # of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).
 SPEED_NOTES = [
@@ -710,6 +711,40 @@ SPEED_NOTES = [
     "an optimizer's foreach kernel spans every layer's parameters and its roofline time is not "
     "a sum over layers); several ranks (FSDP2's per-layer all-gathers and frees, DDP's "
     "buckets) in the journal; and the per-op cost of the 5-layer trace itself, now the bulk.",
+    "Round 3 (speed-replay), the speed pass by the layer replay (docs/design.md#the-layer-replay, "
+    "item 4; autotune/engine/layer_speed.py): a replayed model's speed pass runs the 5-layer "
+    "model, files each kernel under its layer, counts the pure middle layer's kernels N - 4 "
+    "times, and times each optimizer foreach kernel (one launch over every layer's tensors) "
+    "once with the deep model's bytes. Tests compare it with the whole model's speed pass to "
+    "1e-12 relative (measured: at most 3e-14 on the test configs; on Llama-3-8B LoRA at 4096 "
+    "tokens, G = 3 and 64, 5e-14 and 8e-14, 2.4 CPU s for both passes against 11.4 whole).",
+    "llama8b-lora-tune: 155.2 CPU s instead of 192.8 (load 6.1 against 9.9). Where the rest "
+    "goes (a run of the same tune logging each call's CPU seconds, at 1c148c2 and at this "
+    "round): its 15 replayed trials about 33 s, and partial checkpointing, which the replay "
+    "does not cover (its first k layers differ from the others): the whole 32-layer model is "
+    "built and warmed up (11 s) for the tuner's fewest-blocks search, 6 trials of 4 x 2 and "
+    "4 x 5 at 16 to 28 blocks traced whole (88 s), and its speed pass of 25 blocks timed whole "
+    "(14.5-18.5 s). The two replayed speed passes took 1.7 and 2.1 CPU s (26 and 18 whole).",
+    "Its recommendation is the same configuration (1 x 64, no checkpointing); its samples/s "
+    "differ (0.68339 against 0.68499): the step's history, not the replay. transformers' "
+    "gradient_checkpointing_enable calls enable_input_require_grads, and "
+    "gradient_checkpointing_disable undoes it only for transformers' own PEFT integration, not "
+    "for a peft-wrapped model: after any checkpointed step, a plain step's embedding output "
+    "requires a gradient and layer 0's backward computes its input's. The round-2 tune timed "
+    "a whole model built for its first speed pass, which had run no checkpointed step; this "
+    "round's times the 5-layer model, which ran the probe's checkpointed trials. The same "
+    "history gives the same time both ways: after a checkpointed warm-up and a plain one, "
+    "1 x 64 plain takes 93.651432597036 s replayed and 93.651432597044 s whole (the tune's "
+    "figure), and 93.431586803023 s replayed and 93.431586803030 s whole after a plain "
+    "warm-up only (round 2's). Both traces are exact for the step they run; which history a "
+    "plain step should have is the step's question (training/workload.py's checkpointing "
+    "switch), left for a change of its own.",
+    "qwen0.5b-accumulation (24 layers, full fine-tuning, AdamW): 9.8 CPU s instead of 41.8 "
+    "(load 3.9 against 8.2); its step times are the after row's to 3e-14 and its peaks to the "
+    "byte, its speed passes now from the 5-layer model.",
+    "qwen7b-lora-probe: a probe has no speed pass; 21.7 CPU s against 18.4 (the same code "
+    "path; the load and the sandbox's compile of lazily imported modules differ), the same "
+    "answers to the byte.",
 ]
 
 
@@ -881,7 +916,7 @@ def _write_speed(document: dict[str, Any]) -> None:
     lines = [
         "# What an estimate costs",
         "",
-        f"Made by `bench/estimator.py --speed [--profile] --label before|after|replay` on "
+        f"Made by `bench/estimator.py --speed [--profile] --label {'|'.join(SPEED_LABELS)}` on "
         f"{document['machine']}, each case in a child process of its own. The machine's 2 cores "
         "were shared with other jobs (the load average is beside each figure), so wall seconds "
         "stretch with the load; CPU seconds (user + system of the child) are the figure to "
@@ -943,7 +978,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="add the estimate under expandable segments to the committed zoo rows only",
     )
-    parser.add_argument("--label", choices=SPEED_LABELS, default="replay")
+    parser.add_argument("--label", choices=SPEED_LABELS, default="speed-replay")
     parser.add_argument("--profile", action="store_true", help="profile the 7B probe")
     parser.add_argument("--speed-case", choices=sorted(SPEED_CASES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

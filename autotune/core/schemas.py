@@ -7,8 +7,9 @@ Every payload that crosses a process or network boundary is one of these models.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
@@ -16,6 +17,9 @@ from autotune.core.bytesize import format_bytes
 from autotune.core.errors import SpecError, shown
 from autotune.core.hubid import HUB_ID_MAX, hub_id_problem
 from autotune.core.presets import PRESETS, CNNPreset, DecoderPreset
+
+if TYPE_CHECKING:
+    from autotune.core.memory.allocator import AllocatorStats
 
 # Column sizes in api/store/tables.py: a longer value would pass SQLite and fail PostgreSQL, so the
 # schemas refuse it first and both databases answer the same 422.
@@ -711,6 +715,35 @@ class StepOutcome(FrozenModel):
     # The step's allocations and frees in order, encoded as autotune.core.memory.allocation_trace
     # reads them, for the search's replay through the allocator model; kept like `series`.
     allocations: tuple[int, ...] | None = Field(default=None, exclude=True, repr=False)
+
+    @classmethod
+    def of_allocator(
+        cls,
+        micro_batch: int,
+        stats: AllocatorStats,
+        *,
+        phase_peak_bytes: dict[Phase, int],
+        oom_phase: Phase | None,
+        oom: OomDetail | None,
+        series: Sequence[int] | None,
+        allocations: Sequence[int] | None,
+    ) -> StepOutcome:
+        """A step run through the model of the caching allocator, which never reserves past
+        its capacity: it fits when nothing ran out, and only then keeps its `series` and
+        `allocations` (None: not recorded)."""
+        fits = oom_phase is None
+        return cls(
+            micro_batch=micro_batch,
+            fits=fits,
+            peak_bytes=stats.peak_reserved_bytes,
+            peak_allocated_bytes=stats.peak_allocated_bytes,
+            num_alloc_retries=stats.num_alloc_retries,
+            phase_peak_bytes=phase_peak_bytes,
+            oom_phase=oom_phase,
+            oom=oom,
+            series=tuple(series) if fits and series is not None else None,
+            allocations=tuple(allocations) if fits and allocations is not None else None,
+        )
 
 
 def _none_is_empty(value: object) -> object:

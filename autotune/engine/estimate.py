@@ -26,24 +26,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import (
-    flop_registry,
-    register_flop_formula,
-    sdpa_backward_flop,
-    sdpa_flop,
-)
 from torch.utils.hooks import RemovableHandle
 
 from autotune.core.errors import SpecError
 from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.gpus.cuda_reserve import GpuBudget, budget_for
-from autotune.core.gpus.roofline import MathDtype, RooflineAssumptions, op_time_s
+from autotune.core.gpus.roofline import RooflineAssumptions
 from autotune.core.memory.allocator_config import AllocatorConfig
 from autotune.core.parallel.layouts import layout_transfers
 from autotune.core.parallel.overlap import OverlapAssumptions, StepTimes, step_times
@@ -59,79 +50,14 @@ from autotune.core.schemas import (
 )
 from autotune.core.throughput import Measurement
 from autotune.engine.devices.device import EmulatedDevice
-from autotune.engine.layer_replay import LayerReplay, NotReplayable, replay_depth
+from autotune.engine.emulation.layer_journal import NotReplayable
+from autotune.engine.kernel_times import KernelTimes, SpeedPass
+from autotune.engine.layer_replay import LayerReplay, replay_depth
+from autotune.engine.layer_speed import step_times_s
 from autotune.engine.runner import InProcessRunner
 from autotune.engine.training.sharding import model_parameters
 
-_aten = torch.ops.aten
 logger = logging.getLogger(__name__)
-
-# The CPU's flash attention stands for the GPU's fused kernels in the speed pass; torch has no
-# FLOP formula for it, and the SDPA formulas count what a fused kernel computes.
-for _op, _formula in (
-    (_aten._scaled_dot_product_flash_attention_for_cpu, sdpa_flop),
-    (_aten._scaled_dot_product_flash_attention_for_cpu_backward, sdpa_backward_flop),
-):
-    if _op not in flop_registry:
-        register_flop_formula(_op, get_raw=True)(_formula)
-
-# Ops that launch no kernel: they only make a tensor's metadata or reserve its memory.
-_NO_KERNEL = {
-    _aten.empty.memory_format,
-    _aten.empty_like.default,
-    _aten.empty_strided.default,
-    _aten.new_empty.default,
-    _aten.new_empty_strided.default,
-    _aten.detach.default,
-}
-
-
-def _math_dtype(dtype: torch.dtype, *, tf32: bool) -> MathDtype:
-    if dtype == torch.bfloat16:
-        return "bf16"
-    if dtype == torch.float16:
-        return "fp16"
-    return "tf32" if tf32 else "fp32"
-
-
-class _KernelTimes(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Adds up every kernel's roofline time; views and allocations launch none."""
-
-    def __init__(self, budget: GpuBudget, assumptions: RooflineAssumptions, tf32: bool) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.gpu = budget.gpu
-        self.assumptions = assumptions
-        self.tf32 = tf32
-        self.time_s = 0.0
-        self.flops = 0
-        self.kernels = 0
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func.namespace != "aten" or func.is_view or func in _NO_KERNEL:
-            return out
-        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if not outputs:
-            return out
-        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        formula = flop_registry.get(func._overloadpacket)
-        flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
-        bytes_moved = sum(t.numel() * t.element_size() for t in (*inputs, *outputs))
-        floating = [t.dtype for t in (*inputs, *outputs) if t.is_floating_point()]
-        dtype = _math_dtype(floating[0] if floating else torch.float32, tf32=self.tf32)
-        self.time_s += op_time_s(
-            self.gpu, self.assumptions, flops=flops, bytes_moved=bytes_moved, dtype=dtype
-        )
-        self.flops += flops
-        self.kernels += 1
-        return out
 
 
 class _Interruptible(TorchFunctionMode):
@@ -208,38 +134,6 @@ class _Interruptible(TorchFunctionMode):
         stop = self.stop
         if stop is not None and exc_info[1] is not stop:
             raise stop.with_traceback(None) from exc_info[1]
-
-
-class _SpeedPass(TorchFunctionMode):
-    """The speed pass's view of the step's calls: attention as the fused kernel, and the end of
-    each micro-step.
-
-    Dropout sends the CPU's attention down the math path (s x s matrices the GPU's kernels
-    never write); the fused kernels apply it on chip, so the speed pass runs without it. The step
-    calls `torch.autograd.backward` once per micro-batch: `ends_s` notes `times`' running total
-    as each returns, the kernels between two ends being one micro-step's forward and backward."""
-
-    def __init__(self, times: _KernelTimes) -> None:
-        super().__init__()
-        self.times = times
-        self.ends_s: list[float] = []
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = dict(kwargs or {})
-        if func is F.scaled_dot_product_attention:
-            kwargs["dropout_p"] = 0.0
-            if len(args) > 4:
-                args = (*args[:4], 0.0, *args[5:])
-        out = func(*args, **kwargs)
-        if func is torch.autograd.backward:
-            self.ends_s.append(self.times.time_s)
-        return out
 
 
 @contextmanager
@@ -436,6 +330,9 @@ class EstimateRunner:
         self._warm_checkpointing = False
         self._outcomes: dict[_TrialKey, StepOutcome] = {}
         self._step_times: dict[_TrialKey, _StepTimes] = {}
+        # Speed passes by the layer replay while they can be (`autotune.engine.layer_speed`);
+        # `layer_replay=False` times the whole model too.
+        self._speed_replay = True
 
     def _build_full(self) -> InProcessRunner:
         # The snapshot that undoes an out-of-memory inside the optimizer step is fake too:
@@ -476,6 +373,11 @@ class EstimateRunner:
     def layer_replay(self) -> bool:
         """Whether trials are replayed from a shallow model's trace."""
         return self._replay is not None
+
+    @property
+    def speed_replay(self) -> bool:
+        """Whether speed passes are timed from a shallow one (`autotune.engine.layer_speed`)."""
+        return self._replay is not None and self._speed_replay
 
     @property
     def communication_assumption(self) -> str | None:
@@ -633,32 +535,53 @@ class EstimateRunner:
         return times.total_s + (accumulation_steps - _TIMED_ACCUMULATION) * times.middle_s
 
     def _kernel_times(self, key: _TrialKey) -> _StepTimes:
+        """The step's roofline time and its middle micro-step's: from the shallow model's
+        speed pass by the layer replay when its trials are replayed (but partial
+        checkpointing, whose first layers differ), else from the whole model's."""
         assert self.gpu is not None
-        step = self._runner.step
-        step.checkpointing = key.checkpointing
-        step.checkpoint_blocks(key.checkpointed_blocks)
-        times = _KernelTimes(self.gpu, self.assumptions, bool(self.spec.training.tf32))
-        ends = _SpeedPass(times)
-        with self._mode, _sequences_not_packed(), ends, times:
-            with self._checked():
-                step.run(key.micro_batch, key.accumulation_steps)
-        if len(ends.ends_s) != key.accumulation_steps:
-            raise RuntimeError(
-                f"estimate: a step of {key.accumulation_steps} micro-steps ran "
-                f"{len(ends.ends_s)} backward passes; its middle micro-step is unknown"
-            )
+        tf32 = bool(self.spec.training.tf32)
+        replay = self._replay if self._speed_replay and key.checkpointed_blocks is None else None
+        times: _StepTimes | None = None
+        if replay is not None:
+            try:
+                with replay.speed_pass(self.gpu, self.assumptions, tf32) as layered:
+                    self._timed_step(replay.runner, key, layered)
+                total_s, middle_s = step_times_s(layered.deep_times_s(replay.depth))
+                times = _StepTimes(total_s=total_s, middle_s=middle_s)
+            except NotReplayable as reason:
+                logger.info("estimate: timing the whole model: %s", reason)
+                self._speed_replay = False
+        if times is None:
+            whole = KernelTimes(self.gpu, self.assumptions, tf32)
+            self._timed_step(self._runner, key, whole)
+            middle_s = whole.ends_s[1] - whole.ends_s[0] if key.accumulation_steps >= 3 else 0.0
+            times = _StepTimes(total_s=whole.time_s, middle_s=middle_s)
         if key.accumulation_steps < 3:
-            return _StepTimes(total_s=times.time_s, middle_s=0.0)
+            return times
         # Before the first forward a step makes all of its micro-batches and sums their item
         # counts (`TrainingStep.run`, `accumulate_gradients`), so a middle micro-step is its
         # batch's making and counting, and the kernels between two ends.
-        workload = self._runner.workload
-        making = _KernelTimes(self.gpu, self.assumptions, bool(self.spec.training.tf32))
+        runner = self._any_runner
+        making = KernelTimes(self.gpu, self.assumptions, tf32)
         with self._mode, making:
-            batch = workload.make_batch(key.micro_batch, self._runner.device.torch_device)
-            _ = 0 + workload.num_items(batch)  # as the step's sum over its micro-batches adds
-        middle_s = making.time_s + ends.ends_s[1] - ends.ends_s[0]
-        return _StepTimes(total_s=times.time_s, middle_s=middle_s)
+            batch = runner.workload.make_batch(key.micro_batch, runner.device.torch_device)
+            _ = 0 + runner.workload.num_items(batch)  # as the step's sum over its micro-batches
+        return _StepTimes(total_s=times.total_s, middle_s=making.time_s + times.middle_s)
+
+    def _timed_step(self, runner: InProcessRunner, key: _TrialKey, times: KernelTimes) -> None:
+        """Runs `key`'s step on `runner` under `times`."""
+        step = runner.step
+        step.checkpointing = key.checkpointing
+        step.checkpoint_blocks(key.checkpointed_blocks)
+        ends = SpeedPass(times)
+        with self._mode, _sequences_not_packed(), ends, times:
+            with self._checked():
+                step.run(key.micro_batch, key.accumulation_steps)
+        if ends.micro_steps != key.accumulation_steps:
+            raise RuntimeError(
+                f"estimate: a step of {key.accumulation_steps} micro-steps ran "
+                f"{ends.micro_steps} backward passes; its middle micro-step is unknown"
+            )
 
     def measure(
         self,

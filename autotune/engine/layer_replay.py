@@ -30,13 +30,16 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from autotune.core.gpus.cuda_reserve import GpuBudget
+from autotune.core.gpus.roofline import RooflineAssumptions
 from autotune.core.memory.allocator import AllocatorOutOfMemory, CachingAllocator
 from autotune.core.memory.allocator_config import AllocatorConfig
 from autotune.core.schemas import OOM_OP_MAX, OomDetail, Phase, Sharding, Spec, StepOutcome
@@ -53,19 +56,17 @@ from autotune.engine.emulation.layer_journal import (
     WEIGHT,
     JournalTracker,
     LayerContexts,
+    NotReplayable,
     parameter_tags,
     storage_key,
 )
+from autotune.engine.layer_speed import LayerKernelTimes
 from autotune.engine.runner import InProcessRunner
 
 # The depth of the traced model: the first and last layers may differ from the others (the
 # first reads the embeddings, which need no gradient under LoRA; the last feeds the final
 # norm), and two middle layers show what a middle layer does beside another middle layer.
 TRACED_LAYERS = 5
-
-
-class NotReplayable(Exception):
-    """The shallow journal does not show the layer structure the replay relies on."""
 
 
 def owners(journal: Sequence[tuple[Any, ...]]) -> list[int | None]:
@@ -328,19 +329,14 @@ def evaluate(
             series.append(live_bytes)
         else:
             gradients.add(record[1])
-    stats = allocator.stats
-    fits = oom_phase is None
-    return StepOutcome(
-        micro_batch=micro_batch,
-        fits=fits,
-        peak_bytes=stats.peak_reserved_bytes,
-        peak_allocated_bytes=stats.peak_allocated_bytes,
-        num_alloc_retries=stats.num_alloc_retries,
+    return StepOutcome.of_allocator(
+        micro_batch,
+        allocator.stats,
         phase_peak_bytes=phase_peak_bytes,
         oom_phase=oom_phase,
         oom=oom,
-        series=tuple(series) if fits else None,
-        allocations=tuple(allocations) if fits else None,
+        series=series,
+        allocations=allocations,
     )
 
 
@@ -447,6 +443,10 @@ def replay_depth(spec: Spec) -> int | None:
     return depth
 
 
+class _GradientRecorder(Protocol):
+    def record_gradient(self, parameter: torch.Tensor, tag: int) -> None: ...
+
+
 class LayerReplay:
     """Trials of a deep model by the layer replay (module docstring): `device` is the emulated
     GPU the estimate is for; the shallow model runs on a twin of it that never runs out."""
@@ -493,6 +493,9 @@ class LayerReplay:
         self.layers = layers
         self.contexts = LayerContexts(layers)
         self._tracker: JournalTracker | None = None
+        # Who hears of each completed gradient: the journal's tracker in a trial, the kernel
+        # times in a speed pass.
+        self._gradients: _GradientRecorder | None = None
         self._tags: dict[int, int] = {}
         self._categories: dict[int, int] = {}
         _, _, by_parameter = parameter_tags(layers, self.runner.step.model, {})
@@ -506,11 +509,35 @@ class LayerReplay:
             *args, contexts=self.contexts, tags=self._tags, categories=self._categories, **kwargs
         )
         self._tracker = tracker
+        self._gradients = tracker
         return tracker
 
     def _gradient(self, tag: int, parameter: torch.Tensor) -> None:
-        if self._tracker is not None:
-            self._tracker.record_gradient(parameter, tag)
+        if self._gradients is not None:
+            self._gradients.record_gradient(parameter, tag)
+
+    @contextmanager
+    def speed_pass(
+        self, budget: GpuBudget, assumptions: RooflineAssumptions, tf32: bool
+    ) -> Iterator[LayerKernelTimes]:
+        """Kernel times for a speed pass of the shallow model (`autotune.engine.layer_speed`):
+        the caller runs the shallow step under them, then asks them for the deep model's
+        times. The step leaves the shallow model as the whole model's speed pass leaves the
+        whole model (an optimizer state it made included)."""
+        step = self.runner.step
+        optimizer = getattr(step.optimizer, "optim", step.optimizer)
+        tags, _, _ = parameter_tags(self.layers, step.model, optimizer.state)
+        times = LayerKernelTimes(
+            budget, assumptions, tf32, contexts=self.contexts, tags=tags, depth=TRACED_LAYERS
+        )
+        self._gradients = times
+        try:
+            yield times
+        except BaseException:
+            step.clear_grads()  # a step cut short leaves what the next would accumulate into
+            raise
+        finally:
+            self._gradients = None
 
     def trial(
         self, micro_batch: int, accumulation_steps: int, *, checkpointing: bool
@@ -529,6 +556,7 @@ class LayerReplay:
         shallow = runner.trial(micro_batch, accumulation_steps, checkpointing=checkpointing)
         tracker = self._tracker
         self._tracker = None
+        self._gradients = None
         if not shallow.fits or tracker is None:
             raise NotReplayable("the traced model's step did not complete")
         journal = tracker.journal

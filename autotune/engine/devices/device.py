@@ -219,19 +219,14 @@ class EmulatedDevice:
 
         oom_phase = run_tracked(resident_then_step, tracker, micro_batch=micro_batch)
         # The allocator never reserves past its capacity, so a step that completed fits.
-        stats = allocator.stats
-        fits = oom_phase is None
-        return StepOutcome(
-            micro_batch=micro_batch,
-            fits=fits,
-            peak_bytes=stats.peak_reserved_bytes,
-            peak_allocated_bytes=stats.peak_allocated_bytes,
-            num_alloc_retries=stats.num_alloc_retries,
+        return StepOutcome.of_allocator(
+            micro_batch,
+            allocator.stats,
             phase_peak_bytes=dict(tracker.phase_peak_bytes),
             oom_phase=oom_phase,
             oom=tracker.oom,
-            series=tuple(tracker.series) if record_series and fits else None,
-            allocations=tuple(tracker.allocations) if record_series and fits else None,
+            series=tracker.series if record_series else None,
+            allocations=tracker.allocations if record_series else None,
         )
 
     def _run_live_bytes(

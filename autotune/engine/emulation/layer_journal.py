@@ -54,6 +54,10 @@ STICKY = -2  # a tag: no tagged input; the event goes with the one before it
 OTHER, WEIGHT, OPTIMIZER_STATE = 0, 1, 2
 
 
+class NotReplayable(Exception):
+    """The shallow trace does not show the layer structure the layer replay relies on."""
+
+
 def storage_key(tensor: torch.Tensor) -> int | None:
     """The tracker's key of `tensor`'s storage (None without one)."""
     try:
@@ -66,6 +70,32 @@ def _key_or_none(tensor: torch.Tensor) -> int:
     """`storage_key`, with -1 (never a key) for a tensor without a storage."""
     key = storage_key(tensor)
     return -1 if key is None else key
+
+
+def output_tags(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tags: dict[int, int]
+) -> tuple[list[int] | int, int]:
+    """Outside the layers: the tags of an op's outputs (a foreach op's i-th output the tag of
+    its first list's i-th tensor, any other op's the one tag its inputs share), and the op's
+    own, from the storages' `tags`."""
+    if func.__name__.startswith("_foreach_") and args and isinstance(args[0], list | tuple):
+        per_output = [
+            tags.get(_key_or_none(t), STICKY) if isinstance(t, torch.Tensor) else STICKY
+            for t in args[0]
+        ]
+        distinct = set(per_output)
+        return per_output, (distinct.pop() if len(distinct) == 1 else FIXED)
+    found = {
+        tags[key]
+        for t in pytree.tree_leaves((args, kwargs))
+        if isinstance(t, torch.Tensor) and (key := storage_key(t)) in tags
+    }
+    if not found:
+        return STICKY, STICKY
+    if len(found) == 1:
+        tag = found.pop()
+        return tag, tag
+    return FIXED, FIXED
 
 
 class LayerContexts:
@@ -195,28 +225,6 @@ class JournalTracker(LiveBytesTracker):  # type: ignore[no-untyped-call]
             context = self.contexts.current(self.phase)
             self.journal.append((GRAD, self._journal_index[ref.event], context))
 
-    def _tags_of(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The tags of an op's outputs, and the op's own, outside the layers."""
-        tags = self.tags
-        if func.__name__.startswith("_foreach_") and args and isinstance(args[0], list | tuple):
-            per_output = [
-                tags.get(_key_or_none(t), STICKY) if isinstance(t, torch.Tensor) else STICKY
-                for t in args[0]
-            ]
-            distinct = set(per_output)
-            return per_output, (distinct.pop() if len(distinct) == 1 else FIXED)
-        found = {
-            tags[key]
-            for t in pytree.tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor) and (key := storage_key(t)) in tags
-        }
-        if not found:
-            return STICKY, STICKY
-        if len(found) == 1:
-            tag = found.pop()
-            return tag, tag
-        return FIXED, FIXED
-
     def __torch_dispatch__(
         self,
         func: Any,
@@ -244,7 +252,7 @@ class JournalTracker(LiveBytesTracker):  # type: ignore[no-untyped-call]
         tag = STICKY
         self._output_tags = STICKY
         if context == NO_LAYER:
-            self._output_tags, tag = self._tags_of(func, args, kwargs)
+            self._output_tags, tag = output_tags(func, args, kwargs, self.tags)
         previous_phase = self.phase
         self._added_bytes = 0
         try:

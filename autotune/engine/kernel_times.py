@@ -1,0 +1,175 @@
+"""A traced step's roofline time: every kernel the step launches, timed on a named GPU.
+
+`KernelTimes` is a dispatch mode that sees each aten op of a step on fake tensors and adds up
+its kernel's roofline time (`autotune.core.gpus.roofline.op_time_s`): FLOPs from torch's
+formulas (`torch.utils.flop_counter`), bytes read and written from the shapes. Views and
+allocations launch no kernel. `SpeedPass` is the step's view from above the dispatcher:
+attention as the GPU's fused kernel, and where each micro-step ends. The estimate times its
+speed passes with both (`autotune.engine.estimate`); the layer replay times a shallow model's
+step with a `KernelTimes` that also says which layer each kernel belongs to
+(`autotune.engine.layer_speed`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import (
+    flop_registry,
+    register_flop_formula,
+    sdpa_backward_flop,
+    sdpa_flop,
+)
+
+from autotune.core.gpus.cuda_reserve import GpuBudget
+from autotune.core.gpus.roofline import MathDtype, RooflineAssumptions, op_time_s
+
+_aten = torch.ops.aten
+
+# The CPU's flash attention stands for the GPU's fused kernels in the speed pass; torch has no
+# FLOP formula for it, and the SDPA formulas count what a fused kernel computes.
+for _op, _formula in (
+    (_aten._scaled_dot_product_flash_attention_for_cpu, sdpa_flop),
+    (_aten._scaled_dot_product_flash_attention_for_cpu_backward, sdpa_backward_flop),
+):
+    if _op not in flop_registry:
+        register_flop_formula(_op, get_raw=True)(_formula)
+
+# Ops that launch no kernel: they only make a tensor's metadata or reserve its memory.
+_NO_KERNEL = {
+    _aten.empty.memory_format,
+    _aten.empty_like.default,
+    _aten.empty_strided.default,
+    _aten.new_empty.default,
+    _aten.new_empty_strided.default,
+    _aten.detach.default,
+}
+
+
+def _math_dtype(dtype: torch.dtype, *, tf32: bool) -> MathDtype:
+    if dtype == torch.bfloat16:
+        return "bf16"
+    if dtype == torch.float16:
+        return "fp16"
+    return "tf32" if tf32 else "fp32"
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel an op launches: its arithmetic, the tensors it reads and writes, and the
+    dtype its arithmetic runs in."""
+
+    flops: int
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    dtype: MathDtype
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.inputs, *self.outputs))
+
+
+class KernelTimes(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Adds up every kernel's roofline time on `budget`'s GPU; `ends_s` is the running total
+    at the end of each micro-step (`SpeedPass`)."""
+
+    def __init__(self, budget: GpuBudget, assumptions: RooflineAssumptions, tf32: bool) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.gpu = budget.gpu
+        self.assumptions = assumptions
+        self.tf32 = tf32
+        self.time_s = 0.0
+        self.ends_s: list[float] = []
+
+    def kernel_time_s(self, kernel: Kernel, bytes_moved: int | None = None) -> float:
+        """`kernel`'s roofline time, moving `bytes_moved` (its own tensors' by default)."""
+        return op_time_s(
+            self.gpu,
+            self.assumptions,
+            flops=kernel.flops,
+            bytes_moved=kernel.bytes_moved if bytes_moved is None else bytes_moved,
+            dtype=kernel.dtype,
+        )
+
+    def kernel(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: object
+    ) -> Kernel | None:
+        """The kernel `func` launched to make `out`; None for a view, an allocation or an op
+        that returns no tensor."""
+        if func.namespace != "aten" or func.is_view or func in _NO_KERNEL:
+            return None
+        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not outputs:
+            return None
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        formula = flop_registry.get(func._overloadpacket)
+        flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+        floating = [t.dtype for t in (*inputs, *outputs) if t.is_floating_point()]
+        dtype = _math_dtype(floating[0] if floating else torch.float32, tf32=self.tf32)
+        return Kernel(flops, inputs, outputs, dtype)
+
+    def record(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: object
+    ) -> None:
+        """Counts what `func` launched; a subclass may file it elsewhere."""
+        kernel = self.kernel(func, args, kwargs, out)
+        if kernel is not None:
+            self.time_s += self.kernel_time_s(kernel)
+
+    def end_micro_step(self) -> None:
+        self.ends_s.append(self.time_s)
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.record(func, args, kwargs, out)
+        return out
+
+
+class SpeedPass(TorchFunctionMode):
+    """The speed pass's view of the step's calls: attention as the fused kernel, and the end of
+    each micro-step.
+
+    Dropout sends the CPU's attention down the math path (s x s matrices the GPU's kernels
+    never write); the fused kernels apply it on chip, so the speed pass runs without it. The step
+    calls `torch.autograd.backward` once per micro-batch: `times` is told as each returns, the
+    kernels between two ends being one micro-step's forward and backward."""
+
+    def __init__(self, times: KernelTimes) -> None:
+        super().__init__()
+        self.times = times
+        self.micro_steps = 0
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is F.scaled_dot_product_attention:
+            kwargs["dropout_p"] = 0.0
+            if len(args) > 4:
+                args = (*args[:4], 0.0, *args[5:])
+        out = func(*args, **kwargs)
+        if func is torch.autograd.backward:
+            self.micro_steps += 1
+            self.times.end_micro_step()
+        return out
+
+
+__all__ = ["Kernel", "KernelTimes", "SpeedPass"]

@@ -1,0 +1,67 @@
+"""The layer replay's speed pass (autotune/engine/layer_speed.py): a deep decoder's roofline
+step time from a five-layer model's kernels equals the whole model's speed pass to rounding
+(a sum in another order: 1e-12 relative), the optimizer's foreach kernels, which span every
+layer, included."""
+
+from __future__ import annotations
+
+import pytest
+
+from autotune.core.gpus.catalogue import find_gpu
+from autotune.core.gpus.cuda_reserve import budget_for
+from autotune.engine.estimate import EstimateRunner
+from tests.autotune_tests.engine.test_layer_replay import _config, _spec
+
+pytest.importorskip("transformers")
+
+A100 = budget_for(find_gpu("A100 80GB"))
+RELATIVE = 1e-12
+
+
+def _runners(
+    model_type: str, depth: int, *, lora: bool, optimizer: str
+) -> tuple[EstimateRunner, EstimateRunner]:
+    spec = _spec(_config(model_type, depth), lora=lora, optimizer=optimizer)
+    replayed = EstimateRunner(spec, gpu=A100)
+    whole = EstimateRunner(spec, gpu=A100, layer_replay=False)
+    assert replayed.layer_replay and not whole.layer_replay
+    return replayed, whole
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("model_type", "depth", "lora", "optimizer"),
+    [
+        ("llama", 8, True, "adamw"),
+        ("qwen2", 9, False, "adamw"),
+        ("llama", 7, False, "sgd"),
+    ],
+)
+def test_every_replayed_speed_pass_is_the_whole_models(
+    model_type: str, depth: int, lora: bool, optimizer: str
+) -> None:
+    replayed, whole = _runners(model_type, depth, lora=lora, optimizer=optimizer)
+    for checkpointing in (False, True):
+        assert replayed.warm_up(checkpointing=checkpointing).fits
+        assert whole.warm_up(checkpointing=checkpointing).fits
+        # One micro-step, two (no middle one), three and seven (the middle one's time times 4).
+        for micro_batch, accumulation in ((1, 1), (2, 2), (1, 3), (3, 7)):
+            assert replayed.step_time_s(
+                micro_batch, accumulation, checkpointing=checkpointing
+            ) == pytest.approx(
+                whole.step_time_s(micro_batch, accumulation, checkpointing=checkpointing),
+                rel=RELATIVE,
+            )
+    assert replayed.speed_replay  # every pass was replayed, none timed whole
+
+
+@pytest.mark.e2e
+def test_a_cold_speed_pass_is_the_whole_models_and_so_are_the_trials_after_it() -> None:
+    # Before any warm-up the step makes the optimizer's state (AdamW's step counters come
+    # from no parameter's tensor: they go with the layer before them).
+    replayed, whole = _runners("llama", 7, lora=True, optimizer="adamw")
+    assert replayed.step_time_s(2, 3) == pytest.approx(whole.step_time_s(2, 3), rel=RELATIVE)
+    assert replayed.speed_replay
+    # The shallow model keeps the state its speed pass made, as the whole model does.
+    assert replayed.warm_up() == whole.warm_up()
+    assert replayed.trial(2) == whole.trial(2)
