@@ -405,6 +405,13 @@ class _HfCheckpointing:
         self._layers = (
             [m for m in model.modules() if isinstance(m, layer_class)] if layer_class else []
         )
+        # Enabling hooks the input embeddings so that gradients reach the first checkpointed
+        # layer through frozen embeddings (adapters); disabling removes the hook only for
+        # transformers' own PEFT integration, not for a model peft wraps from outside. Left in
+        # place, every later plain step computes the first layer's input gradient too: a plain
+        # step would depend on whether a checkpointed one ran before it. Hooks the model had
+        # before the switch are its owner's, and stay.
+        self._owner_hooks_inputs = bool(getattr(model, "_require_grads_hooks", None))
 
     @property
     def num_blocks(self) -> int:
@@ -422,6 +429,8 @@ class _HfCheckpointing:
             self._apply_limit()
         else:
             getattr(self._model, f"{self._prefix}_checkpointing_disable")()
+            if not self._owner_hooks_inputs:
+                self._model.disable_input_require_grads()
 
     def limit(self, count: int | None) -> None:
         self._count = count

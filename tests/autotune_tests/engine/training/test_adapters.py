@@ -3,6 +3,8 @@ optimizer state, the probe is exact on top, and the estimate traces the same ste
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -121,7 +123,7 @@ def test_adapters_the_model_does_not_have_are_refused_by_field(
         InProcessRunner(_spec(lora=lora), EmulatedDevice(HUGE_BYTES))
 
 
-def test_lora_on_a_hugging_face_model_adapts_its_linear_layers_but_the_head() -> None:
+def _hf_lora_runner() -> InProcessRunner:
     pytest.importorskip("transformers")
     spec = Spec.model_validate(
         {
@@ -129,9 +131,34 @@ def test_lora_on_a_hugging_face_model_adapts_its_linear_layers_but_the_head() ->
             "training": {"seq_len": 16, "lora": {"r": 4}},
         }
     )
-    runner = InProcessRunner(spec, EmulatedDevice(HUGE_BYTES))
+    return InProcessRunner(spec, EmulatedDevice(HUGE_BYTES))
+
+
+def test_lora_on_a_hugging_face_model_adapts_its_linear_layers_but_the_head() -> None:
+    runner = _hf_lora_runner()
     assert runner.trial(2).fits
     trainable = {n for n, p in runner.step.model.named_parameters() if p.requires_grad}
     # Seven projections per layer (q, k, v, o, gate, up, down), an A and a B each.
     assert len(trainable) == 2 * 7 * 2
     assert not any("lm_head" in name or "embed_tokens" in name for name in trainable)
+
+
+def test_a_plain_step_after_a_checkpointed_one_is_the_plain_step() -> None:
+    # transformers hooks the input embeddings when checkpointing is enabled (so that gradients
+    # reach the first checkpointed layer of a frozen base) and leaves the hook when it is
+    # disabled on a model peft wrapped from outside: every later plain step then also computed
+    # the first layer's input gradient.
+    runner = _hf_lora_runner()
+    inputs_carry_gradients: list[bool] = []
+
+    def first_layer_input(_module: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        inputs_carry_gradients.append(hidden.requires_grad)
+
+    first_layer = runner.step.model.get_base_model().model.layers[0]
+    first_layer.register_forward_pre_hook(first_layer_input, with_kwargs=True)
+    before = runner.trial(2)
+    assert runner.trial(2, checkpointing=True).fits
+    after = runner.trial(2)
+    assert inputs_carry_gradients == [False, True, False]
+    assert after.peak_bytes == before.peak_bytes
