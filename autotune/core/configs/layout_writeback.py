@@ -216,8 +216,10 @@ def _hf(
 
 
 # accelerate's environment for its ParallelismConfig (accelerate/parallelism_config.py), which
-# `accelerate launch --parallelism_config_dp_replicate_size R --parallelism_config_dp_shard_size
-# S` sets (accelerate/utils/launch.py) and `Accelerator` reads when no config is passed.
+# `accelerate launch` sets only given `--use_parallelism_config` (its sizes' flags alone set
+# nothing), which it refuses without `--use_fsdp --fsdp_version 2` (accelerate/commands/launch.py,
+# accelerate/utils/launch.py), and `Accelerator` reads when no config is passed.
+PARALLELISM_LAUNCH = "--use_fsdp --fsdp_version 2 --use_parallelism_config"
 PARALLELISM_ENV = {
     "on": "ACCELERATE_USE_PARALLELISM_CONFIG",
     "replicate": "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",
@@ -241,7 +243,7 @@ def _hf_hybrid(exports: Exports, notes: list[str]) -> dict[str, Any]:
     replicate, shard = groups["dp_replicate_size"], groups["dp_shard_size"]
     notes.append(
         f"parallelism_config: FSDP2 written; its hybrid groups ({replicate} x {shard} ranks) "
-        "cannot be held by the file: launch with accelerate launch "
+        f"cannot be held by the file: launch with accelerate launch {PARALLELISM_LAUNCH} "
         f"--parallelism_config_dp_replicate_size {replicate} "
         f"--parallelism_config_dp_shard_size {shard}, or set "
         f"{PARALLELISM_ENV['on']}=true {PARALLELISM_ENV['replicate']}={replicate} "
