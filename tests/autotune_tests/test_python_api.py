@@ -94,3 +94,17 @@ def test_wrong_arguments_are_refused_by_name(arguments: dict[str, Any], message:
 def test_estimate_needs_a_spec() -> None:
     with pytest.raises(SpecError, match="estimate: needs a spec"):
         autotune.estimate(nn.Linear(2, 2), gpu="T4")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("call", ["tune", "estimate"])
+def test_sharding_auto_is_refused_naming_who_chooses_a_layout(call: str) -> None:
+    """The Python API's `tune` and `estimate` run the spec's one layout (a KeyError once); the
+    refusal names the command that chooses among layouts, not "tune" (the caller's own)."""
+    spec = {
+        "model": {"preset": "mlp"},
+        "training": {"sharding": "auto", "world_size": 2, "target_global_batch": 8},
+    }
+    arguments: dict[str, Any] = {"device": "cpu", "memory": 2**30} if call == "tune" else {}
+    with pytest.raises(SpecError, match="autotune tune command") as refused:
+        getattr(autotune, call)(spec, **arguments, **({"gpu": "T4"} if call == "estimate" else {}))
+    assert "tune's choice" not in str(refused.value)
