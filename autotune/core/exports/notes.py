@@ -47,7 +47,7 @@ def shared_notes(run: MeasuredRun) -> list[str]:
             f"before CUDA starts (torch reads it once), with {OLD_ALLOCATOR_VARIABLE} unset (it",
             "wins); in a shell, before the launcher:",
             f"env -u {OLD_ALLOCATOR_VARIABLE} {ALLOCATOR_VARIABLE}={conf} "
-            "accelerate launch / torchrun / deepspeed / axolotl ...",
+            "accelerate launch / torchrun / deepspeed ... (Axolotl: its own line below)",
         ]
     return lines
 

@@ -914,3 +914,31 @@ def test_the_zero1_loop_leaves_eight_gloo_ranks_cleanly(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.count("loss per optimizer step") == 8
     assert "terminate called" not in result.stderr
+
+
+@pytest.mark.parametrize("conf", [None, "max_split_size_mb:40,expandable_segments:True"])
+def test_axolotl_is_launched_with_the_settings_measured_not_its_own(conf: str | None) -> None:
+    """Axolotl's CLI sets expandable segments as it starts (`set_pytorch_cuda_alloc_conf`: in
+    PYTORCH_ALLOC_CONF when that is unset, else in PYTORCH_CUDA_ALLOC_CONF, which torch reads
+    first), and they can fit less (docs/design.md#expandable-segments-as-a-knob): the line the
+    text gives launches it with the settings measured, torch's defaults or the run's own, which
+    Axolotl's function then leaves, whatever the user's shell held."""
+    rec = _rec(18, 2).model_copy(update={"allocator_conf": conf})
+    text = render_exports(_exports(rec))["axolotl"]
+    [shell] = [line for line in text.splitlines() if "axolotl train" in line]
+    prefix = shell.lstrip("# ").split(" axolotl train")[0]
+    report = (
+        "import os; from axolotl.utils import set_pytorch_cuda_alloc_conf; "
+        "from autotune.core.memory import allocator_config as a; set_pytorch_cuda_alloc_conf(); "
+        "print(a.canonical_conf(a.config_from_environ(os.environ)))"
+    )
+    shell_environment = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:60"}
+    done = subprocess.run(
+        f"{prefix} {sys.executable} -c '{report}'",
+        shell=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **shell_environment, "PYTORCH_ALLOC_CONF": "max_split_size_mb:80"},
+        check=True,
+    )
+    assert done.stdout.strip().splitlines()[-1] == str(conf)
