@@ -125,6 +125,7 @@ def _exports(result: TuneResult) -> dict[str, Any] | None:
         token_model=sent.token_model,
         transformers_version=sent.transformers_version,
         training=result.spec.training,
+        device_allocator_conf=result.device.allocator_conf,
     )
     return exports.model_dump(mode="json")
 

@@ -653,8 +653,9 @@ class _Check:
             ("lightning", "module", "gradient_checkpointing"): rec.checkpointing,
         }
         expected[("checkpointed_blocks",)] = rec.checkpointed_blocks if rec.checkpointing else None
-        # Every text sets the settings the recommendation holds for, and keeps its dips out.
-        expected[("allocator_conf",)] = rec.allocator_conf
+        # Every text sets the settings the recommendation holds for (its own, else the
+        # device's), and keeps its dips out.
+        expected[("allocator_conf",)] = rec.allocator_conf or self.result.device.allocator_conf
         expected[("runs_out_below",)] = rec.runs_out_below
         training = self.spec.training
         if training.target_global_tokens is not None:

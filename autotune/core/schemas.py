@@ -1086,7 +1086,7 @@ class Exports(FrozenModel):
         default=None,
         max_length=ALLOCATOR_CONF_MAX,
         description="PYTORCH_ALLOC_CONF the exported run was measured with, which every text "
-        "sets (the recommendation's allocator_conf); None: the device's own.",
+        "sets: the recommendation's allocator_conf, else the device's; None: torch's defaults.",
     )
     tokens_per_sample: int | None = Field(
         default=None,

@@ -89,6 +89,7 @@ def tune_layouts(
             token_model=chosen.exports.token_model,
             transformers_version=chosen.exports.transformers_version,
             training=spec.training,
+            device_allocator_conf=chosen.device.allocator_conf,
         )
     return checked_result(
         chosen.model_copy(update={"spec": spec, "exports": exports, "layouts": outcomes})

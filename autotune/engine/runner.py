@@ -216,8 +216,9 @@ class InProcessRunner:
         if spec.training.sharding is Sharding.AUTO:
             layouts = ", ".join(s.value for s in Sharding if s.is_layout)
             raise SpecError(
-                "training.sharding: auto is tune's choice, which measures every layout; this "
-                f"runs one: set one of {layouts} (--sharding for a config file)"
+                "training.sharding: auto is the choice the autotune tune command and the "
+                "server's runs make by measuring every layout; one session runs one: set one "
+                f"of {layouts} (--sharding for a config file)"
             )
         self.spec = spec
         self.device = device

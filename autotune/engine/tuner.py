@@ -244,6 +244,7 @@ def tune_session(
                 token_model=session.tokens_per_sample is not None,
                 transformers_version=_installed_transformers_version(),
                 training=training,
+                device_allocator_conf=device_info.allocator_conf,
             ),
             study_name=study_name,
         )

@@ -321,7 +321,9 @@ def leave_process_group() -> None:
 
 def main() -> None:
     if ALLOCATOR_CONF is not None:
-        # Before anything touches CUDA: torch reads the settings once, as CUDA starts.
+        # Before anything touches CUDA: torch reads the settings once, as CUDA starts
+        # (PYTORCH_CUDA_ALLOC_CONF, the older name, would win over them).
+        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
         os.environ["PYTORCH_ALLOC_CONF"] = ALLOCATOR_CONF
     if WORLD_SIZE > 1:
         dist.init_process_group()  # torchrun provides the rendezvous environment

@@ -69,7 +69,7 @@ def test_estimate_takes_a_spec_dict() -> None:
         "model": {"preset": "gpt2-tiny"},
         "training": {"seq_len": 32, "target_global_batch": 8, "max_micro_batch": 8},
     }
-    result = autotune.estimate(spec, gpu="T4", trials=1)
+    result = autotune.tune(spec, device="cpu", memory=2**30, trials=1, seconds_per_trial=0.1)
     assert result.recommendation is not None and result.recommendation.global_batch == 8
     assert result.device.name.startswith("estimate for T4")
 
@@ -94,3 +94,37 @@ def test_wrong_arguments_are_refused_by_name(arguments: dict[str, Any], message:
 def test_estimate_needs_a_spec() -> None:
     with pytest.raises(SpecError, match="estimate: needs a spec"):
         autotune.estimate(nn.Linear(2, 2), gpu="T4")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("call", ["tune", "estimate"])
+def test_sharding_auto_is_refused_naming_who_chooses_a_layout(call: str) -> None:
+    """The Python API's `tune` and `estimate` run the spec's one layout (a KeyError once); the
+    refusal names the command that chooses among layouts, not "tune" (the caller's own)."""
+    spec = {
+        "model": {"preset": "mlp"},
+        "training": {"sharding": "auto", "world_size": 2, "target_global_batch": 8},
+    }
+    arguments: dict[str, Any] = {"device": "cpu", "memory": 2**30} if call == "tune" else {}
+    with pytest.raises(SpecError, match="autotune tune command") as refused:
+        getattr(autotune, call)(spec, **arguments, **({"gpu": "T4"} if call == "estimate" else {}))
+    assert "tune's choice" not in str(refused.value)
+
+
+def test_the_exports_set_the_allocator_settings_the_device_was_measured_with(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A device whose CUDA starts with non-default allocator settings is measured under them
+    (here `max_split_size_mb`, which keeps large blocks whole): every export sets them, or a
+    training run started without them allocates otherwise (they were left out, as "the
+    device's own")."""
+    from autotune.core.exports import render_exports
+
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:40")
+    spec = {"model": {"preset": "mlp"}, "training": {"target_global_batch": 8}}
+    result = autotune.tune(spec, device="cpu", memory=2**30, trials=1, seconds_per_trial=0.1)
+    assert result.device.allocator_conf == "max_split_size_mb:40"
+    assert result.exports is not None
+    assert result.exports.allocator_conf == "max_split_size_mb:40"
+    texts = render_exports(result.exports)
+    assert "os.environ['PYTORCH_ALLOC_CONF'] = 'max_split_size_mb:40'" in texts["hf"]
+    assert 'ALLOCATOR_CONF: str | None = "max_split_size_mb:40"' in texts["pytorch_loop"]

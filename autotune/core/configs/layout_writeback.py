@@ -40,8 +40,8 @@ _STRATEGY_WORDS = frozenset({*_FSDP1.values(), "no_shard", "hybrid_shard_zero2"}
 _STAGE_IN_NAME = re.compile(r"zero[0-3]")
 _AX_FSDP_KEYS = ("fsdp", AXOLOTL_KEYS["fsdp_config"], AXOLOTL_KEYS["fsdp_version"])
 _AX_GROUP_KEYS = (AXOLOTL_KEYS["dp_shard_size"], AXOLOTL_KEYS["dp_replicate_size"])
-# Axolotl keys its schema accepts only with FSDP2 (axolotl/utils/schemas/validation.py and
-# config.py of AXOLOTL_VERSION: "requires FSDP2"), which go with the FSDP keys.
+# Axolotl keys its schema accepts only with FSDP2 (its validators of AXOLOTL_VERSION: "requires
+# FSDP2"), which go with the FSDP keys (docs/design.md#config-files).
 _AX_FSDP_ONLY_KEYS = ("fp8_enable_fsdp_float8_all_gather", "fp32_norms", "fp32_norm_classes")
 
 
@@ -215,9 +215,11 @@ def _hf(
     return edits
 
 
-# accelerate's environment for its ParallelismConfig (accelerate/parallelism_config.py), which
-# `accelerate launch --parallelism_config_dp_replicate_size R --parallelism_config_dp_shard_size
-# S` sets (accelerate/utils/launch.py) and `Accelerator` reads when no config is passed.
+# accelerate's environment for its `ParallelismConfig`, which `Accelerator` reads when given no
+# config, and which `accelerate launch` sets only given `--use_parallelism_config` (its sizes'
+# flags alone set nothing), refused without `--use_fsdp --fsdp_version 2`
+# (docs/design.md#config-files; the test runs accelerate's own launch parser).
+PARALLELISM_LAUNCH = "--use_fsdp --fsdp_version 2 --use_parallelism_config"
 PARALLELISM_ENV = {
     "on": "ACCELERATE_USE_PARALLELISM_CONFIG",
     "replicate": "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",
@@ -241,7 +243,7 @@ def _hf_hybrid(exports: Exports, notes: list[str]) -> dict[str, Any]:
     replicate, shard = groups["dp_replicate_size"], groups["dp_shard_size"]
     notes.append(
         f"parallelism_config: FSDP2 written; its hybrid groups ({replicate} x {shard} ranks) "
-        "cannot be held by the file: launch with accelerate launch "
+        f"cannot be held by the file: launch with accelerate launch {PARALLELISM_LAUNCH} "
         f"--parallelism_config_dp_replicate_size {replicate} "
         f"--parallelism_config_dp_shard_size {shard}, or set "
         f"{PARALLELISM_ENV['on']}=true {PARALLELISM_ENV['replicate']}={replicate} "

@@ -36,6 +36,7 @@ def build_exports(
     token_model: bool,
     transformers_version: str | None,
     training: TrainingSpec | None = None,
+    device_allocator_conf: str | None = None,
 ) -> Exports:
     """Settings that reproduce `rec` in Hugging Face, Axolotl, DeepSpeed, Lightning and plain
     PyTorch: a pure function of its arguments, so that stored data rebuilds them.
@@ -50,6 +51,9 @@ def build_exports(
             optimizer, adapters, sharding (auto: the recommendation's layout) and TF32 as
             measured; a `target_global_tokens` makes
             every export state the tokens per step, and Axolotl pack its samples to `seq_len`.
+        device_allocator_conf: the caching allocator's settings of the device the run was
+            measured on (`DeviceInfo.allocator_conf`; None: torch's defaults), which every
+            export sets unless the recommendation holds for its own (expandable segments).
 
     Raises:
         ValueError: when `rec.global_batch` is not micro-batch * accumulation * world size.
@@ -57,7 +61,9 @@ def build_exports(
     if training is not None:
         # sharding: auto exports the layout the tuner chose, as every consumer needs one.
         training = rec.layout_training(training)
-    run = MeasuredRun.of(rec, training, token_model=token_model)
+    run = MeasuredRun.of(
+        rec, training, token_model=token_model, device_allocator_conf=device_allocator_conf
+    )
     return Exports(
         checkpointed_blocks=run.checkpointed_blocks,
         num_blocks=run.num_blocks,

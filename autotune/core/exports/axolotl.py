@@ -29,7 +29,7 @@ import yaml
 
 from autotune.core.exports.deepspeed import deepspeed_config
 from autotune.core.exports.measured import MeasuredRun
-from autotune.core.exports.notes import comment, shared_notes
+from autotune.core.exports.notes import OLD_ALLOCATOR_VARIABLE, comment, shared_notes
 from autotune.core.parallel.layouts import gathers_in_16_bits
 from autotune.core.schemas import OptimizerName, Precision, Sharding
 
@@ -141,6 +141,16 @@ def _notes(run: MeasuredRun, config: dict[str, Any]) -> list[str]:
             f"{run.precision.value} policy;",
             "no Axolotl key sets another): measured reducing them in fp32.",
         ]
+    # Axolotl's CLI sets the allocator's settings as it starts (`set_pytorch_cuda_alloc_conf`):
+    # expandable segments in PYTORCH_ALLOC_CONF when it is unset, else expandable segments
+    # with roundup_power2_divisions:16 in PYTORCH_CUDA_ALLOC_CONF, which torch reads first,
+    # unless that is set: only PYTORCH_CUDA_ALLOC_CONF keeps the measured settings.
+    conf = run.allocator_conf or "expandable_segments:False"
+    lines += [
+        "Axolotl's CLI sets expandable segments as it starts (not measured; they can fit less)",
+        f"unless {OLD_ALLOCATOR_VARIABLE} is set: launch with",
+        f"{OLD_ALLOCATOR_VARIABLE}={conf} axolotl train config.yml",
+    ]
     if run.optimizer is OptimizerName.ADAMW_8BIT and run.fsdp2:
         lines.append("adamw_torch_8bit is torchao's AdamW8bit, measured for FSDP2 shards.")
     elif run.optimizer is OptimizerName.ADAMW_8BIT:

@@ -53,13 +53,21 @@ class MeasuredRun:
     training: TrainingSpec
     token_model: bool
     runs_out_below: tuple[int, ...] = ()  # smaller micro-batches that run out
-    allocator_conf: str | None = None  # PYTORCH_ALLOC_CONF to set, when not the device's own
+    allocator_conf: str | None = None  # PYTORCH_ALLOC_CONF measured (None: torch's defaults)
 
     @classmethod
     def of(
-        cls, rec: Recommendation, training: TrainingSpec | None, *, token_model: bool
+        cls,
+        rec: Recommendation,
+        training: TrainingSpec | None,
+        *,
+        token_model: bool,
+        device_allocator_conf: str | None = None,
     ) -> MeasuredRun:
-        """Raises:
+        """`device_allocator_conf`: the measuring device's allocator settings, which hold
+        unless the recommendation's own do (its expandable segments add to them).
+
+        Raises:
         ValueError: when `rec.global_batch` is not micro-batch * accumulation * world size."""
         b, accumulation, world = rec.micro_batch, rec.accumulation_steps, rec.world_size
         if b * accumulation * world != rec.global_batch:
@@ -79,7 +87,7 @@ class MeasuredRun:
             training=training or TrainingSpec(),
             token_model=token_model,
             runs_out_below=tuple(rec.runs_out_below),
-            allocator_conf=rec.allocator_conf,
+            allocator_conf=rec.allocator_conf or device_allocator_conf,
         )
 
     @property

@@ -14,8 +14,11 @@ from autotune.core.exports.measured import ZERO_STAGES, MeasuredRun
 from autotune.core.parallel.layouts import gathers_in_16_bits
 from autotune.core.schemas import Sharding
 
-# The variable torch 2.13 reads (`PYTORCH_CUDA_ALLOC_CONF`, the older name, still wins if set).
+# The variable torch 2.13 reads, and its older name, which still wins if set
+# (`autotune.core.memory.allocator_config.config_from_environ`): every text takes it out, or a
+# user's exported one would silently replace the measured settings.
 ALLOCATOR_VARIABLE = "PYTORCH_ALLOC_CONF"
+OLD_ALLOCATOR_VARIABLE = "PYTORCH_CUDA_ALLOC_CONF"
 
 
 def shared_notes(run: MeasuredRun) -> list[str]:
@@ -40,9 +43,11 @@ def shared_notes(run: MeasuredRun) -> list[str]:
     conf = run.allocator_conf
     if conf is not None:
         lines += [
-            f"measured with the caching allocator's {conf}: set PYTORCH_ALLOC_CONF={conf}",
-            "before CUDA starts (torch reads it once); in a shell, before the launcher:",
-            f"PYTORCH_ALLOC_CONF={conf} accelerate launch / torchrun / deepspeed / axolotl ...",
+            f"measured with the caching allocator's {conf}: set {ALLOCATOR_VARIABLE}={conf}",
+            f"before CUDA starts (torch reads it once), with {OLD_ALLOCATOR_VARIABLE} unset (it",
+            "wins); in a shell, before the launcher:",
+            f"env -u {OLD_ALLOCATOR_VARIABLE} {ALLOCATOR_VARIABLE}={conf} "
+            "accelerate launch / torchrun / deepspeed ... (Axolotl: its own line below)",
         ]
     return lines
 
@@ -54,7 +59,9 @@ def allocator_lines(run: MeasuredRun) -> str:
         return ""
     return (
         "import os\n\n"
-        "# Before torch is imported: CUDA reads the allocator's settings once, as it starts.\n"
+        "# Before torch is imported: CUDA reads the allocator's settings once, as it starts\n"
+        f"# ({OLD_ALLOCATOR_VARIABLE}, the older name, would win over them).\n"
+        f"os.environ.pop({OLD_ALLOCATOR_VARIABLE!r}, None)\n"
         f"os.environ[{ALLOCATOR_VARIABLE!r}] = {run.allocator_conf!r}\n"
     )
 

@@ -156,9 +156,9 @@ def test_probe_sharding_auto_exits_2_naming_the_layouts(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.splitlines()[-1] == (
-        "autotune: error: training.sharding: auto is tune's choice, which measures every "
-        "layout; this runs one: set one of none, zero1, zero2, zero3, hybrid (--sharding for "
-        "a config file)"
+        "autotune: error: training.sharding: auto is the choice the autotune tune command and "
+        "the server's runs make by measuring every layout; one session runs one: set one of "
+        "none, zero1, zero2, zero3, hybrid (--sharding for a config file)"
     )
     assert config.read_text() == before
 

@@ -354,6 +354,14 @@ def test_training_arguments_hybrid_is_fsdp2_with_its_groups_in_the_launch(tmp_pa
     [note] = notes
     assert "--parallelism_config_dp_replicate_size 2 --parallelism_config_dp_shard_size 2" in note
     environment = dict(pair.split("=") for pair in note.split(" set ")[1].split())
+    # The launch the note gives sets that environment (accelerate's own parser and launcher).
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    flags = note.split("accelerate launch ")[1].split(", or set")[0].split()
+    parsed = launch_command_parser().parse_args([*flags, "--num_processes", "4", "train.py"])
+    launch_environment = prepare_multi_gpu_env(_validate_launch_command(parsed)[0])
+    assert environment.items() <= launch_environment.items()
     with launched(4):
         os.environ.update(environment)
         args = TrainingArguments(**written)

@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from torch import nn
 from torch.multiprocessing.spawn import spawn
 
 from autotune.core.exports import build_exports, hf_checkpointing_key, render_exports
+from autotune.core.memory.allocator_config import config_from_environ, parse_alloc_conf
 from autotune.core.schemas import Exports, Recommendation, TrainingSpec
 from tests.autotune_tests.gloo import run_gloo_rank
 
@@ -163,15 +165,49 @@ def test_every_export_sets_the_allocator_settings_the_recommendation_holds_for()
     compile(loop, "<loop>", "exec")
     assert f'ALLOCATOR_CONF: str | None = "{conf}"' in loop
     # Set first thing in main(), before anything touches CUDA.
-    main = loop[loop.index("def main() -> None:") :].splitlines()[1:4]
+    main = loop[loop.index("def main() -> None:") :].splitlines()[1:6]
     assert main[0] == "    if ALLOCATOR_CONF is not None:"
-    assert main[2] == '        os.environ["PYTORCH_ALLOC_CONF"] = ALLOCATOR_CONF'
+    assert main[4] == '        os.environ["PYTORCH_ALLOC_CONF"] = ALLOCATOR_CONF'
     assert f"PYTORCH_ALLOC_CONF={conf}" in texts["deepspeed_notes"]
     yaml.safe_load(texts["axolotl"])
     # The device's own settings: nothing is said or set.
     plain = render_exports(_exports(_rec(18, 2)))
     assert not any("PYTORCH_ALLOC_CONF" in plain[name] for name in plain if name != "pytorch_loop")
     assert "ALLOCATOR_CONF: str | None = None" in plain["pytorch_loop"]
+
+
+def test_the_measured_allocator_settings_win_over_a_users_older_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch reads PYTORCH_CUDA_ALLOC_CONF before PYTORCH_ALLOC_CONF: one exported in the
+    user's shell would silently replace the measured settings unless each text takes it out."""
+    conf = "expandable_segments:True"
+    texts = render_exports(_exports(_rec(18, 2).model_copy(update={"allocator_conf": conf})))
+    for name in ("hf", "lightning", "pytorch_loop"):
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:40")
+        monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+        lines = [line.strip() for line in texts[name].splitlines()]
+        namespace = {"os": os, "ALLOCATOR_CONF": conf}  # the loop names its constant
+        exec("\n".join(line for line in lines if line.startswith("os.environ")), namespace)
+        assert config_from_environ(os.environ) == parse_alloc_conf(conf), name
+    # The shell line, with a command that reports what a launcher's CUDA would read.
+    [shell] = [
+        line for line in texts["deepspeed_notes"].splitlines() if "accelerate launch" in line
+    ]
+    prefix = shell.lstrip("# ").split(" accelerate launch")[0]
+    report = (
+        "import os; from autotune.core.memory.allocator_config import config_from_environ; "
+        "print(config_from_environ(os.environ).expandable_segments)"
+    )
+    done = subprocess.run(
+        f"{prefix} {sys.executable} -c '{report}'",
+        shell=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:40"},
+        check=True,
+    )
+    assert done.stdout.strip() == "True"
 
 
 def test_every_export_on_several_ranks_says_how_ddp_was_measured() -> None:
@@ -878,3 +914,31 @@ def test_the_zero1_loop_leaves_eight_gloo_ranks_cleanly(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.count("loss per optimizer step") == 8
     assert "terminate called" not in result.stderr
+
+
+@pytest.mark.parametrize("conf", [None, "max_split_size_mb:40,expandable_segments:True"])
+def test_axolotl_is_launched_with_the_settings_measured_not_its_own(conf: str | None) -> None:
+    """Axolotl's CLI sets expandable segments as it starts (`set_pytorch_cuda_alloc_conf`: in
+    PYTORCH_ALLOC_CONF when that is unset, else in PYTORCH_CUDA_ALLOC_CONF, which torch reads
+    first), and they can fit less (docs/design.md#expandable-segments-as-a-knob): the line the
+    text gives launches it with the settings measured, torch's defaults or the run's own, which
+    Axolotl's function then leaves, whatever the user's shell held."""
+    rec = _rec(18, 2).model_copy(update={"allocator_conf": conf})
+    text = render_exports(_exports(rec))["axolotl"]
+    [shell] = [line for line in text.splitlines() if "axolotl train" in line]
+    prefix = shell.lstrip("# ").split(" axolotl train")[0]
+    report = (
+        "import os; from axolotl.utils import set_pytorch_cuda_alloc_conf; "
+        "from autotune.core.memory import allocator_config as a; set_pytorch_cuda_alloc_conf(); "
+        "print(a.canonical_conf(a.config_from_environ(os.environ)))"
+    )
+    shell_environment = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:60"}
+    done = subprocess.run(
+        f"{prefix} {sys.executable} -c '{report}'",
+        shell=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **shell_environment, "PYTORCH_ALLOC_CONF": "max_split_size_mb:80"},
+        check=True,
+    )
+    assert done.stdout.strip().splitlines()[-1] == str(conf)
