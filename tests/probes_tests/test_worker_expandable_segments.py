@@ -91,9 +91,9 @@ EXPANDABLE = "expandable_segments:True"
 # gpt2-tiny (32 tokens, bf16) on 124 MiB, every byte usable: the default allocator fits 12
 # samples per step in either mode and no accumulating step at all (with the gradients of a
 # first micro-batch held, micro-batch 1 of the next runs out); under expandable segments 1 x 13
-# fits in both (bench/results/estimator.md's gpt2-tiny rows; docs/design.md#expandable-
-# segments-as-a-knob). So a target of 13 samples (a prime: 13 x 1 or 1 x 13) is reached only
-# under them.
+# fits in both (bench/results/estimator.md's gpt2-tiny rows;
+# docs/design.md#expandable-segments-as-a-knob). So a target of 13 samples (a prime: 13 x 1
+# or 1 x 13) is reached only under them.
 ONLY_EXPANDABLE_BYTES = 124 * MIB
 ONLY_EXPANDABLE_TARGET = 13
 
