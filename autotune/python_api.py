@@ -39,6 +39,7 @@ from autotune.core.schemas import (
     TuneResult,
 )
 from autotune.core.specfile import parse_spec
+from autotune.engine.devices.cuda_runtime import CudaRuntime
 from autotune.engine.devices.device import Device, EmulatedDevice, open_device
 from autotune.engine.runner import ForwardingRunner, InProcessRunner, TrialRunner
 from autotune.engine.training.workload import Batch, Workload, count_label_tokens
@@ -140,22 +141,43 @@ def stored_recommendation(
     memory: int | None = None,
     gpu: str | None = None,
     wait_s: float = 0,
+    device: str | None = None,
+    cuda: CudaRuntime | None = None,
 ) -> Recommendation:
-    """What a running autotune server has stored for `spec` on the emulated GPU of `memory`
-    bytes or the named `gpu` (waiting up to `wait_s` for a worker), so a fleet's stored
-    results answer at once. The request stays queued on the server when nothing is stored.
+    """What a running autotune server has stored for `spec` (waiting up to `wait_s` for a
+    worker), so a fleet's stored results answer at once: on the emulated GPU of `memory` bytes
+    or the named `gpu`, or, with neither, on this machine's CUDA `device` ("cuda" or "cuda:N"):
+    what the fleet's workers on the same card, under this process's allocator settings,
+    measured. The request stays queued on the server when nothing is stored. `cuda`: the CUDA
+    runtime (torch.cuda when None; the simulated backend in tests).
 
     Raises:
-        SpecError: neither `memory` nor `gpu` (the target the results are stored under).
+        SpecError: both `memory` and `gpu`, or either with a CUDA `device`.
+        DeviceError: no memory or gpu given, and CUDA is unavailable.
         AutotuneError: the server has no recommendation yet (the run's URL says where it
             stands), or cannot be reached.
     """
     from autotune.remote.client import ServerClient
-    from autotune.remote.protocol import EmulatedTarget
+    from autotune.remote.protocol import CudaTarget, EmulatedTarget
 
-    if (memory is None) == (gpu is None):
-        raise SpecError("server: give the target its results are stored under: memory= or gpu=")
-    target = EmulatedTarget(memory_bytes=memory, gpu=gpu)
+    target: EmulatedTarget | CudaTarget
+    if memory is not None or gpu is not None:
+        if memory is not None and gpu is not None:
+            raise SpecError("server: give memory= or gpu=, not both")
+        if device not in (None, "cpu"):
+            raise SpecError(f"server: memory= and gpu= name an emulated GPU, not {device!r}")
+        target = EmulatedTarget(memory_bytes=memory, gpu=gpu)
+    else:
+        # The card as a worker on it reports itself: its name, its total memory and the
+        # allocator settings it runs under (a run's identity), read from the device itself.
+        card = open_device(
+            device or "cuda", cuda=cuda, allocator_config=config_from_environ(os.environ)
+        ).info
+        target = CudaTarget(
+            name=card.name,
+            memory_bytes=card.total_memory_bytes,
+            allocator_conf=card.allocator_conf,
+        )
     with ServerClient(server, token=token) as client:
         submitted = client.submit_run(spec, target, wait_s=wait_s)
     run = submitted.run

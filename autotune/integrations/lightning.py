@@ -59,8 +59,9 @@ class AutotuneBatchSize(Callback):
             emulated GPU of `memory` bytes, or of the named `gpu` or its `GpuBudget`).
         trials, seconds_per_trial: the tuner's budget, as `autotune.tune`.
         server, token, wait_s: ask this autotune server instead of measuring here: its stored
-            recommendation for the module on the emulated GPU of `memory` or `gpu` answers at
-            once (`autotune.python_api.stored_recommendation`; none stored: AutotuneError).
+            recommendation for the module on the emulated GPU of `memory` or `gpu`, or with
+            neither on this machine's CUDA `device`, answers at once
+            (`autotune.python_api.stored_recommendation`; none stored: AutotuneError).
 
     After `fit` starts, `optimal_batch_size` is the micro-batch set (as `BatchSizeFinder`'s),
     `recommendation` what was applied, and `result` the `TuneResult` (None from a server).
@@ -131,6 +132,7 @@ class AutotuneBatchSize(Callback):
                 memory=self._memory,
                 gpu=self._gpu if isinstance(self._gpu, str) else None,
                 wait_s=self._wait_s,
+                device=self._device,
             )
         else:
             # The copy the trials train must not drag the trainer (its loaders, loggers) along.

@@ -60,7 +60,8 @@ def tuned_arguments(
     `gradient_accumulation_steps` and checkpointing tuned for `model` on the device (as
     `autotune.tune`: "cuda", "cuda:N", or the emulated GPU of `memory` / `gpu`). With `server`
     (and its `token`), a running autotune server's stored recommendation for the model on the
-    emulated GPU of `memory` / `gpu` answers instead, at once
+    emulated GPU of `memory` / `gpu`, or with neither on this machine's CUDA `device`, answers
+    instead, at once
     (`autotune.python_api.stored_recommendation`), looked up by the model's config (a spec the
     fleet's workers can rebuild and tune when nothing is stored yet).
 
@@ -91,6 +92,7 @@ def tuned_arguments(
             memory=memory,
             gpu=gpu,
             wait_s=wait_s,
+            device=device,
         )
         return arguments_of(args, rec)
     result = tune(

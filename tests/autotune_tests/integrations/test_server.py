@@ -9,11 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from autotune.core.errors import AutotuneError
-from autotune.core.schemas import TuneResult
+from autotune.core.errors import AutotuneError, SpecError
+from autotune.core.schemas import Spec, TuneResult
+from autotune.engine.devices.cuda_device import CudaDevice
+from autotune.engine.devices.simulated_cuda import SimulatedCuda
+from autotune.engine.runner import InProcessRunner
+from autotune.engine.tuner import tune_session
 from autotune.integrations.lightning import AutotuneBatchSize
 from autotune.integrations.transformers import tuned_arguments
+from autotune.python_api import stored_recommendation
 from autotune.remote.client import ServerClient
+from tests.autotune_tests.engine.simulated_gpus import small_gpu
 from tests.autotune_tests.integrations.test_lightning import (
     MEMORY_BYTES,
     TARGET_GLOBAL_BATCH,
@@ -119,3 +125,46 @@ def test_tuned_arguments_from_the_servers_stored_recommendation(
         rec.accumulation_steps,
     )
     assert tuned.per_device_train_batch_size * tuned.gradient_accumulation_steps == 8
+
+
+def test_a_cuda_card_is_answered_from_what_the_fleet_measured_on_that_card(
+    live_server: LiveServer,
+) -> None:
+    # With neither memory= nor gpu=, the question is about this machine's card (here the
+    # simulated CUDA backend's): the stored results are those of workers on the same card.
+    spec = Spec.model_validate(
+        {"model": {"preset": "mlp"}, "training": {"target_global_batch": 16}}
+    )
+    with SimulatedCuda(small_gpu()) as cuda:
+        with pytest.raises(AutotuneError, match=r"no stored recommendation .* on NVIDIA A100"):
+            stored_recommendation(
+                spec, server=live_server.url, token=CLIENT_TOKEN, device="cuda", cuda=cuda
+            )
+        # A worker on the same card measures the run the server queued.
+        measured = tune_session(
+            InProcessRunner(spec, CudaDevice(0, runtime=cuda)),
+            storage_url="sqlite://",
+            n_trials=2,
+            target_seconds=0.05,
+        )
+    store(live_server, measured)
+    with SimulatedCuda(small_gpu()) as cuda:
+        answered = stored_recommendation(
+            spec, server=live_server.url, token=CLIENT_TOKEN, device="cuda:0", cuda=cuda
+        )
+    assert measured.recommendation is not None
+    assert answered == measured.recommendation
+    # Another card of a different size has nothing stored.
+    with SimulatedCuda(small_gpu(total_mib=1024)) as cuda:
+        with pytest.raises(AutotuneError, match="no stored recommendation"):
+            stored_recommendation(
+                spec, server=live_server.url, token=CLIENT_TOKEN, device="cuda", cuda=cuda
+            )
+
+
+def test_an_emulated_gpu_is_not_asked_for_on_a_cuda_device() -> None:
+    spec = Spec.model_validate({"model": {"preset": "mlp"}})
+    with pytest.raises(SpecError, match="memory= and gpu= name an emulated GPU"):
+        stored_recommendation(spec, server="http://127.0.0.1:9", memory=2**30, device="cuda")
+    with pytest.raises(SpecError, match="not both"):
+        stored_recommendation(spec, server="http://127.0.0.1:9", memory=2**30, gpu="A100 80GB")
