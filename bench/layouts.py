@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -74,6 +75,7 @@ def run_cell(name: str, trials: int | None, storage_url: str) -> dict[str, Any]:
     spec = cell_spec(name)
     load = os.getloadavg()[0]
     started = time.monotonic()
+    cpu_started = time.process_time()
 
     def open_layout(layout: Spec) -> tuple[EstimateRunner, None]:
         budget = budget_for(find_gpu(GPU), layout.training.world_size)
@@ -81,13 +83,16 @@ def run_cell(name: str, trials: int | None, storage_url: str) -> dict[str, Any]:
 
     result: TuneResult = tune_layouts(spec, open_layout, storage_url=storage_url, n_trials=trials)
     wall_s = time.monotonic() - started
+    cpu_s = time.process_time() - cpu_started
     rec = result.recommendation
     return {
         "cell": name,
         "world_size": spec.training.world_size,
         "chosen": rec.sharding.value if rec is not None and rec.sharding else None,
         "estimate_wall_s": round(wall_s, 1),
-        "load_average": round(load, 1),
+        "estimate_cpu_s": round(cpu_s, 1),
+        "load_average": [round(load, 1), round(os.getloadavg()[0], 1)],
+        "commit": _commit(),
         "trials_per_layout": trials,
         "layouts": [
             {
@@ -116,6 +121,21 @@ def run_cell(name: str, trials: int | None, storage_url: str) -> dict[str, Any]:
     }
 
 
+def _commit() -> str:
+    """The commit the cell ran on (with `+` when the work tree differed from it)."""
+    root = Path(__file__).resolve().parent.parent
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return head + ("+" if dirty else "")
+
+
 # A published multi-GPU training throughput to set beside the estimates.
 COMPARISON = """## A published figure beside it
 
@@ -127,6 +147,17 @@ activation checkpointing, bf16 mixed precision:
 torch.compile. Its sequence length is torchtitan's Llama 3 8B default (8192), twice this
 bench's, and its GPUs run at 500 W, not 700: compare orders of magnitude, not percent. The
 row to set beside it is Llama-3-8B/full/1x8's zero3 tokens/s per GPU (the job's figure / 8)."""
+
+
+def _cpu(row: dict[str, Any]) -> str:
+    cpu_s = row.get("estimate_cpu_s")
+    return "CPU time not recorded" if cpu_s is None else f"{cpu_s:.0f} s of CPU"
+
+
+def _load(row: dict[str, Any]) -> str:
+    """The load average as the cell started, and as it ended when recorded."""
+    load = row["load_average"]
+    return f"{load[0]} to {load[1]}" if isinstance(load, list) else str(load)
 
 
 def _number(value: float | None, digits: int = 2) -> str:
@@ -149,8 +180,10 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     ]
     for row in rows:
         lines += [
-            f"## {row['cell']} ({row['world_size']} GPUs): chosen {row['chosen']}, estimate "
-            f"{row['estimate_wall_s']:.0f} s at load average {row['load_average']}",
+            f"## {row['cell']} ({row['world_size']} GPUs): chosen {row['chosen']}",
+            "",
+            f"Estimate: {row['estimate_wall_s']:.0f} s wall, {_cpu(row)} at load average "
+            f"{_load(row)} on commit {row.get('commit', 'not recorded')}.",
             "",
             "| layout | verdict | max micro-batch (plain / ckpt) | best | samples/s per GPU "
             "| samples/s job | tokens/s job | compute s | exposed comm. s | memory per GPU GiB |",
