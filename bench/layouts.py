@@ -76,6 +76,7 @@ def run_cell(name: str, trials: int | None, storage_url: str) -> dict[str, Any]:
     load = os.getloadavg()[0]
     started = time.monotonic()
     cpu_started = time.process_time()
+    commit = _commit()  # the code this cell runs, whatever is committed meanwhile
 
     def open_layout(layout: Spec) -> tuple[EstimateRunner, None]:
         budget = budget_for(find_gpu(GPU), layout.training.world_size)
@@ -92,7 +93,7 @@ def run_cell(name: str, trials: int | None, storage_url: str) -> dict[str, Any]:
         "estimate_wall_s": round(wall_s, 1),
         "estimate_cpu_s": round(cpu_s, 1),
         "load_average": [round(load, 1), round(os.getloadavg()[0], 1)],
-        "commit": _commit(),
+        "commit": commit,
         "trials_per_layout": trials,
         "layouts": [
             {
