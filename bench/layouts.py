@@ -76,7 +76,6 @@ def run_cell(name: str, trials: int | None, storage_url: str) -> dict[str, Any]:
     load = os.getloadavg()[0]
     started = time.monotonic()
     cpu_started = time.process_time()
-    commit = _commit()  # the code this cell runs, whatever is committed meanwhile
 
     def open_layout(layout: Spec) -> tuple[EstimateRunner, None]:
         budget = budget_for(find_gpu(GPU), layout.training.world_size)
@@ -93,7 +92,7 @@ def run_cell(name: str, trials: int | None, storage_url: str) -> dict[str, Any]:
         "estimate_wall_s": round(wall_s, 1),
         "estimate_cpu_s": round(cpu_s, 1),
         "load_average": [round(load, 1), round(os.getloadavg()[0], 1)],
-        "commit": commit,
+        "commit": CODE_COMMIT,
         "trials_per_layout": trials,
         "layouts": [
             {
@@ -123,19 +122,22 @@ def run_cell(name: str, trials: int | None, storage_url: str) -> dict[str, Any]:
 
 
 def _commit() -> str:
-    """The commit the cell ran on (with `+` when the work tree differed from it)."""
+    """The commit of the code this process runs, read as it starts (with `+` when the work
+    tree's tracked code differed from it; the results this script writes do not count)."""
     root = Path(__file__).resolve().parent.parent
     head = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
     ).stdout.strip()
     dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"],
+        ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"],
         cwd=root,
         capture_output=True,
         text=True,
     ).stdout.strip()
     return head + ("+" if dirty else "")
 
+
+CODE_COMMIT = _commit()  # at import: the code every cell of this process runs
 
 # A published multi-GPU training throughput to set beside the estimates.
 COMPARISON = """## A published figure beside it
