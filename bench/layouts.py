@@ -140,6 +140,7 @@ def _commit() -> str:
 CODE_COMMIT = _commit()  # at import: the code every cell of this process runs
 
 # A published multi-GPU training throughput to set beside the estimates.
+TORCHTITAN_TOKENS_PER_S_PER_GPU = 5762
 COMPARISON = """## A published figure beside it
 
 pytorch/torchtitan, its performance page (performance.md in its docs folder), Table 1:
@@ -218,8 +219,26 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     missing = [name for name in cell_names() if name not in {row["cell"] for row in rows}]
     if missing:
         lines += ["## Not run", "", *(f"- {name}" for name in missing), ""]
-    lines += [COMPARISON, ""]
+    lines += [COMPARISON, "", *_beside_comparison(rows)]
     return "\n".join(lines)
+
+
+def _beside_comparison(rows: list[dict[str, Any]]) -> list[str]:
+    """The estimate the published figure compares with: Llama-3-8B/full/1x8's zero3 row."""
+    row = next((r for r in rows if r["cell"] == "Llama-3-8B/full/1x8"), None)
+    layout = next((x for x in (row or {}).get("layouts", []) if x["layout"] == "zero3"), None)
+    if row is None or layout is None or layout["best"] is None:
+        return ["Here: Llama-3-8B/full/1x8 has no zero3 estimate yet.", ""]
+    best = layout["best"]
+    per_gpu = best["tokens_per_s_job"] / row["world_size"]
+    return [
+        f"Here, beside it: Llama-3-8B/full/1x8 zero3 (micro-batch {best['micro_batch']} x "
+        f"{best['accumulation_steps']}, checkpointing {best['checkpointing']}, sequence "
+        f"{SEQ_LEN}): **{per_gpu:,.0f} tokens/s per GPU** ({best['tokens_per_s_job']:,.0f} for "
+        f"the {row['world_size']} GPUs), {best['peak_gib']} GiB per GPU: "
+        f"{per_gpu / TORCHTITAN_TOKENS_PER_S_PER_GPU:.2f} times torchtitan's figure.",
+        "",
+    ]
 
 
 def main() -> int:
