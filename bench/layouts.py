@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -74,6 +75,7 @@ def run_cell(name: str, trials: int | None, storage_url: str) -> dict[str, Any]:
     spec = cell_spec(name)
     load = os.getloadavg()[0]
     started = time.monotonic()
+    cpu_started = time.process_time()
 
     def open_layout(layout: Spec) -> tuple[EstimateRunner, None]:
         budget = budget_for(find_gpu(GPU), layout.training.world_size)
@@ -81,13 +83,16 @@ def run_cell(name: str, trials: int | None, storage_url: str) -> dict[str, Any]:
 
     result: TuneResult = tune_layouts(spec, open_layout, storage_url=storage_url, n_trials=trials)
     wall_s = time.monotonic() - started
+    cpu_s = time.process_time() - cpu_started
     rec = result.recommendation
     return {
         "cell": name,
         "world_size": spec.training.world_size,
         "chosen": rec.sharding.value if rec is not None and rec.sharding else None,
         "estimate_wall_s": round(wall_s, 1),
-        "load_average": round(load, 1),
+        "estimate_cpu_s": round(cpu_s, 1),
+        "load_average": [round(load, 1), round(os.getloadavg()[0], 1)],
+        "commit": CODE_COMMIT,
         "trials_per_layout": trials,
         "layouts": [
             {
@@ -116,7 +121,26 @@ def run_cell(name: str, trials: int | None, storage_url: str) -> dict[str, Any]:
     }
 
 
+def _commit() -> str:
+    """The commit of the code this process runs, read as it starts (with `+` when the work
+    tree's tracked code differed from it; the results this script writes do not count)."""
+    root = Path(__file__).resolve().parent.parent
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return head + ("+" if dirty else "")
+
+
+CODE_COMMIT = _commit()  # at import: the code every cell of this process runs
+
 # A published multi-GPU training throughput to set beside the estimates.
+TORCHTITAN_TOKENS_PER_S_PER_GPU = 5762
 COMPARISON = """## A published figure beside it
 
 pytorch/torchtitan, its performance page (performance.md in its docs folder), Table 1:
@@ -127,6 +151,17 @@ activation checkpointing, bf16 mixed precision:
 torch.compile. Its sequence length is torchtitan's Llama 3 8B default (8192), twice this
 bench's, and its GPUs run at 500 W, not 700: compare orders of magnitude, not percent. The
 row to set beside it is Llama-3-8B/full/1x8's zero3 tokens/s per GPU (the job's figure / 8)."""
+
+
+def _cpu(row: dict[str, Any]) -> str:
+    cpu_s = row.get("estimate_cpu_s")
+    return "CPU time not recorded" if cpu_s is None else f"{cpu_s:.0f} s of CPU"
+
+
+def _load(row: dict[str, Any]) -> str:
+    """The load average as the cell started, and as it ended when recorded."""
+    load = row["load_average"]
+    return f"{load[0]} to {load[1]}" if isinstance(load, list) else str(load)
 
 
 def _number(value: float | None, digits: int = 2) -> str:
@@ -149,8 +184,10 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     ]
     for row in rows:
         lines += [
-            f"## {row['cell']} ({row['world_size']} GPUs): chosen {row['chosen']}, estimate "
-            f"{row['estimate_wall_s']:.0f} s at load average {row['load_average']}",
+            f"## {row['cell']} ({row['world_size']} GPUs): chosen {row['chosen']}",
+            "",
+            f"Estimate: {row['estimate_wall_s']:.0f} s wall, {_cpu(row)} at load average "
+            f"{_load(row)} on commit {row.get('commit', 'not recorded')}.",
             "",
             "| layout | verdict | max micro-batch (plain / ckpt) | best | samples/s per GPU "
             "| samples/s job | tokens/s job | compute s | exposed comm. s | memory per GPU GiB |",
@@ -182,8 +219,26 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     missing = [name for name in cell_names() if name not in {row["cell"] for row in rows}]
     if missing:
         lines += ["## Not run", "", *(f"- {name}" for name in missing), ""]
-    lines += [COMPARISON, ""]
+    lines += [COMPARISON, "", *_beside_comparison(rows)]
     return "\n".join(lines)
+
+
+def _beside_comparison(rows: list[dict[str, Any]]) -> list[str]:
+    """The estimate the published figure compares with: Llama-3-8B/full/1x8's zero3 row."""
+    row = next((r for r in rows if r["cell"] == "Llama-3-8B/full/1x8"), None)
+    layout = next((x for x in (row or {}).get("layouts", []) if x["layout"] == "zero3"), None)
+    if row is None or layout is None or layout["best"] is None:
+        return ["Here: Llama-3-8B/full/1x8 has no zero3 estimate yet.", ""]
+    best = layout["best"]
+    per_gpu = best["tokens_per_s_job"] / row["world_size"]
+    return [
+        f"Here, beside it: Llama-3-8B/full/1x8 zero3 (micro-batch {best['micro_batch']} x "
+        f"{best['accumulation_steps']}, checkpointing {best['checkpointing']}, sequence "
+        f"{SEQ_LEN}): **{per_gpu:,.0f} tokens/s per GPU** ({best['tokens_per_s_job']:,.0f} for "
+        f"the {row['world_size']} GPUs), {best['peak_gib']} GiB per GPU: "
+        f"{per_gpu / TORCHTITAN_TOKENS_PER_S_PER_GPU:.2f} times torchtitan's figure.",
+        "",
+    ]
 
 
 def main() -> int:
