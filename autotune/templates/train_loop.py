@@ -88,26 +88,8 @@ def largest_block_list(model: nn.Module) -> nn.ModuleList:
     return max(block_lists, key=len)
 
 
-def embedding_units(model: nn.Module) -> list[nn.Module]:
-    """The input embeddings and the output head, FSDP2 units of their own as measured (in the
-    root they would stay gathered for the whole step), when the model exposes them
-    (transformers' get_input_embeddings / get_output_embeddings) and they are not tied: a tied
-    weight stays in the root, FSDP2 shards a parameter once."""
-    ends = []
-    for getter in ("get_input_embeddings", "get_output_embeddings"):
-        get = getattr(model, getter, None)
-        module = get() if callable(get) else None
-        if isinstance(module, nn.Module) and any(True for _ in module.parameters()):
-            ends.append(module)
-    if len(ends) < 2:
-        return ends
-    first, last = ({id(p) for p in m.parameters()} for m in ends)
-    return [] if first & last else ends
-
-
 def shard(model: nn.Module) -> None:
-    """FSDP2 as measured: the input embeddings, every block and the output head each a unit of
-    their own (`embedding_units`), then the root; ZeRO-2 keeps a block's
+    """FSDP2 as measured: every block its own unit, then the root; ZeRO-2 keeps a block's
     parameters gathered from its forward to its backward. fp32 weights under autocast are
     gathered in the autocast dtype and their gradients reduced in fp32 (FSDP2's mixed
     precision): gathered in fp32, autocast would keep a 16-bit copy of every block's weights
@@ -127,9 +109,9 @@ def shard(model: nn.Module) -> None:
             param_dtype=getattr(torch, AUTOCAST_DTYPE), reduce_dtype=torch.float32
         )
     reshard_after_forward = SHARDING != "zero2"
-    for unit in [*largest_block_list(model), *embedding_units(model)]:
+    for block in largest_block_list(model):
         fully_shard(
-            unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy
+            block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy
         )
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
 

@@ -9,8 +9,7 @@ the LightningModule (the text shows its `configure_model` and `configure_optimiz
   adapters to bf16 and run without autocast).
 * DDP (and ZeRO-1, measured as DDP with torch's ZeroRedundancyOptimizer, which the module
   returns): `DDPStrategy(gradient_as_bucket_view=True)`.
-* FSDP2 (zero2, zero3, hybrid): `ModelParallelStrategy`, with `fully_shard` on each block and on
-  the input embeddings and the output head (unless tied), then
+* FSDP2 (zero2, zero3, hybrid): `ModelParallelStrategy`, with `fully_shard` on each block, then
   the root, in `configure_model` (hybrid over a 2-D replicate x shard mesh). Lightning's
   `FSDPStrategy` is FSDP1.
 """
@@ -168,8 +167,7 @@ def _fully_shard_lines(run: MeasuredRun, shard: dict[str, Any]) -> list[str]:
             "reduce_dtype=torch.float32)",
         ]
     return [
-        "# FSDP2 as measured: every block, the input embeddings and the output head (unless",
-        "# tied: then they stay in the root) each a unit of its own, then the root.",
+        "# FSDP2 as measured: every block its own unit, then the root.",
         "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard"
         if policy
         else "from torch.distributed.fsdp import fully_shard",
@@ -177,10 +175,6 @@ def _fully_shard_lines(run: MeasuredRun, shard: dict[str, Any]) -> list[str]:
         *policy,
         "for block in self.model.model.layers:  # your model's blocks",
         f"    fully_shard(block, {kwargs})",
-        "if self.model.get_input_embeddings().weight is not "
-        "self.model.get_output_embeddings().weight:",
-        f"    fully_shard(self.model.get_input_embeddings(), {kwargs})",
-        f"    fully_shard(self.model.get_output_embeddings(), {kwargs})",
         f"fully_shard(self.model, {kwargs})",
     ]
 

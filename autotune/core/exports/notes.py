@@ -100,10 +100,7 @@ def data_parallel_note(run: MeasuredRun) -> str:
             "each step only.",
         ]
     else:
-        how = (
-            "fully_shard on each block, the input embeddings and the output head (unless "
-            "tied), then the root"
-        )
+        how = "fully_shard on each block, then the root"
         if gathers_in_16_bits(run.training):
             how += f", weights gathered in {run.autocast_dtype} and gradients reduced in fp32"
         if run.sharding is Sharding.ZERO2:
