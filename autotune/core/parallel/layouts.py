@@ -52,8 +52,8 @@ class ParameterShape:
 
 @dataclass(frozen=True)
 class ShardUnit:
-    """The parameters one FSDP2 `fully_shard` call owns (a block, the input embeddings, the
-    output head, or the root: what is in none of them), gathered and reduced together."""
+    """The parameters one FSDP2 `fully_shard` call owns (a block, or the root: what is in no
+    block), gathered and reduced together."""
 
     parameters: tuple[ParameterShape, ...]
 
@@ -163,9 +163,7 @@ def _fsdp(
         )
     ]
     if regather:
-        # Every unit, the root included (`shard_model` reshards it after forward as well), and
-        # frozen input embeddings too: their output needs no gradient, but the first block's
-        # backward prefetches them (FSDP2's backward prefetch, in reverse forward order).
+        # Every unit, the root included (`shard_model` reshards it after forward as well).
         transfers.append(
             Transfer(
                 "parameter all-gather for backward (FSDP2)",

@@ -21,16 +21,10 @@ shards are never sent), which memory and time do not depend on.
 * hybrid: zero3 within groups of `shard_group_size` ranks, replicated across groups (HSDP, a
   2-D device mesh).
 
-FSDP2's units are, as torchtitan wraps a decoder: the input embeddings, each block (the entries
-of the model's largest `nn.ModuleList`, the layers checkpointing wraps), the output head, and the
-root with the rest (the final norm, anything else). The embeddings and the head are their own
-units where the model exposes them (transformers' `get_input_embeddings` and
-`get_output_embeddings`) and they share no parameter (tied embeddings stay in the root, one
-unit: FSDP2 shards a parameter once): in the root they would stay gathered from the step's
-first forward to its last backward, a vocabulary-sized weight (1 GiB in bf16 for Llama-3-8B's
-embeddings) unsharded on every rank. Gradients are reduce-scattered after every micro-batch and
-accumulate sharded (DeepSpeed's behaviour; FSDP's `no_sync` would keep a whole model of
-unsharded gradients).
+FSDP2's units are the model's blocks (the entries of its largest `nn.ModuleList`, the layers
+checkpointing wraps) and the root (embeddings, head, norms). Gradients are reduce-scattered after
+every micro-batch and accumulate sharded (DeepSpeed's behaviour; FSDP's `no_sync` would keep a
+whole model of unsharded gradients).
 """
 
 from __future__ import annotations
@@ -95,57 +89,18 @@ def _shape(param: torch.Tensor) -> ParameterShape:
     )
 
 
-def _exposed(model: nn.Module, getter: str) -> nn.Module | None:
-    """The module `model.<getter>()` returns (transformers' embeddings accessors; a peft model
-    passes them on to the model it wraps), None when there is none."""
-    get = getattr(model, getter, None)
-    if not callable(get):
-        return None
-    try:
-        module = get()
-    except NotImplementedError:  # transformers' default for a model without one
-        return None
-    return module if isinstance(module, nn.Module) else None
-
-
-def fsdp_units(model: nn.Module) -> list[nn.Module]:
-    """The modules FSDP2 wraps before the root, in the order they run: the input embeddings,
-    the blocks, the output head. The embeddings and the head only where the model exposes
-    them, they hold parameters in no block, and they share none with each other (tied
-    embeddings stay in the root)."""
-    layers = blocks(model)
-    in_blocks = {id(p) for block in layers for p in block.parameters()}
-    embeddings = _exposed(model, "get_input_embeddings")
-    head = _exposed(model, "get_output_embeddings")
-    ends: list[nn.Module] = []
-    for module in (embeddings, head):
-        if module is None or module is model:
-            continue
-        params = {id(p) for p in module.parameters()}
-        if params and not params & in_blocks:
-            ends.append(module)
-    if len(ends) == 2:
-        shared = {id(p) for p in ends[0].parameters()} & {id(p) for p in ends[1].parameters()}
-        if shared:
-            ends = []  # tied: one parameter, one unit, the root's
-    first = [m for m in ends if m is embeddings]
-    last = [m for m in ends if m is head]
-    return [*first, *layers, *last]
-
-
 def model_parameters(model: nn.Module) -> ModelParameters:
-    """`model`'s parameters as FSDP2's units hold them (`shard_model`: the `fsdp_units`, then
-    the root with the rest, when it holds any) and its buffers' bytes, for
-    `autotune.core.parallel.layouts`; the same whether the model is sharded yet or not."""
-    taken: set[int] = set()
+    """`model`'s parameters as FSDP2's units hold them (`shard_model`: one per block, then the
+    root with the rest) and its buffers' bytes, for `autotune.core.parallel.layouts`; the same
+    whether the model is sharded yet or not."""
+    in_blocks: set[int] = set()
     units = []
-    for module in fsdp_units(model):
-        params = [p for p in module.parameters() if id(p) not in taken]
-        taken.update(id(p) for p in params)
+    for block in blocks(model):
+        params = [p for p in block.parameters() if id(p) not in in_blocks]
+        in_blocks.update(id(p) for p in params)
         units.append(ShardUnit(tuple(_shape(p) for p in params)))
-    root = [p for p in model.parameters() if id(p) not in taken]
-    if root:
-        units.append(ShardUnit(tuple(_shape(p) for p in root)))
+    root = [p for p in model.parameters() if id(p) not in in_blocks]
+    units.append(ShardUnit(tuple(_shape(p) for p in root)))
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     return ModelParameters(units=tuple(units), buffer_bytes=buffer_bytes)
 
@@ -173,8 +128,8 @@ def shard_model(model: nn.Module, training: TrainingSpec, device: torch.device) 
         "reshard_after_forward": sharding is not Sharding.ZERO2,
         "mp_policy": mixed_precision(training),
     }
-    for unit in fsdp_units(model):
-        fully_shard(unit, **kwargs)
+    for block in blocks(model):
+        fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
 
@@ -226,8 +181,7 @@ def assumption(training: TrainingSpec) -> str:
         "partition of the optimizer states)",
         Sharding.ZERO2: "torch FSDP2 without resharding after forward (ZeRO-2: parameters "
         "gathered from forward to backward)",
-        Sharding.ZERO3: "torch FSDP2 full shard, one unit per block, the input embeddings and "
-        "the output head each one of their own where the model exposes them, and the root",
+        Sharding.ZERO3: "torch FSDP2 full shard, one unit per block and the root",
         Sharding.HYBRID: f"torch FSDP2 hybrid shard (groups of {training.shard_group_size})",
     }[training.sharding]
     if training.sharding is not Sharding.ZERO1 and gathers_in_16_bits(training):

@@ -34,7 +34,6 @@ from tests.autotune_tests.gloo import run_gloo_ranks
 pytestmark = pytest.mark.slow
 
 MICRO_STEPS = 3
-TIED = "+tied"  # a case's suffix: the model's head and embeddings share their weight
 
 # The c10d op of each collective and which of its tensors is the whole buffer.
 _OPS = {
@@ -82,33 +81,22 @@ class _Block(nn.Module):
 
 
 class _Model(nn.Module):
-    """Blocks in a ModuleList (FSDP2's units), a frozen embedding and a trained head exposed as
-    transformers exposes them (units of their own), a norm left in the root, and a buffer (DDP
-    broadcasts it). `tied`: the head is the embedding's weight, trained (one unit: the root)."""
+    """Blocks in a ModuleList (FSDP2's units), a frozen embedding and a trained head in the
+    root, and a buffer (DDP broadcasts it)."""
 
-    def __init__(self, tied: bool = False) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(11, 6)
+        self.embed.weight.requires_grad_(False)
         self.layers = nn.ModuleList(_Block() for _ in range(3))
-        self.norm = nn.LayerNorm(6)
-        self.head = nn.Linear(6, 11 if tied else 5, bias=False)
-        if tied:
-            self.head.weight = self.embed.weight
-        else:
-            self.embed.weight.requires_grad_(False)
+        self.head = nn.Linear(6, 5)
         self.register_buffer("scale", torch.ones(3))
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.embed
-
-    def get_output_embeddings(self) -> nn.Module:
-        return self.head
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x)
-        return self.head(self.norm(x)) * self.scale.sum()
+        return self.head(x) * self.scale.sum()
 
 
 def _spec(sharding: str, world_size: int) -> TrainingSpec:
@@ -130,10 +118,9 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, ddp: bool, micro: 
 def _count(rank: int, workdir: str, layouts: list[str]) -> None:
     world_size = dist.get_world_size()
     found: dict[str, Any] = {}
-    for case in layouts:
-        sharding, tied = case.removesuffix(TIED), case.endswith(TIED)
+    for sharding in layouts:
         torch.manual_seed(0)
-        model: nn.Module = _Model(tied)
+        model: nn.Module = _Model()
         training = _spec(sharding, world_size)
         ddp = sharding in ("none", "zero1")
         if ddp:
@@ -150,18 +137,17 @@ def _count(rank: int, workdir: str, layouts: list[str]) -> None:
         counter = _CollectiveBytes()
         with counter:
             _step(model, optimizer, ddp, MICRO_STEPS)
-        found[case] = {"bytes": dict(counter.bytes), "count": dict(counter.count)}
+        found[sharding] = {"bytes": dict(counter.bytes), "count": dict(counter.count)}
         del model, optimizer, params
     if rank == 0:
         Path(workdir, "found.json").write_text(json.dumps(found))
 
 
-def _expected(case: str, world_size: int) -> dict[str, dict[str, int]]:
-    training = _spec(case.removesuffix(TIED), world_size)
+def _expected(sharding: str, world_size: int) -> dict[str, dict[str, int]]:
+    training = _spec(sharding, world_size)
     topology = topology_for(training, find_gpu("H100 80GB"))
     expected: dict[str, dict[str, int]] = {"bytes": defaultdict(int), "count": defaultdict(int)}
-    model = model_parameters(_Model(case.endswith(TIED)))
-    for transfer in layout_transfers(training, model, topology):
+    for transfer in layout_transfers(training, model_parameters(_Model()), topology):
         times = MICRO_STEPS if transfer.cadence == "micro_step" else 1
         expected["bytes"][transfer.collective] += transfer.size_bytes * times
         expected["count"][transfer.collective] += transfer.count * times
@@ -174,27 +160,17 @@ def issued(
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     world_size: int = request.param
     workdir = tmp_path_factory.mktemp(f"gloo{world_size}")
-    layouts = ["none", "zero1", "zero2", "zero3", "zero3" + TIED] + (
-        ["hybrid"] if world_size == 4 else []
-    )
+    layouts = ["none", "zero1", "zero2", "zero3"] + (["hybrid"] if world_size == 4 else [])
     mp.spawn(run_gloo_ranks, args=(world_size, _count, str(workdir), layouts), nprocs=world_size)
     yield world_size, json.loads((workdir / "found.json").read_text())
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("case", ["none", "zero1", "zero2", "zero3", "zero3" + TIED, "hybrid"])
+@pytest.mark.parametrize("sharding", ["none", "zero1", "zero2", "zero3", "hybrid"])
 def test_each_collective_moves_the_bytes_torch_issues(
-    issued: tuple[int, dict[str, Any]], case: str
+    issued: tuple[int, dict[str, Any]], sharding: str
 ) -> None:
     world_size, found = issued
-    if case not in found:
+    if sharding not in found:
         pytest.skip("hybrid needs two groups of two ranks")
-    assert found[case] == _expected(case, world_size)
-
-
-def test_embeddings_and_head_are_units_of_their_own_unless_tied() -> None:
-    """A tied pair stays in the root: FSDP2 shards a parameter once."""
-    untied = model_parameters(_Model()).units
-    assert [len(u.parameters) for u in untied] == [1, 4, 4, 4, 1, 2]  # root: the norm
-    tied = model_parameters(_Model(tied=True)).units
-    assert [len(u.parameters) for u in tied] == [4, 4, 4, 3]  # root: embedding, norm
+    assert found[sharding] == _expected(sharding, world_size)

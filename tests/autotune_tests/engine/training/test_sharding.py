@@ -13,12 +13,12 @@ import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from autotune.core.schemas import ModelSpec, Phase, Spec
+from autotune.core.schemas import Phase, Spec
 from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.emulation.tracker import local_tensor
 from autotune.engine.estimate import EstimateRunner
 from autotune.engine.runner import InProcessRunner
-from autotune.engine.training.sharding import blocks, shard_model
+from autotune.engine.training.sharding import blocks
 from tests.autotune_tests.factories import TINY_LLAMA_CONFIG
 from tests.autotune_tests.gloo import run_gloo_rank
 
@@ -27,10 +27,7 @@ pytestmark = pytest.mark.xdist_group("real-fsdp")
 MiB = 2**20
 HUGE_BYTES = 2**40
 TRIALS = [(2, 1), (6, 2)]  # (micro-batch, accumulation steps)
-# Layouts checked on real ranks; "+hf": a transformers Llama, whose embeddings and head FSDP2
-# shards as units of their own (the zoo's presets expose neither).
-HF = "+hf"
-CHECKED = ("zero2", "zero3", "zero3" + HF)
+CHECKED = ("zero2", "zero3")
 TOLERANCE = 0.02
 
 
@@ -52,11 +49,8 @@ def _spec(sharding: str = "none", world_size: int = 2, **training: object) -> Sp
 Peaks = list[tuple[int, int]]  # (peak reserved, peak allocated) per trial
 
 
-def _trials(case: str) -> Peaks:
-    spec = _spec(case.removesuffix(HF))
-    if case.endswith(HF):
-        spec = spec.model_copy(update={"model": ModelSpec(hf_config=TINY_LLAMA_CONFIG)})
-    runner = InProcessRunner(spec, EmulatedDevice(HUGE_BYTES))
+def _trials(sharding: str) -> Peaks:
+    runner = InProcessRunner(_spec(sharding), EmulatedDevice(HUGE_BYTES))
     assert runner.warm_up().fits
     peaks = []
     for micro_batch, accumulation in TRIALS:
@@ -259,19 +253,3 @@ def test_a_zero3_rank_holds_no_16_bit_copy_of_every_block() -> None:
     block_params = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn + 2 * hidden
     added = _forward_peak(2 + extra_blocks, ranks) - _forward_peak(2, ranks)
     assert added < extra_blocks * 2 * block_params
-
-
-@pytest.mark.parametrize("tied", [False, True])
-def test_a_transformers_decoder_s_embeddings_and_head_are_units_of_their_own(tied: bool) -> None:
-    """As torchtitan wraps Llama: embeddings, each layer, head, root; tied ones stay in the
-    root (FSDP2 shards a parameter once)."""
-    from torch.distributed.fsdp import FSDPModule
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = {k: v for k, v in TINY_LLAMA_CONFIG.items() if k != "model_type"}
-    model = LlamaForCausalLM(LlamaConfig(**config, tie_word_embeddings=tied))
-    training = _spec("zero3").training
-    shard_model(model, training, torch.device("cpu"))
-    ends = [model.get_input_embeddings(), model.get_output_embeddings()]
-    assert [isinstance(m, FSDPModule) for m in ends] == [not tied, not tied]
-    assert all(isinstance(layer, FSDPModule) for layer in model.model.layers)
