@@ -127,6 +127,7 @@ def test_tuned_arguments_from_the_servers_stored_recommendation(
     assert tuned.per_device_train_batch_size * tuned.gradient_accumulation_steps == 8
 
 
+@pytest.mark.e2e
 def test_a_cuda_card_is_answered_from_what_the_fleet_measured_on_that_card(
     live_server: LiveServer,
 ) -> None:
