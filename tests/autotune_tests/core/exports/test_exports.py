@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -176,20 +177,19 @@ def test_every_export_sets_the_allocator_settings_the_recommendation_holds_for()
     assert "ALLOCATOR_CONF: str | None = None" in plain["pytorch_loop"]
 
 
-def test_the_measured_allocator_settings_win_over_a_users_older_variable(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_the_measured_allocator_settings_win_over_a_users_older_variable() -> None:
     """torch reads PYTORCH_CUDA_ALLOC_CONF before PYTORCH_ALLOC_CONF: one exported in the
     user's shell would silently replace the measured settings unless each text takes it out."""
     conf = "expandable_segments:True"
     texts = render_exports(_exports(_rec(18, 2).model_copy(update={"allocator_conf": conf})))
     for name in ("hf", "lightning", "pytorch_loop"):
-        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:40")
-        monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+        # The lines run on an environment of their own: set in this process, the measured
+        # settings would leak into every later test of this worker.
+        environ = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:40"}
         lines = [line.strip() for line in texts[name].splitlines()]
-        namespace = {"os": os, "ALLOCATOR_CONF": conf}  # the loop names its constant
+        namespace = {"os": SimpleNamespace(environ=environ), "ALLOCATOR_CONF": conf}
         exec("\n".join(line for line in lines if line.startswith("os.environ")), namespace)
-        assert config_from_environ(os.environ) == parse_alloc_conf(conf), name
+        assert config_from_environ(environ) == parse_alloc_conf(conf), name
     # The shell line, with a command that reports what a launcher's CUDA would read.
     [shell] = [
         line for line in texts["deepspeed_notes"].splitlines() if "accelerate launch" in line
