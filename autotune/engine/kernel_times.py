@@ -43,7 +43,10 @@ for _op, _formula in (
         register_flop_formula(_op, get_raw=True)(_formula)
 
 # Ops that launch no kernel: they only make a tensor's metadata or reserve its memory.
+# `_unsafe_view` is a view aten does not mark as one (autograd sees no alias): matmul reshapes
+# every linear's mm result of a 3-d input with it.
 _NO_KERNEL = {
+    _aten._unsafe_view.default,
     _aten.empty.memory_format,
     _aten.empty_like.default,
     _aten.empty_strided.default,
