@@ -69,7 +69,7 @@ def test_estimate_takes_a_spec_dict() -> None:
         "model": {"preset": "gpt2-tiny"},
         "training": {"seq_len": 32, "target_global_batch": 8, "max_micro_batch": 8},
     }
-    result = autotune.tune(spec, device="cpu", memory=2**30, trials=1, seconds_per_trial=0.1)
+    result = autotune.estimate(spec, gpu="T4", trials=1)
     assert result.recommendation is not None and result.recommendation.global_batch == 8
     assert result.device.name.startswith("estimate for T4")
 
