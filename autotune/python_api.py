@@ -33,6 +33,7 @@ from autotune.core.schemas import (
     DeviceInfo,
     ProbeResult,
     Recommendation,
+    Sharding,
     Spec,
     StepOutcome,
     TrainingSpec,
@@ -103,9 +104,24 @@ def tune(
     best samples/s, with `.exports`; arguments as `probe`, plus the Optuna storage (default:
     in memory), the trial budget and each measurement's duration. Live objects need
     `target_global_batch=`."""
+    from autotune.engine.emulation.gpu_speed import timed_on_its_gpu
     from autotune.engine.tuner import tune_session
 
-    runner = _runner(spec, model, batch, loss, device, memory, gpu, training)
+    if spec is not None and model is None:
+        resolved = _spec(spec)
+
+        def open_layout(layout: Spec) -> TrialRunner:
+            # On an emulated named GPU, samples/s are that GPU's (roofline), as the tune
+            # command's: this CPU's times would rank the configurations as this CPU runs them.
+            return timed_on_its_gpu(
+                _runner(layout, None, batch, loss, device, memory, gpu, training)
+            )
+
+        if resolved.training.sharding is Sharding.AUTO:
+            return _tune_layouts(resolved, open_layout, storage_url, trials, seconds_per_trial)
+        runner = open_layout(resolved)
+    else:
+        runner = _runner(spec, model, batch, loss, device, memory, gpu, training)
     return tune_session(
         runner, storage_url=storage_url, n_trials=trials, target_seconds=seconds_per_trial
     )
@@ -128,9 +144,40 @@ def estimate(
     from autotune.engine.tuner import tune_session
 
     resolved = _spec(spec)
-    budget = budget_for(find_gpu(gpu), resolved.training.world_size)
-    runner = EstimateRunner(resolved, gpu=budget, allocator_config=config_from_environ(os.environ))
-    return tune_session(runner, storage_url=storage_url, n_trials=trials)
+    allocator_config = config_from_environ(os.environ)
+    named = find_gpu(gpu)
+
+    def open_layout(layout: Spec) -> TrialRunner:
+        budget = budget_for(named, layout.training.world_size)
+        return EstimateRunner(layout, gpu=budget, allocator_config=allocator_config)
+
+    if resolved.training.sharding is Sharding.AUTO:
+        return _tune_layouts(resolved, open_layout, storage_url, trials)
+    return tune_session(open_layout(resolved), storage_url=storage_url, n_trials=trials)
+
+
+def _tune_layouts(
+    spec: Spec,
+    open_layout: Callable[[Spec], TrialRunner],
+    storage_url: str,
+    trials: int | None,
+    seconds_per_trial: float = 1.0,
+) -> TuneResult:
+    """`sharding: auto`: every layout valid for the topology tuned on a runner of its own, the
+    fastest recommended, every layout's outcome in `.layouts` (as the tune command)."""
+    from autotune.engine.layout_tuning import tune_layouts
+    from autotune.engine.probe import FitTracer
+
+    def layout_runner(layout: Spec) -> tuple[TrialRunner, FitTracer | None]:
+        return open_layout(layout), None
+
+    return tune_layouts(
+        spec,
+        layout_runner,
+        storage_url=storage_url,
+        n_trials=trials,
+        target_seconds=seconds_per_trial,
+    )
 
 
 def stored_recommendation(
@@ -231,6 +278,11 @@ def _runner(
         if batch is None:
             raise SpecError("batch: a live model needs one example batch")
         resolved, workload = live_workload(model, batch, loss, training)
+        if resolved.training.sharding is Sharding.AUTO:
+            raise SpecError(
+                "training.sharding: auto tunes each layout on a model of its own, built from a "
+                "spec; a live module is one object: give its spec, or set one layout"
+            )
     else:
         assert spec is not None
         resolved = _spec(spec)

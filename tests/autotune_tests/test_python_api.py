@@ -4,6 +4,7 @@ config, is left as it was passed, and the result says the trials ran in this pro
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from torch import nn
 
 import autotune
 from autotune.core.errors import SpecError
+from autotune.core.schemas import Sharding
 from autotune.python_api import LIVE_ASSUMPTION
 from tests.autotune_tests.core.exports.roundtrip import tiny_llama
 from tests.autotune_tests.factories import TINY_LLAMA_CONFIG
@@ -96,18 +98,74 @@ def test_estimate_needs_a_spec() -> None:
         autotune.estimate(nn.Linear(2, 2), gpu="T4")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("call", ["tune", "estimate"])
-def test_sharding_auto_is_refused_naming_who_chooses_a_layout(call: str) -> None:
-    """The Python API's `tune` and `estimate` run the spec's one layout (a KeyError once); the
-    refusal names the command that chooses among layouts, not "tune" (the caller's own)."""
+def test_estimate_with_sharding_auto_chooses_the_fastest_of_the_layouts_estimated_alone(
+    tmp_path: Path,
+) -> None:
+    """`sharding: auto` in the Python API runs every layout valid for the topology, as the tune
+    command does: each layout's outcome is what estimating that layout alone gives, and the
+    recommendation is the fastest's, naming it."""
+    training = {
+        "input_shape": [1024],
+        "precision": "bf16",
+        "world_size": 2,
+        "target_global_batch": 8,
+        "max_micro_batch": 4,
+    }
+    model = {"factory": "tests.autotune_tests.factories:linear_stack_4k"}
+    auto = {"model": model, "training": {**training, "sharding": "auto"}}
+    result = autotune.estimate(auto, gpu="T4", storage_url=f"sqlite:///{tmp_path / 'auto.db'}")
+    assert result.spec.training.sharding is Sharding.AUTO
+    alone: dict[Sharding, float] = {}
+    for layout in result.layouts:
+        spec = {"model": model, "training": {**training, "sharding": layout.sharding.value}}
+        url = f"sqlite:///{tmp_path / (layout.sharding.value + '.db')}"
+        single = autotune.estimate(spec, gpu="T4", storage_url=url)
+        assert single.recommendation is not None and layout.recommendation is not None
+        assert single.recommendation.samples_per_s == layout.recommendation.samples_per_s
+        alone[layout.sharding] = single.recommendation.samples_per_s
+    assert set(alone) == {Sharding.NONE, Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3}
+    assert result.recommendation is not None
+    fastest = max(alone, key=lambda sharding: alone[sharding])
+    assert result.recommendation.sharding is fastest
+    assert result.layouts[0].sharding is fastest
+    assert result.exports is not None
+
+
+def test_tune_with_sharding_auto_tunes_each_layout_on_its_own_emulated_ranks(
+    tmp_path: Path,
+) -> None:
+    """On an emulated GPU of a bare size, each layout's ranks are emulated (CPU timings)."""
     spec = {
         "model": {"preset": "mlp"},
         "training": {"sharding": "auto", "world_size": 2, "target_global_batch": 8},
     }
-    arguments: dict[str, Any] = {"device": "cpu", "memory": 2**30} if call == "tune" else {}
-    with pytest.raises(SpecError, match="autotune tune command") as refused:
-        getattr(autotune, call)(spec, **arguments, **({"gpu": "T4"} if call == "estimate" else {}))
-    assert "tune's choice" not in str(refused.value)
+    url = f"sqlite:///{tmp_path / 'auto.db'}"
+    result = autotune.tune(
+        spec, device="cpu", memory=2**30, storage_url=url, trials=2, seconds_per_trial=0.05
+    )
+    assert {layout.sharding for layout in result.layouts} == {
+        Sharding.NONE,
+        Sharding.ZERO1,
+        Sharding.ZERO2,
+        Sharding.ZERO3,
+    }
+    assert result.recommendation is not None
+    assert result.recommendation.sharding is result.layouts[0].sharding
+    assert result.device.name.startswith("emulated GPU")
+
+
+def test_sharding_auto_with_a_live_module_is_refused_naming_the_field() -> None:
+    """A live module is one object in this process: each layout would need a model of its own."""
+    with pytest.raises(SpecError, match="training.sharding: auto"):
+        autotune.tune(
+            model=nn.Sequential(nn.Linear(4, 4)),
+            batch=torch.zeros(2, 4),
+            loss=lambda model, batch: model(batch).sum(),
+            memory=2**30,
+            sharding="auto",
+            world_size=2,
+            target_global_batch=8,
+        )
 
 
 def test_the_exports_set_the_allocator_settings_the_device_was_measured_with(
