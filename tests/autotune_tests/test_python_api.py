@@ -13,7 +13,7 @@ from torch import nn
 
 import autotune
 from autotune.core.errors import SpecError
-from autotune.core.schemas import Sharding
+from autotune.core.schemas import Sharding, SpeedSource
 from autotune.python_api import LIVE_ASSUMPTION
 from tests.autotune_tests.core.exports.roundtrip import tiny_llama
 from tests.autotune_tests.factories import TINY_LLAMA_CONFIG
@@ -186,3 +186,12 @@ def test_the_exports_set_the_allocator_settings_the_device_was_measured_with(
     texts = render_exports(result.exports)
     assert "os.environ['PYTORCH_ALLOC_CONF'] = 'max_split_size_mb:40'" in texts["hf"]
     assert 'ALLOCATOR_CONF: str | None = "max_split_size_mb:40"' in texts["pytorch_loop"]
+
+
+def test_a_specs_tune_on_a_named_gpu_is_timed_by_its_roofline(tmp_path: Path) -> None:
+    """As the tune command: samples/s on an emulated T4 are the T4's, not this CPU's."""
+    spec = {"model": {"preset": "mlp"}, "training": {"target_global_batch": 8}}
+    url = f"sqlite:///{tmp_path / 't.db'}"
+    result = autotune.tune(spec, gpu="T4", storage_url=url, trials=1, seconds_per_trial=0.05)
+    assert result.device.speed is SpeedSource.ROOFLINE
+    assert result.recommendation is not None
