@@ -33,6 +33,7 @@ from autotune.cli.options import (
     add_device_args,
     add_expandable_segments_arg,
     add_trace_arg,
+    capacity_text,
     expandable_segments,
     fit_tracer,
     open_device,
@@ -79,10 +80,7 @@ def _cmd_probe(args: argparse.Namespace) -> int:
         return _probe_max_seq_len(args, spec)
     runner = open_runner(args, spec)
     info = runner.device_info
-    err.print(
-        f"probing [bold]{spec.model.label}[/bold] on {info.name} "
-        f"(capacity {format_bytes(info.capacity_bytes)})"
-    )
+    err.print(f"probing [bold]{spec.model.label}[/bold] on {info.name} ({capacity_text(info)})")
     progress = Progress(err)
     try:
         result = probe_session(

@@ -220,6 +220,19 @@ def open_runner(args: argparse.Namespace, spec: Spec) -> TrialRunner:
     return EstimateRunner(spec, gpu=budget, allocator_config=allocator_config_from_environment())
 
 
+def capacity_text(info: DeviceInfo) -> str:
+    """The device's capacity as a command opens it. A CUDA device's is provisional until its
+    first step has loaded CUDA's kernels and library handles (hundreds of MB on a large card,
+    `CudaDevice`): the result states the final one."""
+    from autotune.core.bytesize import format_bytes
+    from autotune.core.schemas import DeviceKind
+
+    capacity = format_bytes(info.capacity_bytes)
+    if info.kind is DeviceKind.CUDA:
+        return f"{capacity} free before the first step; read again once it has run"
+    return f"capacity {capacity}"
+
+
 NO_TRACE_HELP = (
     "run the search's first fit points as real trials instead of tracing the step on fake "
     "tensors first (a right trace leaves two real trials per mode)"

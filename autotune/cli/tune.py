@@ -37,6 +37,7 @@ from autotune.cli.options import (
     add_device_args,
     add_expandable_segments_arg,
     add_trace_arg,
+    capacity_text,
     expandable_segments,
     fit_tracer,
     open_runner,
@@ -116,7 +117,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     err.print(
         f"tuning [bold]{spec.model.label}[/bold] for global batch "
         f"{target_global_batch} on {info.name} "
-        f"(capacity {format_bytes(info.capacity_bytes)})"
+        f"({capacity_text(info)})"
     )
     progress = Progress(err, speed=speed_label(info))
     common: dict[str, Any] = {

@@ -241,3 +241,23 @@ def test_the_recommendation_leaves_the_headroom_on_reserved_memory() -> None:
             assert recommended < b
             after = runner.trial(recommended + 1, checkpointing=mode.checkpointing)
             assert after.peak_bytes > budget_bytes
+
+
+def test_the_opening_capacity_line_says_a_cuda_capacity_is_read_again_after_the_first_step() -> (
+    None
+):
+    """The commands print the capacity before the warm-up, when CUDA has not loaded its kernels:
+    on a card that figure is above the final one, so the line says it is provisional."""
+    from autotune.cli.options import capacity_text
+    from autotune.core.bytesize import format_bytes
+
+    with SimulatedCuda(small_gpu()) as cuda:
+        device = CudaDevice(0, runtime=cuda)
+        before_bytes = device.info.capacity_bytes
+        text = capacity_text(device.info)
+        device.run_trial(lambda: torch.ones(4).sum(), micro_batch=1, resident=[])
+        assert device.info.capacity_bytes < before_bytes  # its kernels and handles loaded
+    assert (
+        text
+        == f"{format_bytes(before_bytes)} free before the first step; read again once it has run"
+    )
