@@ -179,7 +179,24 @@ def _groups(data: dict[str, Any], chosen: Sharding, exports: Exports) -> dict[st
     return {key: exports.axolotl[key] for key in _AX_GROUP_KEYS}
 
 
+# transformers 4's FSDP arguments of their own (5 has neither): meaningless without `fsdp`, and
+# 4.x warns about each one left beside it, so they leave with it.
+_HF4_FSDP_ONLY_KEYS = ("fsdp_min_num_params", "fsdp_transformer_layer_cls_to_wrap")
+
+
 def _hf(
+    data: dict[str, Any], chosen: Sharding, exports: Exports, base: Path, notes: list[str]
+) -> dict[str, Any]:
+    """TrainingArguments' `deepspeed` and `fsdp`/`fsdp_config`, and transformers 4's own FSDP
+    arguments when FSDP goes."""
+    edits = _hf_layout(data, chosen, exports, base, notes)
+    fsdp_key = HF_KEYS["fsdp"]
+    if not edits.get(fsdp_key, data.get(fsdp_key)):
+        edits.update({key: REMOVE for key in _HF4_FSDP_ONLY_KEYS if key in data})
+    return edits
+
+
+def _hf_layout(
     data: dict[str, Any], chosen: Sharding, exports: Exports, base: Path, notes: list[str]
 ) -> dict[str, Any]:
     """TrainingArguments' `deepspeed` and `fsdp`/`fsdp_config` (their unset value is null)."""

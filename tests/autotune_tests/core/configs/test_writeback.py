@@ -336,6 +336,27 @@ def test_training_arguments_fsdp_and_deepspeed(tmp_path: Path) -> None:
     assert args.fsdp and args.fsdp_config["reshard_after_forward"] is False
 
 
+@pytest.mark.parametrize("sharding", [Sharding.NONE, Sharding.ZERO1, Sharding.ZERO2])
+def test_transformers_4s_own_fsdp_arguments_leave_with_fsdp(
+    tmp_path: Path, sharding: Sharding
+) -> None:
+    """A transformers 4 file: `fsdp` as words, and the two FSDP arguments 4.x had of its own
+    (5 has neither), which 4.x warns about when `fsdp` is unset: they go when FSDP goes."""
+    path = saved_arguments(tmp_path)
+    legacy = {"fsdp_min_num_params": 0, "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}
+    path.write_text(
+        json.dumps({**json.loads(path.read_text()), "fsdp": ["full_shard", "auto_wrap"], **legacy})
+    )
+    _, after, _ = chosen(path, sharding, model="org/model", seq_len=32)
+    written = json.loads(after)
+    if sharding is Sharding.ZERO2:
+        assert written["fsdp"] == ["shard_grad_op", "auto_wrap"]
+        assert {key: written[key] for key in legacy} == legacy
+    else:
+        assert not written["fsdp"]
+        assert not set(legacy) & set(written)
+
+
 def test_training_arguments_hybrid_is_fsdp2_with_its_groups_in_the_launch(tmp_path: Path) -> None:
     """transformers 5 writes FSDP2; its hybrid groups live in accelerate's ParallelismConfig,
     which a TrainingArguments file cannot hold: the note says how to launch, and accelerate's
