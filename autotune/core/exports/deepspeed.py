@@ -1,5 +1,5 @@
-"""The DeepSpeed JSON for the measured run (key names of DeepSpeed 0.19's
-`deepspeed/runtime/constants.py`), and what it cannot say.
+"""The DeepSpeed JSON for the measured run (DeepSpeed 0.19's key names, its
+runtime constants), and what it cannot say.
 
 * Precision: fp32 weights under autocast (what was measured for bf16 and fp16) are DeepSpeed's
   `torch_autocast` section; bf16 weights are its `bf16` section, which always keeps a second
@@ -42,7 +42,7 @@ DEEPSPEED_KEYS = {
     "untested_optimizer": "zero_allow_untested_optimizer",
 }
 _K = DEEPSPEED_KEYS
-# ZeRO's tested optimizers (deepspeed/runtime/zero/utils.py ZERO_SUPPORTED_OPTIMIZERS) include
+# ZeRO's tested optimizers (DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS) include
 # torch's AdamW; the others need the flag.
 _OPTIMIZERS: dict[OptimizerName, dict[str, Any] | None] = {
     OptimizerName.ADAMW: {"type": "AdamW", "params": {"torch_adam": True, "foreach": True}},

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 _MiB = 2**20
 
-# torch/nn/parallel/distributed.py: _DEFAULT_BUCKET_CAP_MB, dist._DEFAULT_FIRST_BUCKET_BYTES
+# DistributedDataParallel's defaults: _DEFAULT_BUCKET_CAP_MB, dist._DEFAULT_FIRST_BUCKET_BYTES
 # and DistributedDataParallel.broadcast_bucket_size.
 BUCKET_CAP_BYTES = 25 * _MiB
 FIRST_BUCKET_CAP_BYTES = 1 * _MiB

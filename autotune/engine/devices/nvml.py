@@ -19,7 +19,7 @@ from autotune.core.errors import DeviceError
 
 logger = logging.getLogger(__name__)
 
-# nvml.h: NVML_DEVICE_MIG_ENABLE, NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_NO_PERMISSION and
+# NVML's constants NVML_DEVICE_MIG_ENABLE, NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_NO_PERMISSION and
 # NVML_ERROR_NOT_FOUND (pynvml's NVMLError carries the code as `value`).
 MIG_ENABLED = 1
 ERROR_NOT_SUPPORTED = 3
@@ -65,7 +65,7 @@ class GpuInfo:
 
 
 def format_cuda_version(version: int) -> str:
-    """NVML's integer CUDA driver version as "major.minor": 12040 -> "12.4" (nvml.h macros)."""
+    """NVML's integer CUDA driver version as "major.minor": 12040 -> "12.4"."""
     return f"{version // 1000}.{(version % 1000) // 10}"
 
 

@@ -61,8 +61,8 @@ CUDNN_MAX_ELEMENTS = 2**31 - 1
 MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "addmv"})
 CONVOLUTION_OPS = frozenset({"convolution", "convolution_backward"})
 
-# torch's messages for these failures (aten/src/ATen/cuda/Exceptions.h: TORCH_CUDABLAS_CHECK and
-# AT_CUDNN_CHECK; c10/cuda/CUDAException.h for a failed CUDA call).
+# torch's messages for these failures (its TORCH_CUDABLAS_CHECK and AT_CUDNN_CHECK macros;
+# C10_CUDA_CHECK for a failed CUDA call).
 CUBLAS_ALLOC_FAILED = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
 CUDNN_INTERNAL_ERROR = "cuDNN error: CUDNN_STATUS_INTERNAL_ERROR"
 CUDNN_NOT_SUPPORTED = (
@@ -348,7 +348,7 @@ class SimulatedCuda:
         self._handles.add(key)
         if library == "cublas":
             # torch allocates the workspaces through the caching allocator and keeps them
-            # (CublasHandlePool.cpp): allocated in every step from now on.
+            # (torch's cuBLAS handle pool): allocated in every step from now on.
             self._workspaces += [self._malloc(size) for size in self.blas_workspace_sizes]
 
     def _malloc(self, size_bytes: int) -> BlockId:
@@ -364,7 +364,7 @@ class SimulatedCuda:
         return block
 
     def _out_of_memory_message(self, error: AllocatorOutOfMemory) -> str:
-        # The figures torch's message gives (c10/cuda/CUDACachingAllocator.cpp, malloc).
+        # The figures torch's message gives (the caching allocator's malloc).
         unallocated = error.reserved_bytes - error.allocated_bytes
         return (
             f"CUDA out of memory (simulated). Tried to allocate "

@@ -22,7 +22,7 @@ NVML_ERROR_DRIVER_NOT_LOADED."""
 
 DRIVER_VERSION = "550.54.15"
 CUDA_DRIVER_VERSION = 12040  # NVML's integer form of 12.4
-# nvml.h: what nvmlDeviceGetMaxMigDeviceCount answers on an A100/H100 (7 GPU instances).
+# What NVML's nvmlDeviceGetMaxMigDeviceCount answers on an A100/H100 (7 GPU instances).
 MAX_MIG_DEVICES = 7
 
 

@@ -1,10 +1,10 @@
 """CUDA's autocast op lists in torch 2.13: which ops cast to the autocast dtype, which to fp32.
 
-Transcribed from the `AT_FORALL_*` macros of aten/src/ATen/autocast_mode.h (read in the 2.13.0
-wheel) as `TORCH_LIBRARY_IMPL(aten, Autocast, m)` in aten/src/ATen/autocast_mode.cpp applies
-them, plus that block's cudnn convolutions and banned binary_cross_entropy
-(docs/design.md#autocast-on-the-emulated-gpu). A test checks the set of ops against the binary's
-`AutocastCUDA` registrations; `autotune.engine.emulation.autocast` applies the lists on the CPU.
+Transcribed from ATen's `AT_FORALL_*` autocast macros (read in the 2.13.0 wheel) as ATen's
+`TORCH_LIBRARY_IMPL(aten, Autocast, m)` block applies them, plus that block's cudnn convolutions
+and banned binary_cross_entropy (docs/design.md#autocast-on-the-emulated-gpu). A test checks the
+set of ops against the binary's `AutocastCUDA` registrations; `autotune.engine.emulation.autocast`
+applies the lists on the CPU.
 """
 
 from __future__ import annotations

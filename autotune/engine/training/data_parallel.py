@@ -1,8 +1,8 @@
 """Data parallelism in one process: the memory torch's DistributedDataParallel adds to each rank,
 reproduced without communication, so that a single-process trial counts it.
 
-`EmulatedReducer` does with a model's memory what DDP's C++ reducer does with it (torch 2.13,
-torch/csrc/distributed/c10d/reducer.cpp, DDP as `autotune.core.exports` exports it:
+`EmulatedReducer` does with a model's memory what DDP's C++ reducer does with it (torch 2.13's
+c10d reducer, DDP as `autotune.core.exports` exports it:
 `gradient_as_bucket_view=True`, default bucket sizes, no unused parameters):
 
 * flat gradient buckets, one per dtype until the first synchronised backward, then rebuilt in
