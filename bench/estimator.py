@@ -646,7 +646,7 @@ SPEED_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], str, str]] = {
 ACCUMULATIONS = (1, 8, 64, 2**20)
 # Rows by round: before and after the reuse of traces, after the layer replay, and after its
 # speed passes (round 3).
-SPEED_LABELS = ("before", "after", "replay", "speed-replay")
+SPEED_LABELS = ("before", "after", "replay", "speed-replay", "bytecode")
 # Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
 # of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).
 SPEED_NOTES = [
@@ -745,6 +745,18 @@ SPEED_NOTES = [
     "qwen7b-lora-probe: a probe has no speed pass; 21.7 CPU s against 18.4 (the same code "
     "path; the load and the sandbox's compile of lazily imported modules differ), the same "
     "answers to the byte.",
+    "Bytecode (27 Nov 2026): the speed part now compiles transformers and peft before its "
+    "cases (`_compile_lazily_imported`), as an installed package has its bytecode; until then a "
+    "module first imported inside a case (the model class, peft's tuners) was compiled from "
+    "source in the case's CPU seconds, because this sandbox sets PYTHONDONTWRITEBYTECODE=1. "
+    "qwen7b-lora-probe, the same code as speed-replay's plus the _unsafe_view fix: 9.9 CPU s "
+    "(load 4.7) against 21.7; the same answers to the byte. Of the difference, about 11 s were "
+    "that compile (a cProfile of the case without the bytecode: `builtins.compile` 11.2 of "
+    "43.8 profiled seconds) and the rest the load. The 8 s goal is 1.9 s away: what is left is "
+    "the 7 traced steps of the 5-layer model (fake-tensor dispatch), the model's build (about "
+    "2.5 s), and the allocator model's replays (259,000 mallocs over the probe: the layer "
+    "replay's and the search's fit points'). qwen0.5b-accumulation: 5.6 CPU s against 9.8, the "
+    "same peaks; its step times 2.9 % lower, the _unsafe_view fix's (fed34a0).",
 ]
 
 
@@ -870,6 +882,21 @@ def _profile_lines(text: str) -> list[str]:
     return kept
 
 
+def _compile_lazily_imported() -> None:
+    """Bytecode for the packages a case imports while it runs (the transformers model, peft), as
+    an installed package has it: this sandbox sets PYTHONDONTWRITEBYTECODE=1, so a module no
+    earlier run had compiled was compiled from source inside every case's timed CPU seconds
+    (2-4 s of the 7B probe's). compileall writes the bytecode whatever that variable says, and
+    skips what is compiled already."""
+    import compileall
+    import importlib.util
+
+    for name in ("transformers", "peft"):
+        found = importlib.util.find_spec(name)
+        if found is not None and found.origin is not None:
+            compileall.compile_dir(Path(found.origin).parent, quiet=1, workers=0)
+
+
 def speed(cases: list[str], label: str, profile: bool) -> int:
     """Each case in a child process; the figures filed under `label` in estimator_speed.*."""
     import subprocess
@@ -878,6 +905,7 @@ def speed(cases: list[str], label: str, profile: bool) -> int:
         json.loads(SPEED_JSON.read_text()) if SPEED_JSON.exists() else {"runs": {}}
     )
     runs = document["runs"].setdefault(label, {})
+    _compile_lazily_imported()
 
     def child(name: str, *flags: str) -> dict[str, Any] | None:
         command = [sys.executable, __file__, "--speed-case", name, *flags]
