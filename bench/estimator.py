@@ -646,7 +646,7 @@ SPEED_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], str, str]] = {
 ACCUMULATIONS = (1, 8, 64, 2**20)
 # Rows by round: before and after the reuse of traces, after the layer replay, and after its
 # speed passes (round 3).
-SPEED_LABELS = ("before", "after", "replay", "speed-replay")
+SPEED_LABELS = ("before", "after", "replay", "speed-replay", "ckpt-replay")
 # Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
 # of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).
 SPEED_NOTES = [
@@ -788,6 +788,7 @@ def speed_case(name: str, profile: bool) -> dict[str, Any]:
     runner = EstimateRunner(spec, gpu=budget_for(find_gpu(gpu), spec.training.world_size))
     answers: dict[str, Any] = {}
     phases: dict[str, float] = {"build_s": time.perf_counter() - started}
+    calls = _timed_calls(runner)
     if kind == "probe":
         result = probe_session(runner)
         answers["max"] = {str(m.checkpointing).lower(): m.max_micro_batch for m in result.modes}
@@ -836,6 +837,12 @@ def speed_case(name: str, profile: bool) -> dict[str, Any]:
             }
     if profiler is not None:
         profiler.disable()
+    answers["replayed"] = {
+        "trials": runner.layer_replay,
+        "speed": runner.speed_replay,
+        "partial_trials": runner.partial_replay,
+        "partial_speed": runner.partial_speed_replay,
+    }
     row: dict[str, Any] = {
         "case": name,
         "wall_s": time.perf_counter() - started,
@@ -844,6 +851,7 @@ def speed_case(name: str, profile: bool) -> dict[str, Any]:
         "load_average": os.getloadavg()[0],
         "traced_steps": len(traced),
         "traced_micro_steps": sum(traced),
+        "calls_cpu_s": calls,
         **phases,
         "answers": answers,
     }
@@ -855,6 +863,26 @@ def speed_case(name: str, profile: bool) -> dict[str, Any]:
             tops[order] = _profile_lines(text.getvalue())
         row["profile"] = tops
     return row
+
+
+def _timed_calls(runner: EstimateRunner) -> dict[str, list[float]]:
+    """The CPU seconds of each warm-up, trial and speed pass `runner` answers, by kind (partial
+    checkpointing's apart; answers from an earlier trace included, at about 0 s)."""
+    calls: dict[str, list[float]] = {}
+    for method in ("warm_up", "trial", "step_time_s"):
+        original = getattr(runner, method)
+
+        def timed(*args: Any, _original: Any = original, _method: str = method, **kw: Any) -> Any:
+            started = time.process_time()
+            try:
+                return _original(*args, **kw)
+            finally:
+                partial = kw.get("checkpointing") and kw.get("checkpointed_blocks") is not None
+                kind = f"{_method} partial" if partial else _method
+                calls.setdefault(kind, []).append(round(time.process_time() - started, 2))
+
+        setattr(runner, method, timed)
+    return calls
 
 
 def _profile_lines(text: str) -> list[str]:
