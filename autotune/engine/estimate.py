@@ -518,7 +518,7 @@ class EstimateRunner:
                 outcome = self._runner.warm_up(checkpointing=checkpointing)
         self._warm = outcome.fits
         self._warm_outcome = outcome
-        if self._partial is not None:
+        if self._partial is not None and self._replay is not None:
             try:
                 self._warm_partial()
             except NotReplayable as reason:
