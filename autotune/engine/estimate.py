@@ -22,7 +22,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -52,7 +52,7 @@ from autotune.core.throughput import Measurement
 from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.emulation.layer_journal import NotReplayable
 from autotune.engine.kernel_times import KernelTimes, SpeedPass
-from autotune.engine.layer_replay import LayerReplay, replay_depth
+from autotune.engine.layer_replay import PARTIAL_TRACED_LAYERS, LayerReplay, replay_depth
 from autotune.engine.layer_speed import step_times_s
 from autotune.engine.runner import InProcessRunner
 from autotune.engine.training.sharding import model_parameters
@@ -297,6 +297,10 @@ class EstimateRunner:
         # whole. Read on the meta device, outside the fake mode.
         depth = replay_depth(spec) if layer_replay else None
         self._replay: LayerReplay | None = None
+        # Partial checkpointing's replay, from a deeper traced model, built when first needed
+        # (`_replay_of`); None for good once it cannot be.
+        self._partial: LayerReplay | None = None
+        self._partial_possible = depth is not None and depth >= PARTIAL_TRACED_LAYERS
         self._full: InProcessRunner | None = None
         # Building a model of thousands of layers takes minutes too: checked as a trace is.
         with self._mode, self._checked(at_modules=False):
@@ -328,11 +332,13 @@ class EstimateRunner:
         # sizes, the G = 2 probe's, its measurements of them).
         self._warm = False
         self._warm_checkpointing = False
+        self._warm_outcome: StepOutcome | None = None
         self._outcomes: dict[_TrialKey, StepOutcome] = {}
         self._step_times: dict[_TrialKey, _StepTimes] = {}
         # Speed passes by the layer replay while they can be (`autotune.engine.layer_speed`);
         # `layer_replay=False` times the whole model too.
         self._speed_replay = True
+        self._partial_speed_replay = True
 
     def _build_full(self) -> InProcessRunner:
         # The snapshot that undoes an out-of-memory inside the optimizer step is fake too:
@@ -346,8 +352,9 @@ class EstimateRunner:
     @property
     def _runner(self) -> InProcessRunner:
         """The whole model's runner. With the layer replay it is built only when a trial or a
-        speed pass needs the whole model (partial checkpointing, the roofline), and then
-        warmed up as the replayed warm-up was, so that it starts from the same state."""
+        speed pass needs the whole model (one the replay cannot vouch for, or partial
+        checkpointing before a warm-up), and then warmed up as the replayed warm-up was, so
+        that it starts from the same state."""
         if self._full is None:
             # A build is checked at torch calls, a trace at module calls (`_Interruptible`).
             with self._mode, _sequences_not_packed(), self._checked(at_modules=False):
@@ -369,6 +376,52 @@ class EstimateRunner:
         logger.info("estimate: tracing the whole model: %s", reason)
         self._replay = None
 
+    def _stop_partial_replay(self, reason: NotReplayable) -> None:
+        """As `_stop_replay`, for partial checkpointing's trials and speed passes only."""
+        logger.info("estimate: tracing partial checkpointing whole: %s", reason)
+        self._partial = None
+        self._partial_possible = False
+
+    def _replay_of(self, blocks: int | None) -> LayerReplay | None:
+        """The layer replay of a step that checkpoints the first `blocks` layers (None: all, or
+        no checkpointing), or None when it is traced whole. Partial checkpointing's replay
+        traces `PARTIAL_TRACED_LAYERS` layers (`autotune.engine.layer_plan.partial_plan`); it
+        is built when first needed and warmed up as the replay was (its warm-up must find
+        what the replay's did), and only once the estimate is warm: a cold step starts from
+        whatever the steps before it left, which the other traced model ran."""
+        replay = self._replay
+        if replay is None or blocks is None or blocks == replay.depth:
+            return replay
+        if not (self._partial_possible and self._warm and 1 <= blocks < replay.depth):
+            return None
+        if self._partial is None:
+            try:
+                with self._mode, self._checked(at_modules=False):
+                    partial = LayerReplay(
+                        self.spec,
+                        self._device,
+                        replay.depth,
+                        traced_layers=PARTIAL_TRACED_LAYERS,
+                        allowed_factory_prefixes=self._allowed_factory_prefixes,
+                    )
+                self._partial = partial
+                self._warm_partial()
+            except NotReplayable as reason:
+                self._stop_partial_replay(reason)
+        return self._partial
+
+    def _warm_partial(self) -> None:
+        """Warms partial checkpointing's replay up as the replay was.
+
+        Raises:
+            NotReplayable: its warm-up is not the replay's.
+        """
+        assert self._partial is not None
+        with self._mode, _sequences_not_packed(), self._checked():
+            outcome = self._partial.warm_up(checkpointing=self._warm_checkpointing)
+        if outcome != self._warm_outcome:
+            raise NotReplayable("the two traced models' warm-ups differ")
+
     @property
     def layer_replay(self) -> bool:
         """Whether trials are replayed from a shallow model's trace."""
@@ -378,6 +431,16 @@ class EstimateRunner:
     def speed_replay(self) -> bool:
         """Whether speed passes are timed from a shallow one (`autotune.engine.layer_speed`)."""
         return self._replay is not None and self._speed_replay
+
+    @property
+    def partial_replay(self) -> bool:
+        """Whether partial checkpointing's trials are replayed (its traced model is built)."""
+        return self._replay is not None and self._partial is not None
+
+    @property
+    def partial_speed_replay(self) -> bool:
+        """Whether partial checkpointing's speed passes are timed from its traced model."""
+        return self.partial_replay and self._partial_speed_replay
 
     @property
     def communication_assumption(self) -> str | None:
@@ -447,12 +510,19 @@ class EstimateRunner:
                     outcome = self._replay.warm_up(checkpointing=checkpointing)
                 except NotReplayable as reason:
                     self._stop_replay(reason)
-                # A whole model built before (a partial checkpointing trial) warms up too.
+                # A whole model built before (a trial the replay could not vouch for) warms
+                # up too.
                 if outcome is not None and self._full is not None:
                     self._full.warm_up(checkpointing=checkpointing)
             if outcome is None:
                 outcome = self._runner.warm_up(checkpointing=checkpointing)
         self._warm = outcome.fits
+        self._warm_outcome = outcome
+        if self._partial is not None and self._replay is not None:
+            try:
+                self._warm_partial()
+            except NotReplayable as reason:
+                self._stop_partial_replay(reason)
         return outcome
 
     def trial(
@@ -477,17 +547,22 @@ class EstimateRunner:
         known = self._outcomes.get(key)
         if known is not None:
             return known
-        # Partial checkpointing makes the first layers differ from the others: traced whole.
-        replay = self._replay if key.checkpointed_blocks is None else None
+        replay = self._replay_of(key.checkpointed_blocks)
         outcome: StepOutcome | None = None
         if replay is not None:
             try:
                 with self._mode, _sequences_not_packed(), self._checked():
                     outcome = replay.trial(
-                        micro_batch, key.accumulation_steps, checkpointing=checkpointing
+                        micro_batch,
+                        key.accumulation_steps,
+                        checkpointing=checkpointing,
+                        checkpointed_blocks=key.checkpointed_blocks,
                     )
             except NotReplayable as reason:
-                self._stop_replay(reason)
+                if replay is self._partial:
+                    self._stop_partial_replay(reason)
+                else:
+                    self._stop_replay(reason)
         if outcome is None:
             runner = self._runner
             with self._mode, _sequences_not_packed(), self._checked():
@@ -536,21 +611,29 @@ class EstimateRunner:
 
     def _kernel_times(self, key: _TrialKey) -> _StepTimes:
         """The step's roofline time and its middle micro-step's: from the shallow model's
-        speed pass by the layer replay when its trials are replayed (but partial
-        checkpointing, whose first layers differ), else from the whole model's."""
+        speed pass by the layer replay when its trials are replayed (partial checkpointing's
+        from its own traced model, `_replay_of`), else from the whole model's."""
         assert self.gpu is not None
         tf32 = bool(self.spec.training.tf32)
-        replay = self._replay if self._speed_replay and key.checkpointed_blocks is None else None
+        replay = self._replay_of(key.checkpointed_blocks)
+        partial = replay is not None and replay is self._partial
+        if not (self._partial_speed_replay if partial else self._speed_replay):
+            replay = None
         times: _StepTimes | None = None
         if replay is not None:
             try:
+                plan, shallow_blocks = replay.plan(key.checkpointed_blocks)
+                shallow_key = replace(key, checkpointed_blocks=shallow_blocks)
                 with replay.speed_pass(self.gpu, self.assumptions, tf32) as layered:
-                    self._timed_step(replay.runner, key, layered)
-                total_s, middle_s = step_times_s(layered.deep_times_s(replay.depth))
+                    self._timed_step(replay.runner, shallow_key, layered)
+                total_s, middle_s = step_times_s(layered.deep_times_s(plan))
                 times = _StepTimes(total_s=total_s, middle_s=middle_s)
             except NotReplayable as reason:
                 logger.info("estimate: timing the whole model: %s", reason)
-                self._speed_replay = False
+                if partial:
+                    self._partial_speed_replay = False
+                else:
+                    self._speed_replay = False
         if times is None:
             whole = KernelTimes(self.gpu, self.assumptions, tf32)
             self._timed_step(self._runner, key, whole)

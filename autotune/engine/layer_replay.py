@@ -7,21 +7,28 @@ config but the depth), journals every allocation, free and op with the layer it 
 (`autotune.engine.emulation.layer_journal`), writes the deep model's journal from it
 (`expand`), and replays that through a fresh model of the caching allocator at the emulated
 GPU's capacity (`evaluate`): the same peaks, out-of-memory, per-op live bytes and allocation
-trace as the deep model's own trace, at the cost of a four-layer trace
-(docs/design.md#the-layer-replay).
+trace as the deep model's own trace, at the cost of a five-layer trace
+(docs/design.md#the-layer-replay). Under partial checkpointing (the first k layers
+checkpointed, the others plain) the middle layers are of two kinds, and a model of
+`PARTIAL_TRACED_LAYERS` layers is traced with its first few checkpointed
+(`autotune.engine.layer_plan`).
 
 The rule `expand` applies, and what it checks before it trusts it:
 
 * the journal splits into runs of consecutive events of one owner (a layer or none), and every
   run of a layer stands in a sweep: the runs of layers 0, 1, ..., d-1 back to back, or
   d-1, ..., 0 (a forward, a backward, an optimizer op over all parameters);
-* in every sweep the runs of the middle layers 1 .. d-2 are identical: the same allocations,
-  ops and phases, each free naming the same position of the run the same number of layers away
-  (or the same event outside the layers);
-* the deep journal repeats each sweep with layer 0's run first (or last), then the middle run
-  once per middle layer, then layer d-1's; a free of the deep journal names the event its
-  template named, in the layer as far from its own, and only where the shallow journal showed
-  a free of that kind (a middle layer freeing its neighbour's output, say).
+* in every sweep the layers of each repeated run of middle layers of one kind (the plan's;
+  1 .. d-2 when all are of one kind) are identical: the same allocations, ops and phases, each
+  free naming the same position of the run the same number of layers away (or the same event
+  outside the layers), but for frees of a neighbour outside the run;
+* the deep journal repeats each sweep with each deep layer's template run in its place
+  (`LayerPlan.templates`: layer 0's run first, or last, then each run's first traced layer,
+  its pure one once per layer between, its last); a free of the deep journal names the event
+  its template named, in the layer as far from its own, only where that layer repeats the
+  traced layer the template named (or one of the same repeated run), and only where the
+  shallow journal showed a free of that kind (a middle layer freeing its neighbour's output,
+  say).
 
 Anything else raises `NotReplayable`, and the estimate traces the deep model itself.
 """
@@ -60,6 +67,7 @@ from autotune.engine.emulation.layer_journal import (
     parameter_tags,
     storage_key,
 )
+from autotune.engine.layer_plan import LayerPlan, partial_plan, uniform_plan
 from autotune.engine.layer_speed import LayerKernelTimes
 from autotune.engine.runner import InProcessRunner
 
@@ -67,6 +75,10 @@ from autotune.engine.runner import InProcessRunner
 # first reads the embeddings, which need no gradient under LoRA; the last feeds the final
 # norm), and two middle layers show what a middle layer does beside another middle layer.
 TRACED_LAYERS = 5
+# The depth of the model traced for partial checkpointing: two ends and two runs of middle
+# layers (checkpointed, plain) of three layers each, or one run traced whole and the other
+# shortened (`autotune.engine.layer_plan.partial_plan`).
+PARTIAL_TRACED_LAYERS = 8
 
 
 def owners(journal: Sequence[tuple[Any, ...]]) -> list[int | None]:
@@ -106,21 +118,41 @@ def owners(journal: Sequence[tuple[Any, ...]]) -> list[int | None]:
 
 @dataclass(frozen=True)
 class _Sweep:
-    runs: tuple[tuple[int, int], ...]  # per layer of the shallow model: [start, end)
+    first: int  # the first traced layer it sweeps over (all of them, or a plan's span)
+    runs: tuple[tuple[int, int], ...]  # per layer of the shallow model from `first`: [start, end)
     ascending: bool
 
+    @property
+    def layers(self) -> range:
+        return range(self.first, self.first + len(self.runs))
 
-def expand(
-    journal: Sequence[tuple[Any, ...]], depth: int, target_depth: int
-) -> list[tuple[Any, ...]]:
-    """The journal of the same step with `target_depth` layers instead of `depth` (module
-    docstring). Records keep their shape; a free's or gradient's reference is renumbered.
+
+def _sweep_at(
+    runs: Sequence[tuple[int | None, int, int]], index: int, spans: Sequence[tuple[int, int]]
+) -> _Sweep | None:
+    """The sweep `runs[index]` starts (a run per layer of one of `spans`, in either order; the
+    longest span first), or None."""
+    for first, last in spans:
+        group = runs[index : index + last - first + 1]
+        layers = [run[0] for run in group]
+        ascending: list[int | None] = list(range(first, last + 1))
+        if layers in (ascending, ascending[::-1]):
+            by_layer = sorted(group, key=lambda run: run[0] or 0)
+            return _Sweep(first, tuple((run[1], run[2]) for run in by_layer), layers == ascending)
+    return None
+
+
+def expand(journal: Sequence[tuple[Any, ...]], plan: LayerPlan) -> list[tuple[Any, ...]]:
+    """The journal of the same step with `plan.depth` layers instead of `plan.traced_layers`,
+    each deep layer repeating its template's run (module docstring,
+    `autotune.engine.layer_plan`). Records keep their shape; a free's or gradient's reference
+    is renumbered.
 
     Raises:
         NotReplayable: the journal does not have the structure the rule needs.
     """
-    if depth < 5 or target_depth < depth:
-        raise NotReplayable(f"replay from {depth} to {target_depth} layers")
+    depth = plan.traced_layers
+    target_depth = plan.depth
     owner_of = owners(journal)
     # Runs of one owner, then segments: a run outside the layers, or a sweep.
     runs: list[tuple[int | None, int, int]] = []
@@ -132,37 +164,34 @@ def expand(
     segments: list[tuple[int, int] | _Sweep] = []
     location: dict[int, tuple[int, int, int]] = {}  # event -> (sweep segment, layer, position)
     index = 0
-    ascending_layers = list(range(depth))
+    # A sweep covers all layers, or a span of the plan's (the checkpointed layers' casts,
+    # dropped from autocast's cache as the forward ends, under partial checkpointing); the
+    # longest that matches.
+    spans = sorted(plan.spans, key=lambda span: span[0] - span[1])
     while index < len(runs):
         owner, first, end = runs[index]
         if owner is None:
             segments.append((first, end))
             index += 1
             continue
-        group = runs[index : index + depth]
-        layers = [run[0] for run in group]
-        if layers == ascending_layers:
-            ascending = True
-        elif layers == ascending_layers[::-1]:
-            ascending = False
-        elif owner in (0, depth - 1) and all(
-            journal[event][0] in (FREE, GRAD) for event in range(first, end)
-        ):
-            # Frees of the first or last layer's tensors outside any sweep (the last layer's
-            # output, dropped after the final norm): events outside the layers that name
-            # the first or the last layer, which the deep model has too.
-            segments.append((first, end))
-            index += 1
-            continue
-        else:
+        sweep = _sweep_at(runs, index, spans)
+        if sweep is None:
+            if owner in (0, depth - 1) and all(
+                journal[event][0] in (FREE, GRAD) for event in range(first, end)
+            ):
+                # Frees of the first or last layer's tensors outside any sweep (the last
+                # layer's output, dropped after the final norm): events outside the layers
+                # that name the first or the last layer, which the deep model has too.
+                segments.append((first, end))
+                index += 1
+                continue
+            layers = [run[0] for run in runs[index : index + depth]]
             raise NotReplayable(f"a sweep over layers {layers[:8]} at event {first}")
-        by_layer = sorted(group, key=lambda run: run[0] or 0)
-        sweep = _Sweep(tuple((run[1], run[2]) for run in by_layer), ascending)
-        for layer, (run_start, run_end) in enumerate(sweep.runs):
+        for layer, (run_start, run_end) in zip(sweep.layers, sweep.runs, strict=True):
             for position, event in enumerate(range(run_start, run_end)):
                 location[event] = (len(segments), layer, position)
         segments.append(sweep)
-        index += depth
+        index += len(sweep.runs)
 
     def relative(event: int, layer: int) -> tuple[Any, ...]:
         record = journal[event]
@@ -178,57 +207,24 @@ def expand(
             return (kind, "fixed", record[1])
         return (kind, target[0], target[1] - layer, target[2])
 
-    # The middle runs 1 .. d-2 must be one run: the same events in the same order, each free
-    # naming the same position as far away. A free naming the first or the last layer is
-    # only compared with the pure middle run's (layer 2, between two middle layers) free at
-    # the same distance, whose target is a middle run: the first and last runs may be laid
-    # out otherwise, and the deep model's middle layers next to them use runs 1 and d-2,
-    # where those frees were traced.
-    middle = range(1, depth - 1)
-    pure = 2
-
-    def is_middle(layer: int) -> bool:
-        return 1 <= layer <= depth - 2
-
-    templates: dict[int, list[list[tuple[Any, ...]]]] = {}
+    # The layers of a repeated run must be one run: the same events in the same order, each
+    # free naming the same position as far away. A free naming a layer outside the run (an
+    # end, a layer of the other kind) is only compared with the pure layer's (between two of
+    # the run) free at the same distance, whose target is in the run: the layers outside may
+    # be laid out otherwise, and the deep model's layers next to them repeat the run's first
+    # and last traced layers, where those frees were traced.
+    templates: dict[int, dict[int, list[tuple[Any, ...]]]] = {}
     for number, segment in enumerate(segments):
         if not isinstance(segment, _Sweep):
             continue
-        described = [
-            [relative(event, layer) for event in range(*segment.runs[layer])]
-            for layer in range(depth)
-        ]
-        reference = described[pure]
-        for layer in middle:
-            run = described[layer]
-            if len(run) != len(reference):
-                raise NotReplayable(f"the middle layers' runs differ in length in sweep {number}")
-            for mine, theirs in zip(run, reference, strict=True):
-                if mine == theirs:
-                    continue
-                if (
-                    mine[0] in (FREE, GRAD)
-                    and mine[:3] == theirs[:3]
-                    and mine[1] != "fixed"
-                    and abs(mine[2]) == 1
-                    and not is_middle(layer + mine[2])
-                    and is_middle(pure + theirs[2])
-                ):
-                    continue
-                raise NotReplayable(f"the middle layers' events differ in sweep {number}")
-        for item in reference:
-            if item[0] in (FREE, GRAD) and item[1] != "fixed" and not is_middle(pure + item[2]):
-                raise NotReplayable(f"a middle layer names the first or last one in {number}")
+        described = {
+            layer: [relative(event, layer) for event in range(*run)]
+            for layer, run in zip(segment.layers, segment.runs, strict=True)
+        }
+        for middle in plan.repeated:
+            if middle[0] in described:  # a span holds a run whole or not at all
+                _check_one_run(described, middle, number)
         templates[number] = described
-
-    def template_of(layer: int) -> int:
-        if layer == 0:
-            return 0
-        if layer == target_depth - 1:
-            return depth - 1
-        if layer == 1:
-            return 1
-        return depth - 2 if layer == target_depth - 2 else pure
 
     out: list[tuple[Any, ...]] = []
     renumbered_fixed: dict[int, int] = {}
@@ -249,10 +245,10 @@ def expand(
                 renumbered_fixed[event] = len(out)
                 out.append(record)
             continue
-        order = range(target_depth) if segment.ascending else range(target_depth - 1, -1, -1)
-        for layer in order:
-            source = template_of(layer)
-            run_start, run_end = segment.runs[source]
+        deep = plan.deep_layers(segment.layers)
+        for layer in deep if segment.ascending else reversed(deep):
+            source = plan.templates[layer]
+            run_start, run_end = segment.runs[source - segment.first]
             template = templates[number][source]
             for position, event in enumerate(range(run_start, run_end)):
                 record = journal[event]
@@ -260,14 +256,46 @@ def expand(
                 if record[0] in (FREE, GRAD):
                     if item[1] == "fixed":
                         target = renumbered_fixed.get(item[2])
-                    else:
+                    elif plan.repeats(layer + item[2], source + item[2]):
                         target = renumbered.get((item[1], layer + item[2], item[3]))
+                    else:
+                        # The deep layer it names does not repeat the traced one.
+                        target = None
                     if target is None:
                         raise NotReplayable(f"event {event} names an event not yet replayed")
                     record = (record[0], target, *record[2:])
                 renumbered[(number, layer, position)] = len(out)
                 out.append(record)
     return out
+
+
+def _check_one_run(
+    described: dict[int, list[tuple[Any, ...]]], middle: tuple[int, ...], number: int
+) -> None:
+    """Raises NotReplayable unless the traced layers `middle` (a repeated run) show one run in
+    sweep `number` (`described`: each traced layer's events, relative)."""
+    pure = LayerPlan.pure(middle)
+    reference = described[pure]
+    for layer in middle:
+        run = described[layer]
+        if len(run) != len(reference):
+            raise NotReplayable(f"the middle layers' runs differ in length in sweep {number}")
+        for mine, theirs in zip(run, reference, strict=True):
+            if mine == theirs:
+                continue
+            if (
+                mine[0] in (FREE, GRAD)
+                and mine[:3] == theirs[:3]
+                and mine[1] != "fixed"
+                and abs(mine[2]) == 1
+                and layer + mine[2] not in middle
+                and pure + theirs[2] in middle
+            ):
+                continue
+            raise NotReplayable(f"the middle layers' events differ in sweep {number}")
+    for item in reference:
+        if item[0] in (FREE, GRAD) and item[1] != "fixed" and pure + item[2] not in middle:
+            raise NotReplayable(f"a middle layer names a layer outside its run in {number}")
 
 
 def _rounded(nbytes: int, block_bytes: int) -> int:
@@ -449,7 +477,8 @@ class _GradientRecorder(Protocol):
 
 class LayerReplay:
     """Trials of a deep model by the layer replay (module docstring): `device` is the emulated
-    GPU the estimate is for; the shallow model runs on a twin of it that never runs out."""
+    GPU the estimate is for; the shallow model, of `traced_layers` layers, runs on a twin of it
+    that never runs out. `PARTIAL_TRACED_LAYERS` of them replay partial checkpointing too."""
 
     def __init__(
         self,
@@ -457,17 +486,19 @@ class LayerReplay:
         device: EmulatedDevice,
         depth: int,
         *,
+        traced_layers: int = TRACED_LAYERS,
         allowed_factory_prefixes: list[str] | None = None,
     ) -> None:
         assert spec.model.hf_config is not None
         shallow = spec.model_copy(
             update={
                 "model": spec.model.model_copy(
-                    update={"hf_config": {**spec.model.hf_config, _DEPTH_KEY: TRACED_LAYERS}}
+                    update={"hf_config": {**spec.model.hf_config, _DEPTH_KEY: traced_layers}}
                 )
             }
         )
         self.depth = depth
+        self.traced_layers = traced_layers
         self.device = device
         twin = EmulatedDevice(
             device.capacity_bytes if device.gpu is None else None,
@@ -485,7 +516,7 @@ class LayerReplay:
         )
         partial = self.runner.workload.partial_checkpointing
         layers: list[nn.Module] = getattr(partial, "layers", [])
-        if len(layers) != TRACED_LAYERS:
+        if len(layers) != traced_layers:
             raise NotReplayable(f"the traced model has {len(layers)} layers")
         first = _layer_signature(layers[0])
         if any(_layer_signature(layer) != first for layer in layers[1:]):
@@ -528,7 +559,7 @@ class LayerReplay:
         optimizer = getattr(step.optimizer, "optim", step.optimizer)
         tags, _, _ = parameter_tags(self.layers, step.model, optimizer.state)
         times = LayerKernelTimes(
-            budget, assumptions, tf32, contexts=self.contexts, tags=tags, depth=TRACED_LAYERS
+            budget, assumptions, tf32, contexts=self.contexts, tags=tags, depth=self.traced_layers
         )
         self._gradients = times
         try:
@@ -539,21 +570,47 @@ class LayerReplay:
         finally:
             self._gradients = None
 
+    def plan(self, checkpointed_blocks: int | None) -> tuple[LayerPlan, int | None]:
+        """The plan of a step that checkpoints the deep model's first `checkpointed_blocks`
+        layers while checkpointing (None: all), and the shallow model's count for it.
+
+        Raises:
+            NotReplayable: partial checkpointing needs `PARTIAL_TRACED_LAYERS` traced layers
+                and a deep model at least as deep.
+        """
+        if checkpointed_blocks is None or checkpointed_blocks == self.depth:
+            return uniform_plan(self.traced_layers, self.depth), None
+        if self.traced_layers != PARTIAL_TRACED_LAYERS:
+            raise NotReplayable(f"partial checkpointing from {self.traced_layers} layers")
+        return partial_plan(self.traced_layers, self.depth, checkpointed_blocks)
+
     def trial(
-        self, micro_batch: int, accumulation_steps: int, *, checkpointing: bool
+        self,
+        micro_batch: int,
+        accumulation_steps: int,
+        *,
+        checkpointing: bool,
+        checkpointed_blocks: int | None = None,
     ) -> StepOutcome:
         """The deep model's trial, replayed (the shallow model is left as the deep one's
-        trial would leave it).
+        trial would leave it); `checkpointed_blocks` while checkpointing: the deep model's
+        first layers checkpointed (None: all).
 
         Raises:
             NotReplayable: the shallow journal does not show the structure the rule needs.
         """
+        plan, shallow_blocks = self.plan(checkpointed_blocks if checkpointing else None)
         runner = self.runner
         step = runner.step
         optimizer = getattr(step.optimizer, "optim", step.optimizer)
         state_was_empty = not optimizer.state
         self._tags, self._categories, _ = parameter_tags(self.layers, step.model, optimizer.state)
-        shallow = runner.trial(micro_batch, accumulation_steps, checkpointing=checkpointing)
+        shallow = runner.trial(
+            micro_batch,
+            accumulation_steps,
+            checkpointing=checkpointing,
+            checkpointed_blocks=shallow_blocks,
+        )
         tracker = self._tracker
         self._tracker = None
         self._gradients = None
@@ -572,7 +629,7 @@ class LayerReplay:
                     journal[index] = (*record[:5], OPTIMIZER_STATE)
         device = self.device
         outcome = evaluate(
-            expand(journal, TRACED_LAYERS, self.depth),
+            expand(journal, plan),
             micro_batch=micro_batch,
             limit_bytes=device.capacity_bytes - device.kept_free_bytes,
             allocator_config=device.allocator_config,

@@ -12,7 +12,9 @@ with the deep model's bytes: what the deep model's own launch moves.
 Which layer a kernel belongs to is the journal's rule (`autotune.engine.emulation.layer_journal`):
 the layer whose forward or backward runs (`LayerContexts`), else the layer of the tensors it
 reads, tagged from the parameters, their gradients and optimizer state on, a foreach kernel's
-i-th tensors being the i-th parameter's.
+i-th tensors being the i-th parameter's. Which traced layer each deep layer repeats is the
+replay's plan (`autotune.engine.layer_plan`): under partial checkpointing a checkpointed and a
+plain middle layer, each counted for its own kind's layers.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from autotune.engine.emulation.layer_journal import (
 )
 from autotune.engine.emulation.tracker import _current_graph_task_id, local_tensor
 from autotune.engine.kernel_times import Kernel, KernelTimes
+from autotune.engine.layer_plan import LayerPlan
 
 # A kernel that spans layers: (micro-step, its kernel, bytes of no layer's tensors, bytes of
 # each layer's).
@@ -158,37 +161,37 @@ class LayerKernelTimes(KernelTimes):  # type: ignore[no-untyped-call]
         self._layer_s[-1][layer] += self.kernel_time_s(kernel)
         self._launched[layer].append((func, kernel.flops, kernel.bytes_moved, kernel.dtype))
 
-    def deep_times_s(self, target_depth: int) -> list[float]:
+    def deep_times_s(self, plan: LayerPlan) -> list[float]:
         """The deep model's time of each micro-step (its forward and backward; the first's
         includes making the step's batches) and, last, of the optimizer's step, for
-        `target_depth` layers: layers 0, 1, d-2 and d-1 as traced, and the middle layer 2 once
-        for each of the `target_depth` - 4 layers between.
+        `plan.depth` layers: each traced layer's kernels once for each deep layer that repeats
+        it (`LayerPlan.weights`: layers 0, 1, d-2 and d-1 once and the pure middle layer 2 for
+        each of the N - 4 layers between, when all layers are of one kind).
 
         Raises:
-            NotReplayable: the middle layers launched different kernels, or a kernel spanning
-                layers read different bytes of them.
+            NotReplayable: the layers of a repeated run launched different kernels, or a kernel
+                spanning layers read different bytes of them.
         """
-        depth = self.depth
-        middle = range(1, depth - 1)
-        pure = 2
-        if depth < 5 or target_depth < depth:
-            raise NotReplayable(f"replay from {depth} to {target_depth} layers")
-        if any(self._launched[layer] != self._launched[pure] for layer in middle):
-            raise NotReplayable("the middle layers launched different kernels")
+        if plan.traced_layers != self.depth:
+            raise NotReplayable(f"a plan of {plan.traced_layers} layers for {self.depth}")
+        for run in plan.repeated:
+            pure = plan.pure(run)
+            if any(self._launched[layer] != self._launched[pure] for layer in run):
+                raise NotReplayable("the middle layers launched different kernels")
         # The deep model's layers take the traced layers as `expand`'s templates
-        # (`autotune.engine.layer_replay`): 0, 1, the pure middle one, ..., d-2, d-1.
-        weights = [0] * depth
-        for layer in (0, 1, depth - 2, depth - 1):
-            weights[layer] = 1
-        weights[pure] += target_depth - 4
+        # (`autotune.engine.layer_replay`).
+        weights = plan.weights()
         times = [
             fixed + sum(weight * s for weight, s in zip(weights, layer_s, strict=True))
             for fixed, layer_s in zip(self._fixed_s, self._layer_s, strict=True)
         ]
         for micro_step, kernel, fixed_bytes, layer_bytes in self._spanning:
-            if any(layer_bytes[layer] != layer_bytes[pure] for layer in middle) or not all(
-                layer_bytes
-            ):
+            uneven = any(
+                layer_bytes[layer] != layer_bytes[plan.pure(run)]
+                for run in plan.repeated
+                for layer in run
+            )
+            if uneven or not all(layer_bytes):
                 raise NotReplayable("a kernel spans the layers unevenly")
             deep_bytes = fixed_bytes + sum(
                 weight * nbytes for weight, nbytes in zip(weights, layer_bytes, strict=True)

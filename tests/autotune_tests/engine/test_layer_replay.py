@@ -1,7 +1,7 @@
 """The estimate's layer replay (autotune/engine/layer_replay.py): a deep decoder's trials built
-from a five-layer model's journal are the deep model's own traced trials to the byte (peaks,
-out-of-memory and its detail, per-op live bytes, allocation trace), and whatever the replay
-cannot vouch for is traced whole."""
+from a five-layer model's journal (an eight-layer one's under partial checkpointing) are the
+deep model's own traced trials to the byte (peaks, out-of-memory and its detail, per-op live
+bytes, allocation trace), and whatever the replay cannot vouch for is traced whole."""
 
 from __future__ import annotations
 
@@ -102,20 +102,72 @@ def test_a_probe_replayed_finds_the_whole_traces_maxima_and_peaks() -> None:
     assert all(mode[1] >= 2 for mode in maxima[0])
 
 
+# (micro-batch, accumulation) at each count of checkpointed blocks: sizes that fit at some
+# counts and run out at others (in the forward or the backward), an accumulation of 3.
+PARTIAL_TRIALS = [(1, 1), (2, 3), (4, 1)]
+
+
 @pytest.mark.e2e
-def test_partial_checkpointing_is_traced_whole() -> None:
-    spec = _spec(_config("llama", 8), lora=True)
-    replayed = EstimateRunner(spec, capacity_bytes=64 * MiB)
-    traced = EstimateRunner(spec, capacity_bytes=64 * MiB, layer_replay=False)
-    replayed.warm_up()
-    traced.warm_up()
-    # Checkpointing the first 3 of 8 layers makes them differ from the others.
-    _the_same(
-        replayed.trial(4, checkpointing=True, checkpointed_blocks=3),
-        traced.trial(4, checkpointing=True, checkpointed_blocks=3),
-    )
-    # ... and the replay goes on for the trials it can vouch for.
-    _the_same(replayed.trial(4, checkpointing=True), traced.trial(4, checkpointing=True))
+@pytest.mark.parametrize(
+    ("model_type", "depth", "lora", "capacity_bytes", "blocks", "warm_checkpointing"),
+    [
+        # The edges: 1 and 2 blocks (no checkpointed middle layer, or one), N - 2 and N - 1
+        # (one plain middle layer, or none), N (full checkpointing), and both runs repeated.
+        ("llama", 12, False, 13 * MiB, (1, 2, 3, 6, 10, 11, 12), True),
+        ("qwen2", 9, True, 16 * MiB, (1, 2, 4, 7, 8), False),
+        # As deep as the traced model: each layer its own template.
+        ("llama", 8, True, 10 * MiB, (1, 3, 6, 7), True),
+        ("qwen2", 10, False, 16 * MiB, (2, 5, 8, 9), False),
+    ],
+)
+def test_every_partial_checkpointing_trial_replayed_is_the_whole_trace_to_the_byte(
+    model_type: str,
+    depth: int,
+    lora: bool,
+    capacity_bytes: int,
+    blocks: tuple[int, ...],
+    warm_checkpointing: bool,
+) -> None:
+    spec = _spec(_config(model_type, depth), lora=lora)
+    replayed = EstimateRunner(spec, capacity_bytes=capacity_bytes)
+    traced = EstimateRunner(spec, capacity_bytes=capacity_bytes, layer_replay=False)
+    warm = replayed.warm_up(checkpointing=warm_checkpointing)
+    _the_same(warm, traced.warm_up(checkpointing=warm_checkpointing))
+    assert warm.fits
+    fits = set()
+    for count in blocks:
+        for micro_batch, accumulation in PARTIAL_TRIALS:
+            outcome = replayed.trial(
+                micro_batch, accumulation, checkpointing=True, checkpointed_blocks=count
+            )
+            whole = traced.trial(
+                micro_batch, accumulation, checkpointing=True, checkpointed_blocks=count
+            )
+            _the_same(outcome, whole)
+            fits.add(outcome.fits)
+    assert fits == {True, False}  # both kinds of trial were compared
+    # Every one of them was replayed (a failed replay stops for good), none traced whole.
+    assert replayed.layer_replay and replayed.partial_replay
+    # ... and the trials the five-layer model replays are the whole trace's still.
+    _the_same(replayed.trial(2, checkpointing=True), traced.trial(2, checkpointing=True))
+
+
+@pytest.mark.e2e
+def test_partial_checkpointing_of_a_model_shallower_than_its_traced_one_is_traced_whole() -> None:
+    spec = _spec(_config("qwen2", 7), lora=True)
+    replayed = EstimateRunner(spec, capacity_bytes=16 * MiB)
+    traced = EstimateRunner(spec, capacity_bytes=16 * MiB, layer_replay=False)
+    _the_same(replayed.warm_up(), traced.warm_up())
+    for count in (1, 3, 6):
+        _the_same(
+            replayed.trial(4, checkpointing=True, checkpointed_blocks=count),
+            traced.trial(4, checkpointing=True, checkpointed_blocks=count),
+        )
+    assert replayed.layer_replay and not replayed.partial_replay
+    # No checkpointed block at all is no partial checkpointing either: refused as whole.
+    for runner in (replayed, traced):
+        with pytest.raises(ValueError, match="checkpointed blocks"):
+            runner.trial(1, checkpointing=True, checkpointed_blocks=0)
 
 
 def test_layers_that_differ_are_not_replayed() -> None:

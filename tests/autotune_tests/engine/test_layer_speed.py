@@ -1,7 +1,7 @@
 """The layer replay's speed pass (autotune/engine/layer_speed.py): a deep decoder's roofline
-step time from a five-layer model's kernels equals the whole model's speed pass to rounding
-(a sum in another order: 1e-12 relative), the optimizer's foreach kernels, which span every
-layer, included."""
+step time from a five-layer model's kernels (an eight-layer one's under partial checkpointing)
+equals the whole model's speed pass to rounding (a sum in another order: 1e-12 relative), the
+optimizer's foreach kernels, which span every layer, included."""
 
 from __future__ import annotations
 
@@ -65,3 +65,33 @@ def test_a_cold_speed_pass_is_the_whole_models_and_so_are_the_trials_after_it() 
     # The shallow model keeps the state its speed pass made, as the whole model does.
     assert replayed.warm_up() == whole.warm_up()
     assert replayed.trial(2) == whole.trial(2)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("model_type", "depth", "lora", "optimizer", "blocks"),
+    [
+        ("llama", 10, True, "adamw", (1, 2, 5, 9)),
+        ("qwen2", 9, False, "adamw", (1, 4, 8)),
+        ("llama", 12, False, "sgd", (3, 11)),
+    ],
+)
+def test_every_partial_checkpointing_speed_pass_replayed_is_the_whole_models(
+    model_type: str, depth: int, lora: bool, optimizer: str, blocks: tuple[int, ...]
+) -> None:
+    replayed, whole = _runners(model_type, depth, lora=lora, optimizer=optimizer)
+    for checkpointing in (False, True):
+        assert replayed.warm_up(checkpointing=checkpointing).fits
+        assert whole.warm_up(checkpointing=checkpointing).fits
+        for count in blocks:
+            for micro_batch, accumulation in ((1, 1), (2, 2), (3, 7)):
+                assert replayed.step_time_s(
+                    micro_batch, accumulation, checkpointing=True, checkpointed_blocks=count
+                ) == pytest.approx(
+                    whole.step_time_s(
+                        micro_batch, accumulation, checkpointing=True, checkpointed_blocks=count
+                    ),
+                    rel=RELATIVE,
+                )
+    # Every pass was replayed, from the eight-layer model, none timed whole.
+    assert replayed.partial_speed_replay and replayed.speed_replay
