@@ -467,7 +467,12 @@ class EstimateRunner:
         it on its topology (`autotune.core.parallel`); None with one rank."""
         if self.topology is None:
             return None
-        model = model_parameters(self._runner.step.model)
+        # With the layer replay, the deep model's from the shallow one's: no whole model built.
+        model = (
+            self._replay.model_parameters()
+            if self._replay is not None
+            else model_parameters(self._runner.step.model)
+        )
         transfers = layout_transfers(self.spec.training, model, self.topology)
         return step_times(
             transfers,
@@ -563,6 +568,12 @@ class EstimateRunner:
                     self._stop_partial_replay(reason)
                 else:
                     self._stop_replay(reason)
+            if outcome is not None and not outcome.fits and self.spec.training.world_size > 1:
+                # An out-of-memory's detail counts the weights and gradients registered on
+                # the model then: FSDP2 swaps a block's shards for its gathered parameters
+                # while it runs, which the journal does not record. Traced whole, so that
+                # the detail is the rank's own (docs/design.md#the-layer-replay).
+                outcome = None
         if outcome is None:
             runner = self._runner
             with self._mode, _sequences_not_packed(), self._checked():

@@ -49,6 +49,7 @@ from autotune.core.gpus.cuda_reserve import GpuBudget
 from autotune.core.gpus.roofline import RooflineAssumptions
 from autotune.core.memory.allocator import AllocatorOutOfMemory, CachingAllocator
 from autotune.core.memory.allocator_config import AllocatorConfig
+from autotune.core.parallel.layouts import ModelParameters
 from autotune.core.schemas import OOM_OP_MAX, OomDetail, Phase, Sharding, Spec, StepOutcome
 from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.emulation.layer_journal import (
@@ -70,6 +71,7 @@ from autotune.engine.emulation.layer_journal import (
 from autotune.engine.layer_plan import LayerPlan, partial_plan, uniform_plan
 from autotune.engine.layer_speed import LayerKernelTimes
 from autotune.engine.runner import InProcessRunner
+from autotune.engine.training.sharding import model_parameters
 
 # The depth of the traced model: the first and last layers may differ from the others (the
 # first reads the embeddings, which need no gradient under LoRA; the last feeds the final
@@ -176,12 +178,11 @@ def expand(journal: Sequence[tuple[Any, ...]], plan: LayerPlan) -> list[tuple[An
             continue
         sweep = _sweep_at(runs, index, spans)
         if sweep is None:
-            if owner in (0, depth - 1) and all(
-                journal[event][0] in (FREE, GRAD) for event in range(first, end)
-            ):
-                # Frees of the first or last layer's tensors outside any sweep (the last
-                # layer's output, dropped after the final norm): events outside the layers
-                # that name the first or the last layer, which the deep model has too.
+            if owner in (0, depth - 1):
+                # Events of the first or last layer's tensors outside any sweep (the last
+                # layer's output, dropped after the final norm; FSDP2's root unit prefetching
+                # the last layer's parameters as the backward starts): events outside the
+                # layers that the deep model has too, for its own first or last layer.
                 segments.append((first, end))
                 index += 1
                 continue
@@ -250,12 +251,37 @@ def expand(journal: Sequence[tuple[Any, ...]], plan: LayerPlan) -> list[tuple[An
             source = plan.templates[layer]
             run_start, run_end = segment.runs[source - segment.first]
             template = templates[number][source]
-            for position, event in enumerate(range(run_start, run_end)):
+            fans = _fans(template, source, depth)
+            position = 0
+            while position < run_end - run_start:
+                event = run_start + position
                 record = journal[event]
+                fan = fans.get(position)
+                if fan is not None:
+                    # The first (last) layer freeing an event of every other layer: the deep
+                    # model's frees it of each of its other layers, in the same order.
+                    others = [other for other in range(target_depth) if other != layer]
+                    if fan[0][1] > fan[-1][1]:
+                        others.reverse()
+                    at = {target_layer: (seg, pos) for seg, target_layer, pos in fan}
+                    for other in others:
+                        seg, pos = at[plan.templates[other]]
+                        target = renumbered.get((seg, other, pos))
+                        if target is None:
+                            raise NotReplayable(f"event {event} names an event not yet replayed")
+                        out.append((record[0], target, *record[2:]))
+                    for skipped in range(len(fan)):
+                        renumbered[(number, layer, position + skipped)] = len(out) - 1
+                    position += len(fan)
+                    continue
                 item = template[position]
                 if record[0] in (FREE, GRAD):
                     if item[1] == "fixed":
                         target = renumbered_fixed.get(item[2])
+                    elif source in (0, depth - 1) and abs(item[2]) > 1:
+                        # The first or last layer naming a layer further than its neighbour,
+                        # alone: which of the deep model's layers that is the trace cannot say.
+                        raise NotReplayable(f"event {event} names a layer {item[2]} away")
                     elif plan.repeats(layer + item[2], source + item[2]):
                         target = renumbered.get((item[1], layer + item[2], item[3]))
                     else:
@@ -266,6 +292,7 @@ def expand(journal: Sequence[tuple[Any, ...]], plan: LayerPlan) -> list[tuple[An
                     record = (record[0], target, *record[2:])
                 renumbered[(number, layer, position)] = len(out)
                 out.append(record)
+                position += 1
     return out
 
 
@@ -296,6 +323,32 @@ def _check_one_run(
     for item in reference:
         if item[0] in (FREE, GRAD) and item[1] != "fixed" and pure + item[2] not in middle:
             raise NotReplayable(f"a middle layer names a layer outside its run in {number}")
+
+
+def _fans(
+    template: Sequence[tuple[Any, ...]], source: int, depth: int
+) -> dict[int, list[tuple[int, int, int]]]:
+    """In the first or last layer's run (`source`) of a sweep: each place where it frees, one
+    after the other, an event of every other layer in layer order (FSDP2's hybrid sharding
+    drops every layer's gradient all-reduce state as the backward ends), by its first
+    position: the (segment, layer, position) each names."""
+    fans: dict[int, list[tuple[int, int, int]]] = {}
+    if source not in (0, depth - 1):
+        return fans
+    others = [layer for layer in range(depth) if layer != source]
+    width = depth - 1
+    position = 0
+    while position + width <= len(template):
+        items = template[position : position + width]
+        if all(item[0] == FREE and item[1] != "fixed" for item in items):
+            named = [(item[1], source + item[2], item[3]) for item in items]
+            layers = [layer for _, layer, _ in named]
+            if layers in (others, others[::-1]) and len({seg for seg, _, _ in named}) == 1:
+                fans[position] = named
+                position += width
+                continue
+        position += 1
+    return fans
 
 
 def _rounded(nbytes: int, block_bytes: int) -> int:
@@ -405,6 +458,8 @@ def _oom_detail(
 # The shallow model's trace, and when a spec may be replayed at all.
 
 _DEPTH_KEY = "num_hidden_layers"
+# FSDP2's layouts: every decoder layer its own unit (`autotune.engine.training.sharding`).
+_REPLAYED_SHARDINGS = (Sharding.ZERO2, Sharding.ZERO3, Sharding.HYBRID)
 _SIMPLE = (int, float, str, bool, type(None))
 
 
@@ -435,14 +490,16 @@ def _layer_signature(layer: nn.Module) -> tuple[Any, ...]:
 
 def replay_depth(spec: Spec) -> int | None:
     """The depth to replay `spec`'s model at, or None when its step must be traced whole: only
-    a transformers config (a factory's blocks may be anything), one rank (the replay does not
-    model sharded parameters' gathers or DDP's buckets), deeper than the traced model plus two,
+    a transformers config (a factory's blocks may be anything), one rank or FSDP2's sharded
+    ranks (zero2, zero3, hybrid; DDP's buckets are not modelled), deeper than the traced model
+    plus two,
     and only when all of its layers are the same layer (`_layer_signature`, read from the model
     built on the meta device: per-layer settings such as `layer_types`, a first dense layer of
     a mixture-of-experts, or a sliding window on some layers make them differ)."""
     config = spec.model.hf_config
     training = spec.training
-    if config is None or training.world_size != 1 or training.sharding is not Sharding.NONE:
+    single = training.world_size == 1 and training.sharding is Sharding.NONE
+    if config is None or not (single or training.sharding in _REPLAYED_SHARDINGS):
         return None
     depth = config.get(_DEPTH_KEY)
     if not isinstance(depth, int) or depth < TRACED_LAYERS + 2:
@@ -534,6 +591,26 @@ class LayerReplay:
             if parameter.requires_grad:
                 hook = functools.partial(self._gradient, by_parameter.get(id(parameter), FIXED))
                 parameter.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+
+    def model_parameters(self) -> ModelParameters:
+        """The deep model's parameters as FSDP2's units hold them (one unit per layer, then the
+        root: `autotune.engine.training.sharding.model_parameters`), for the communication
+        model: the shallow model's, its layer unit once per layer and its layers' buffers
+        counted for the deep model's layers.
+
+        Raises:
+            NotReplayable: the shallow model's units are not one per layer and the root, or
+                its layers' units differ.
+        """
+        shallow = model_parameters(self.runner.step.model)
+        *layer_units, root = shallow.units
+        if len(layer_units) != TRACED_LAYERS or any(u != layer_units[0] for u in layer_units):
+            raise NotReplayable("the traced model's units are not one per layer")
+        layer_buffer_bytes = sum(b.numel() * b.element_size() for b in self.layers[0].buffers())
+        return ModelParameters(
+            units=(*[layer_units[0]] * self.depth, root),
+            buffer_bytes=shallow.buffer_bytes + (self.depth - TRACED_LAYERS) * layer_buffer_bytes,
+        )
 
     def _make_tracker(self, *args: Any, **kwargs: Any) -> JournalTracker:
         tracker = JournalTracker(

@@ -34,6 +34,7 @@ from torch import nn
 from autotune.core.schemas import Phase
 from autotune.engine.emulation.tracker import (
     _UNCOUNTED_OP_IDS,
+    MARKER_OP_IDS,
     LiveBytesTracker,
     _current_graph_task_id,
     _StorageRef,
@@ -106,8 +107,13 @@ class LayerContexts:
         self.stack: list[int] = []
         self.backward_layer = NO_LAYER
         for index, layer in enumerate(layers):
-            layer.register_forward_pre_hook(functools.partial(self._enter, index))
-            layer.register_forward_hook(functools.partial(self._leave, index))
+            # Around whatever other hooks the layer has (FSDP2's gather before its forward and
+            # free after it are the layer's events), and heard of first when the backward
+            # reaches the layer's output (FSDP2's pre-backward gathers the layer and prefetches
+            # the next one: the layer's events too).
+            layer.register_forward_pre_hook(functools.partial(self._enter, index), prepend=True)
+            layer.register_forward_hook(functools.partial(self._output, index), prepend=True)
+            layer.register_forward_hook(self._leave)
 
     def reset(self) -> None:
         self.stack.clear()
@@ -123,8 +129,10 @@ class LayerContexts:
     def _enter(self, index: int, module: nn.Module, args: Any) -> None:
         self.stack.append(index)
 
-    def _leave(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
         self.stack.pop()
+
+    def _output(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
             return
         for tensor in pytree.tree_leaves(output):
@@ -233,10 +241,13 @@ class JournalTracker(LiveBytesTracker):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         if id(func) in _UNCOUNTED_OP_IDS:
-            # A record_function's markers (the optimizer's step and zero_grad open one) part
-            # what comes before them from what comes after, say two sweeps of frees.
-            phase = Phase.OPTIMIZER if self._in_optimizer else self.phase
-            self.journal.append((MARK, self.contexts.current(phase)))
+            if id(func) in MARKER_OP_IDS:
+                # A record_function's markers (the optimizer's step and zero_grad open one)
+                # part what comes before them from what comes after, say two sweeps of frees.
+                # A device query is no boundary: FSDP2 makes one beside each parameter's view,
+                # which would cut a layer's run into one run per parameter.
+                phase = Phase.OPTIMIZER if self._in_optimizer else self.phase
+                self.journal.append((MARK, self.contexts.current(phase)))
             return super().__torch_dispatch__(func, types, args, kwargs)
         kwargs = kwargs or {}
         # The phase as the tracker will decide it; a backward pass starts outside the layers.

@@ -56,16 +56,18 @@ _current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 # either, and fake tensors (the estimate) make the one and cannot make the other, so counting
 # them would give an estimate other op series than the emulated GPU. Keyed by id because
 # OpOverload.__hash__ is a Python function and this test runs on every op.
-_UNCOUNTED_OP_IDS: frozenset[int] = frozenset(
+# A record_function's markers, which the layer journal keeps as boundaries.
+MARKER_OP_IDS: frozenset[int] = frozenset(
     id(op)
     for op in (
         torch.ops.profiler._record_function_enter.default,
         torch.ops.profiler._record_function_enter_new.default,
         torch.ops.profiler._record_function_exit.default,
         torch.ops.profiler._record_function_exit._RecordFunction,
-        torch.ops.prim.device.default,
-        torch.ops.aten._local_scalar_dense.default,
     )
+)
+_UNCOUNTED_OP_IDS: frozenset[int] = MARKER_OP_IDS | frozenset(
+    id(op) for op in (torch.ops.prim.device.default, torch.ops.aten._local_scalar_dense.default)
 )
 
 

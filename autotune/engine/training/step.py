@@ -304,9 +304,15 @@ class TrainingStep:
         self._local_optimizer.state.clear()
 
     def clear_grads(self) -> None:
-        """Drop all gradients (after an OOM, so that a failed step leaves nothing behind), and
-        the gradient scaler's record of this step."""
+        """Drop all gradients (after an OOM, so that a failed step leaves nothing behind), the
+        gradient scaler's record of this step, and FSDP2's: a forward or backward cut short
+        leaves blocks' parameters gathered (the next step would start with them registered as
+        the model's, and count them as resident), which torch's `reset_iter_state` reshards."""
         self.optimizer.zero_grad(set_to_none=True)
+        fsdp_state = getattr(self.model, "_get_fsdp_state", None)  # an FSDP2-sharded root
+        # FSDP2 sets up its iteration state in the first forward (`_is_root` is None before).
+        if fsdp_state is not None and fsdp_state()._is_root:
+            self.model.reset_iter_state()  # type: ignore[operator]
         if self.scaler is not None:
             # `scaler.step()` marks the optimizer UNSCALED before `optimizer.step()` runs, and
             # only `update()` forgets it. After an out-of-memory inside the step, the next step

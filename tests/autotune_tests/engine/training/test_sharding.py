@@ -19,6 +19,8 @@ from autotune.engine.emulation.tracker import local_tensor
 from autotune.engine.estimate import EstimateRunner
 from autotune.engine.runner import InProcessRunner
 from autotune.engine.training.sharding import blocks
+from tests.autotune_tests.engine.test_layer_replay import _config as replay_config
+from tests.autotune_tests.engine.test_layer_replay import _spec as replay_spec
 from tests.autotune_tests.factories import TINY_LLAMA_CONFIG
 from tests.autotune_tests.gloo import run_gloo_rank
 
@@ -253,3 +255,28 @@ def test_a_zero3_rank_holds_no_16_bit_copy_of_every_block() -> None:
     block_params = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn + 2 * hidden
     added = _forward_peak(2 + extra_blocks, ranks) - _forward_peak(2, ranks)
     assert added < extra_blocks * 2 * block_params
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("sharding", "model_type", "lora", "capacity_bytes", "too_large"),
+    [("zero2", "llama", True, 20 * MiB, 16), ("zero3", "qwen2", False, 32 * MiB, 16)],
+)
+def test_a_sharded_rank_that_ran_out_starts_its_next_trial_clean(
+    sharding: str, model_type: str, lora: bool, capacity_bytes: int, too_large: int
+) -> None:
+    # An out-of-memory in the forward leaves FSDP2's blocks gathered, their full parameters
+    # registered as the model's: the next trial counted them as resident weights (a rank's
+    # every gathered block), until the runner reset FSDP2's iteration state.
+    spec = replay_spec(replay_config(model_type, 8), lora=lora, world_size=2, sharding=sharding)
+    ran_out = EstimateRunner(spec, capacity_bytes=capacity_bytes, layer_replay=False)
+    fresh = EstimateRunner(spec, capacity_bytes=capacity_bytes, layer_replay=False)
+    assert ran_out.warm_up().fits and fresh.warm_up().fits
+    failed = ran_out.trial(too_large)
+    assert not failed.fits and failed.oom_phase is Phase.FORWARD
+    after = ran_out.trial(3, 2, checkpointing=True)
+    clean = fresh.trial(3, 2, checkpointing=True)
+    assert after.fits
+    assert after == clean
+    assert after.series == clean.series
+    assert after.allocations == clean.allocations

@@ -1,0 +1,99 @@
+"""The layer replay of a sharded rank (autotune/engine/layer_replay.py): FSDP2's zero2, zero3 and
+hybrid ranks on fake process groups, where every decoder layer is its own unit, replayed from a
+five-layer model's journal are the deep model's own traced trials to the byte (peaks, phase
+peaks, out-of-memory and its detail, per-op live bytes, allocation trace), and its speed passes
+and communication are the whole model's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from autotune.core.gpus.catalogue import find_gpu
+from autotune.core.gpus.cuda_reserve import budget_for
+from autotune.core.schemas import Spec
+from autotune.engine.estimate import EstimateRunner
+from autotune.engine.layer_replay import replay_depth
+from tests.autotune_tests.engine.test_layer_replay import (
+    MiB,
+    _config,
+    _spec,
+    every_trial_the_same,
+)
+
+pytest.importorskip("transformers")
+
+A100 = budget_for(find_gpu("A100 80GB"))
+RELATIVE = 1e-12
+
+
+def _sharded(
+    model_type: str, depth: int, sharding: str, ranks: int, *, lora: bool, **training: Any
+) -> Spec:
+    if sharding == "hybrid":
+        training["shard_group_size"] = 2
+    return _spec(
+        _config(model_type, depth), lora=lora, world_size=ranks, sharding=sharding, **training
+    )
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("model_type", "depth", "sharding", "ranks", "lora", "capacity_bytes"),
+    [
+        ("llama", 8, "zero2", 2, True, 20 * MiB),
+        ("qwen2", 9, "zero3", 4, False, 32 * MiB),
+        ("llama", 12, "hybrid", 8, False, 48 * MiB),
+        ("qwen2", 7, "zero3", 8, True, 16 * MiB),
+        ("llama", 10, "zero2", 4, False, 32 * MiB),
+        ("qwen2", 8, "hybrid", 4, True, 20 * MiB),
+    ],
+)
+def test_every_replayed_sharded_trial_is_the_whole_trace_to_the_byte(
+    model_type: str, depth: int, sharding: str, ranks: int, lora: bool, capacity_bytes: int
+) -> None:
+    spec = _sharded(model_type, depth, sharding, ranks, lora=lora)
+    replayed = EstimateRunner(spec, capacity_bytes=capacity_bytes)
+    traced = EstimateRunner(spec, capacity_bytes=capacity_bytes, layer_replay=False)
+    assert replayed.layer_replay and not traced.layer_replay
+    # An out-of-memory's detail is traced whole (the weights registered on the model while
+    # FSDP2 gathers a block); everything else is replayed.
+    every_trial_the_same(replayed, traced)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("model_type", "depth", "sharding", "ranks", "lora"),
+    [
+        ("llama", 8, "zero3", 4, True),
+        ("qwen2", 9, "hybrid", 8, False),
+        ("llama", 7, "zero2", 2, False),
+    ],
+)
+def test_every_replayed_sharded_speed_pass_and_communication_is_the_whole_models(
+    model_type: str, depth: int, sharding: str, ranks: int, lora: bool
+) -> None:
+    spec = _sharded(model_type, depth, sharding, ranks, lora=lora)
+    replayed = EstimateRunner(spec, gpu=A100)
+    whole = EstimateRunner(spec, gpu=A100, layer_replay=False)
+    for checkpointing in (False, True):
+        assert replayed.warm_up(checkpointing=checkpointing).fits
+        assert whole.warm_up(checkpointing=checkpointing).fits
+        for micro_batch, accumulation in ((1, 1), (2, 2), (3, 7)):
+            compute_s = whole.step_time_s(micro_batch, accumulation, checkpointing=checkpointing)
+            assert replayed.step_time_s(
+                micro_batch, accumulation, checkpointing=checkpointing
+            ) == pytest.approx(compute_s, rel=RELATIVE)
+            assert replayed.communication(compute_s, accumulation) == whole.communication(
+                compute_s, accumulation
+            )
+    assert replayed.speed_replay  # every pass was replayed, none timed whole
+    assert replayed._full is None  # nor was the whole model built for the communication
+
+
+def test_fsdp2_ranks_are_replayed_and_ddp_ranks_traced_whole() -> None:
+    for sharding in ("zero2", "zero3", "hybrid"):
+        assert replay_depth(_sharded("llama", 16, sharding, 4, lora=True)) == 16
+    for sharding in ("none", "zero1"):
+        assert replay_depth(_sharded("llama", 16, sharding, 4, lora=True)) is None
