@@ -19,6 +19,7 @@ from tests.autotune_tests.engine.test_layer_replay import (
     MiB,
     _config,
     _spec,
+    _the_same,
     every_trial_the_same,
 )
 
@@ -97,3 +98,32 @@ def test_fsdp2_ranks_are_replayed_and_ddp_ranks_traced_whole() -> None:
         assert replay_depth(_sharded("llama", 16, sharding, 4, lora=True)) == 16
     for sharding in ("none", "zero1"):
         assert replay_depth(_sharded("llama", 16, sharding, 4, lora=True)) is None
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("sharding", "ranks", "lora", "capacity_bytes", "blocks"),
+    [("zero3", 4, True, 24 * MiB, (1, 6, 9)), ("hybrid", 4, False, 40 * MiB, (2, 8))],
+)
+def test_partial_checkpointing_of_a_sharded_rank_replayed_is_the_whole_trace_to_the_byte(
+    sharding: str, ranks: int, lora: bool, capacity_bytes: int, blocks: tuple[int, ...]
+) -> None:
+    """The two replays together: an FSDP2 rank whose first k layers are checkpointed, written
+    out from the 8-layer model's journal, is the deep rank's own trace."""
+    spec = _sharded("llama", 10, sharding, ranks, lora=lora)
+    replayed = EstimateRunner(spec, capacity_bytes=capacity_bytes)
+    traced = EstimateRunner(spec, capacity_bytes=capacity_bytes, layer_replay=False)
+    _the_same(replayed.warm_up(checkpointing=True), traced.warm_up(checkpointing=True))
+    fits = set()
+    for count in blocks:
+        for micro_batch, accumulation in ((1, 1), (2, 2), (32, 1)):
+            outcome = replayed.trial(
+                micro_batch, accumulation, checkpointing=True, checkpointed_blocks=count
+            )
+            whole = traced.trial(
+                micro_batch, accumulation, checkpointing=True, checkpointed_blocks=count
+            )
+            _the_same(outcome, whole)
+            fits.add(outcome.fits)
+    assert replayed.layer_replay and replayed.partial_replay  # none fell back to the whole
+    assert fits == {True, False}
