@@ -5,6 +5,7 @@ bytes, allocation trace), and whatever the replay cannot vouch for is traced who
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -112,6 +113,30 @@ def test_a_probe_replayed_finds_the_whole_traces_maxima_and_peaks() -> None:
 PARTIAL_TRIALS = [(1, 1), (2, 3), (4, 1)]
 
 
+def every_partial_trial_the_same(
+    replayed: EstimateRunner,
+    traced: EstimateRunner,
+    blocks: Sequence[int],
+    trials: Sequence[tuple[int, int]],
+) -> None:
+    """Each (micro-batch, accumulation) of `trials` at each count of checkpointed `blocks`,
+    replayed and traced, is the same; some fit, some do not."""
+    fits = set()
+    for count in blocks:
+        for micro_batch, accumulation in trials:
+            outcome = replayed.trial(
+                micro_batch, accumulation, checkpointing=True, checkpointed_blocks=count
+            )
+            whole = traced.trial(
+                micro_batch, accumulation, checkpointing=True, checkpointed_blocks=count
+            )
+            _the_same(outcome, whole)
+            fits.add(outcome.fits)
+    assert fits == {True, False}  # both kinds of trial were compared
+    # Every one of them was replayed (a failed replay stops for good), none traced whole.
+    assert replayed.layer_replay and replayed.partial_replay
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     ("model_type", "depth", "lora", "capacity_bytes", "blocks", "warm_checkpointing"),
@@ -139,20 +164,7 @@ def test_every_partial_checkpointing_trial_replayed_is_the_whole_trace_to_the_by
     warm = replayed.warm_up(checkpointing=warm_checkpointing)
     _the_same(warm, traced.warm_up(checkpointing=warm_checkpointing))
     assert warm.fits
-    fits = set()
-    for count in blocks:
-        for micro_batch, accumulation in PARTIAL_TRIALS:
-            outcome = replayed.trial(
-                micro_batch, accumulation, checkpointing=True, checkpointed_blocks=count
-            )
-            whole = traced.trial(
-                micro_batch, accumulation, checkpointing=True, checkpointed_blocks=count
-            )
-            _the_same(outcome, whole)
-            fits.add(outcome.fits)
-    assert fits == {True, False}  # both kinds of trial were compared
-    # Every one of them was replayed (a failed replay stops for good), none traced whole.
-    assert replayed.layer_replay and replayed.partial_replay
+    every_partial_trial_the_same(replayed, traced, blocks, PARTIAL_TRIALS)
     # ... and the trials the five-layer model replays are the whole trace's still.
     _the_same(replayed.trial(2, checkpointing=True), traced.trial(2, checkpointing=True))
 

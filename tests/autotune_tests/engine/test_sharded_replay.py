@@ -20,6 +20,7 @@ from tests.autotune_tests.engine.test_layer_replay import (
     _config,
     _spec,
     _the_same,
+    every_partial_trial_the_same,
     every_trial_the_same,
 )
 
@@ -114,16 +115,4 @@ def test_partial_checkpointing_of_a_sharded_rank_replayed_is_the_whole_trace_to_
     replayed = EstimateRunner(spec, capacity_bytes=capacity_bytes)
     traced = EstimateRunner(spec, capacity_bytes=capacity_bytes, layer_replay=False)
     _the_same(replayed.warm_up(checkpointing=True), traced.warm_up(checkpointing=True))
-    fits = set()
-    for count in blocks:
-        for micro_batch, accumulation in ((1, 1), (2, 2), (32, 1)):
-            outcome = replayed.trial(
-                micro_batch, accumulation, checkpointing=True, checkpointed_blocks=count
-            )
-            whole = traced.trial(
-                micro_batch, accumulation, checkpointing=True, checkpointed_blocks=count
-            )
-            _the_same(outcome, whole)
-            fits.add(outcome.fits)
-    assert replayed.layer_replay and replayed.partial_replay  # none fell back to the whole
-    assert fits == {True, False}
+    every_partial_trial_the_same(replayed, traced, blocks, [(1, 1), (2, 2), (32, 1)])
