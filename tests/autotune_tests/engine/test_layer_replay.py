@@ -197,7 +197,7 @@ def test_layers_that_differ_are_not_replayed() -> None:
 def test_only_deep_transformers_configs_off_ddp_are_replayed() -> None:
     assert replay_depth(_spec(_config("llama", TRACED_LAYERS + 1), lora=True)) is None
     assert replay_depth(_spec(_config("llama", TRACED_LAYERS + 2), lora=True)) == 7
-    # DDP's ranks (FSDP2's are replayed: tests/autotune_tests/engine/test_sharded_replay.py).
+    # DDP's ranks (FSDP2's are replayed: tests/autotune_tests/engine/test_layer_replay_sharded.py).
     ddp = _spec(_config("llama", 16), lora=True, world_size=2, sharding="zero1")
     assert replay_depth(ddp) is None
     preset = Spec.model_validate({"model": {"preset": "llama-tiny"}, "training": {"seq_len": 16}})
