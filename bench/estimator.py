@@ -647,7 +647,15 @@ SPEED_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], str, str]] = {
 ACCUMULATIONS = (1, 8, 64, 2**20)
 # Rows by round: before and after the reuse of traces, after the layer replay, and after its
 # speed passes (round 3).
-SPEED_LABELS = ("before", "after", "replay", "speed-replay", "bytecode", "ckpt-replay")
+SPEED_LABELS = (
+    "before",
+    "after",
+    "replay",
+    "speed-replay",
+    "bytecode",
+    "ckpt-replay",
+    "sharded-replay",
+)
 # Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
 # of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).
 SPEED_NOTES = [
@@ -800,6 +808,20 @@ SPEED_NOTES = [
     "fake-tensor dispatch; what is left is that cost, or fewer traced layers (a 6-layer model "
     "for partial checkpointing would do if a layer between two of its kind were the "
     "composite of the layers next to the others, which is not checked today).",
+    "Round 5 (sharded-replay row, commit 797355e plus the bench's corrections above): "
+    "partial checkpointing and FSDP2's sharded ranks both replayed (docs/design.md#the-layer-"
+    "replay), at load 5.7-5.8 on the 2 shared cores. llama8b-lora-tune: 43.6 CPU s (48.8 in "
+    "the ckpt-replay row, which paid its lazy imports; 92.4 in the bytecode row, partial "
+    "checkpointing traced whole), every call replayed (calls_cpu_s: 11 trials 16.8 s, 6 "
+    "partial trials 18.0 s, 3 speed passes 5.8 s); the same answers to the byte. The 30 s goal "
+    "is not met. llama70b-lora-zero3-probe, run for the first time: 66.4 CPU s (120 s of wall "
+    "time, peak RSS 587 MiB); micro-batch 1 runs out without checkpointing (the plain mode's "
+    "answer is 0), 4 fits with it (peak 81,124,130,816 B). Of its 66 s, 47.2 are its first "
+    "trial, micro-batch 1 without checkpointing, which runs out: a sharded rank's "
+    "out-of-memory is traced whole for its detail (which parameters FSDP2 has registered "
+    "then; the journal does not record it), the 80-layer model built and traced; the other 5 "
+    "trials and 2 warm-ups are replayed (1.3-6.0 s each). The 15 s goal is not met: it needs "
+    "the out-of-memory detail from the replay.",
 ]
 
 
