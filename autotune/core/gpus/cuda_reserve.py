@@ -30,7 +30,7 @@ STEP_KERNELS_BYTES = 96 * _MiB
 STACK_BYTES_PER_THREAD = 1 * _KiB
 CONTEXT_UNCERTAINTY_BYTES = 100 * _MiB
 
-# torch's aten/src/ATen/cuda/CublasHandlePool.cpp with CUBLAS_WORKSPACE_CONFIG and
+# torch's cuBLAS handle pool with CUBLAS_WORKSPACE_CONFIG and
 # CUBLASLT_WORKSPACE_SIZE unset: ":4096:2:16:8" (8 MiB + 128 KiB), 32 MiB on sm_90; cuBLASLt
 # 1 MiB.
 CUBLAS_WORKSPACE_BYTES = 4096 * _KiB * 2 + 16 * _KiB * 8

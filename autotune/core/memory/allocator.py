@@ -1,6 +1,6 @@
 """The CUDA caching allocator's policy as a pure model: which segments a sequence of mallocs and
 frees reserves on a device of a given size, and when it runs out (torch 2.13,
-`DeviceCachingAllocator` in `c10/cuda/CUDACachingAllocator.cpp`; the design and what is left out:
+c10's CUDA `DeviceCachingAllocator`; the design and what is left out:
 docs/design.md#the-caching-allocator-model).
 
 Every method names the C++ function it follows. One stream is modelled: a training step runs

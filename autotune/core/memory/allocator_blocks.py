@@ -1,6 +1,6 @@
 """The caching allocator's bookkeeping: segments, the blocks they are split into, the pools
-that keep free blocks in best-fit order, and the sizes requests are rounded to (torch 2.13,
-`c10/cuda/CUDACachingAllocator.cpp`; docs/design.md#the-caching-allocator-model).
+that keep free blocks in best-fit order, and the sizes requests are rounded to (torch 2.13's
+CUDA caching allocator; docs/design.md#the-caching-allocator-model).
 """
 
 from __future__ import annotations

@@ -2,10 +2,9 @@
 `PYTORCH_CUDA_ALLOC_CONF` strings parsed into a frozen `AllocatorConfig`, as torch 2.13 parses
 them (docs/design.md#the-caching-allocator-model).
 
-Sources (torch 2.13): the constants and the tokenizer in `c10/core/AllocatorConfig.h`; the
-device-generic keys in `c10/core/AllocatorConfig.cpp` (`AcceleratorAllocatorConfig::parseArgs`
-and its `parse*` helpers); the CUDA keys in `c10/cuda/CUDAAllocatorConfig.cpp`
-(`CUDAAllocatorConfig::parseArgs`, whose key list is `getKeys()` in `CUDAAllocatorConfig.h`).
+Sources (torch 2.13): c10's allocator constants and its `ConfigTokenizer`; the device-generic
+keys of `AcceleratorAllocatorConfig::parseArgs` and its `parse*` helpers; the CUDA keys of
+`CUDAAllocatorConfig::parseArgs`, whose key list is `CUDAAllocatorConfig::getKeys()`.
 Torch accepts every string this module accepts; this module is stricter where torch misreads a
 string silently: `std::stoull` reads `-1` as 2^64 - 1 and `30;` as 30, and the `:` and `,`
 separators are never checked (`ConfigTokenizer::checkToken` returns a bool the parsers ignore),
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from autotune.core.errors import shown
 
 MIB = 1024 * 1024
-# c10/core/AllocatorConfig.h: kMinBlockSize, kSmallSize, kSmallBuffer, kMinLargeAlloc, kRoundLarge.
+# c10's allocator constants: kMinBlockSize, kSmallSize, kSmallBuffer, kMinLargeAlloc, kRoundLarge.
 MIN_BLOCK_BYTES = 512
 SMALL_SIZE_BYTES = 1 * MIB
 SMALL_BUFFER_BYTES = 2 * MIB
@@ -31,7 +30,7 @@ ROUND_LARGE_BYTES = 2 * MIB
 # AcceleratorAllocatorConfig::large_segment_size_ (kLargeBuffer before 2.10): the segment a
 # 1-10 MiB request gets, and the page of an expandable large-pool segment.
 LARGE_SEGMENT_BYTES = 20 * MIB
-# c10/core/AllocatorConfig.cpp: one division count per power-of-two interval from 1 MiB to 64 GiB.
+# c10's allocator config: one division count per power-of-two interval from 1 MiB to 64 GiB.
 ROUNDUP_INTERVALS = 16
 _ROUNDUP_START_LOG2 = 20  # 1 MiB
 ENVIRONMENT_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")

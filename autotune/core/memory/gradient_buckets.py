@@ -1,7 +1,7 @@
 """DDP's gradient buckets as torch 2.13 lays them out: which tensors share one flat buffer.
 
-Torch-free. `assign_buckets` is `compute_bucket_assignment_by_size`
-(torch/csrc/distributed/c10d/reducer.cpp), which `DistributedDataParallel` uses three ways:
+Torch-free. `assign_buckets` is c10d's
+`compute_bucket_assignment_by_size`, which `DistributedDataParallel` uses three ways:
 with one unlimited bucket per dtype at construction, with the 1 MiB first and 25 MiB further
 limits when its reducer rebuilds the buckets in the order gradients became ready (after the
 first synchronised backward), and with 250 MiB limits to coalesce the buffers it broadcasts at
@@ -21,7 +21,7 @@ _MiB = 2**20
 BUCKET_CAP_BYTES = 25 * _MiB
 FIRST_BUCKET_CAP_BYTES = 1 * _MiB
 BROADCAST_BUCKET_BYTES = 250 * _MiB
-# broadcast_coalesced (torch/csrc/distributed/c10d/comm.cpp) keeps at most two flat buffers
+# c10d's broadcast_coalesced keeps at most two flat buffers
 # in flight.
 BROADCAST_IN_FLIGHT = 2
 

@@ -5,8 +5,8 @@ against the card while the op runs, but the CPU kernels that stand in for it on 
 never allocate it. This module sizes it per op, from torch 2.13's CUDA sources, as the block
 sizes the allocator is asked for (docs/design.md#per-op-workspaces):
 
-- **Flash attention backward** (`mha_bwd` in `aten/src/ATen/native/transformers/cuda/
-  flash_attn/flash_api.cpp`): besides dq, dk, dv it allocates `softmax_d`
+- **Flash attention backward** (`mha_bwd` of the flash-attention
+  kernels torch bundles): besides dq, dk, dv it allocates `softmax_d`
   (batch, heads, seq_q rounded to 128) and, since `loop` is always true and
   `deterministic` is off by default, `dq_accum` (batch, seq_q rounded to 128, heads, head size
   rounded to 32, or to 64 above 128), both fp32; both die when the op returns.
@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FP32_BYTES = 4
-# flash_api.cpp: seqlen_q rounded to 128; head_size to 32, or to 64 above 128
+# mha_bwd: seqlen_q rounded to 128; head_size to 32, or to 64 above 128
 FLASH_SEQ_ROUNDING = 128
 FLASH_SMALL_HEAD_MAX = 128
 # The memory-efficient kernels' dQ accumulator tiles, taken as 64 x 64 (an estimate).

@@ -14,7 +14,7 @@ from enum import StrEnum
 
 
 class CastPolicy(StrEnum):
-    """torch's `at::autocast::CastPolicy` (aten/src/ATen/autocast_mode.h), plus the banned op."""
+    """torch's `at::autocast::CastPolicy`, plus the banned op."""
 
     LOWER_PRECISION_FP = "lower_precision_fp"  # floating inputs to the autocast dtype
     FP32 = "fp32"  # floating inputs to fp32

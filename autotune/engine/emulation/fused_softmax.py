@@ -1,8 +1,8 @@
 """CUDA's fused fp16 -> fp32 softmax, for the emulated GPU.
 
 `softmax(x, dim, dtype=float32)` and `log_softmax` on an fp16 CUDA tensor (what autocast asks
-for) run one kernel that reads fp16 and writes fp32 (`_softmax(x, dim, half_to_float=True)`,
-aten/src/ATen/native/SoftMax.cpp); elsewhere, and for bf16, the composite first makes an fp32
+for) run one kernel that reads fp16 and writes fp32 (ATen's
+`_softmax(x, dim, half_to_float=True)`); elsewhere, and for bf16, the composite first makes an fp32
 copy of x. The CPU has no such kernel, so `softmax_half_to_float` stands in for it: its fp32
 copy is its own scratch, which a dispatch mode (the emulated GPU's tracker) never sees, as no
 allocator sees a kernel's registers. Backward is fused the same way

@@ -42,8 +42,8 @@ from autotune.core.schemas import OOM_OP_MAX, OomDetail, Phase
 logger = logging.getLogger(__name__)
 
 _MiB = 2**20
-# The CUDA caching allocator hands out multiples of 512 bytes (c10/cuda/CUDACachingAllocator.cpp,
-# kMinBlockSize), so a tracker that stands in for a GPU rounds the same way.
+# The CUDA caching allocator hands out multiples of 512 bytes (its kMinBlockSize), so a
+# tracker that stands in for a GPU rounds the same way.
 CUDA_BLOCK_BYTES = 512
 
 # Read once: `_current_graph_task_id` is -1 outside the autograd engine, so it tells backward
@@ -198,8 +198,8 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         grown_bytes = counted_bytes - ref.counted_bytes
         if grown_bytes and self.allocator is not None:
             # A resized storage is a new allocation the data is copied into, then the old one is
-            # freed, growing or shrinking (`resize_bytes_cuda`, aten/src/ATen/native/cuda/
-            # Resize.cpp); a resize to 0 (how FSDP frees a parameter) mallocs nothing.
+            # freed, growing or shrinking (ATen's `resize_bytes_cuda`);
+            # a resize to 0 (how FSDP frees a parameter) mallocs nothing.
             block = self._malloc(nbytes)
             self.allocator.free(ref.block)
             ref.block = block
@@ -406,7 +406,7 @@ class MemoryHolders:
 
 
 def _out_of_memory_message(error: AllocatorOutOfMemory, phase: Phase) -> str:
-    # The figures torch's message gives (c10/cuda/CUDACachingAllocator.cpp, malloc).
+    # The figures torch's message gives (the CUDA caching allocator's malloc).
     unallocated_bytes = error.reserved_bytes - error.allocated_bytes
     return (
         f"CUDA out of memory (emulated). Tried to allocate {error.allocation_bytes / _MiB:.2f} "
