@@ -809,8 +809,9 @@ SPEED_NOTES = [
     "for partial checkpointing would do if a layer between two of its kind were the "
     "composite of the layers next to the others, which is not checked today).",
     "Round 5 (sharded-replay row, commit 797355e plus the bench's corrections above): "
-    "partial checkpointing and FSDP2's sharded ranks both replayed (docs/design.md#the-layer-"
-    "replay), at load 5.7-5.8 on the 2 shared cores. llama8b-lora-tune: 43.6 CPU s (48.8 in "
+    "partial checkpointing and FSDP2's sharded ranks both replayed "
+    "(docs/design.md#the-layer-replay), at load 5.7-5.8 on the 2 shared cores. "
+    "llama8b-lora-tune: 43.6 CPU s (48.8 in "
     "the ckpt-replay row, which paid its lazy imports; 92.4 in the bytecode row, partial "
     "checkpointing traced whole), every call replayed (calls_cpu_s: 11 trials 16.8 s, 6 "
     "partial trials 18.0 s, 3 speed passes 5.8 s); the same answers to the byte. The 30 s goal "

@@ -181,8 +181,8 @@ def test_sharded_8bit_probes_alike_on_the_emulated_gpu_and_in_estimates() -> Non
     spec = Spec.model_validate({"model": {"hf_config": GQA_LLAMA}, "training": training})
     # At 40 MiB micro-batch 2 runs out in the backward, and micro-batch 1, which fit in the
     # warm-up, then runs out too: after FSDP2's reset of a failed step, this rank's 8-bit
-    # AdamW step needs a 20 MiB segment more (not understood yet, docs/design.md#the-layer-
-    # replay); at 64 MiB the probe's trials fit and fail by size alone.
+    # AdamW step needs a 20 MiB segment more (not understood yet:
+    # docs/design.md#the-layer-replay); at 64 MiB the trials fit and fail by size alone.
     capacity_bytes = 64 * 2**20
     emulated = probe_session(InProcessRunner(spec, EmulatedDevice(capacity_bytes)))
     estimated = probe_session(EstimateRunner(spec, capacity_bytes=capacity_bytes))
