@@ -79,6 +79,32 @@ class Kernel:
         return sum(t.numel() * t.element_size() for t in (*self.inputs, *self.outputs))
 
 
+def _fsdp_copy(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: object, *, tf32: bool
+) -> Kernel | None:
+    """The copy kernel of one of FSDP2's own ops around its collectives
+    (docs/design.md#the-copies-around-fsdp2s-collectives): what it reads and writes.
+
+    They are ops of FSDP2's library, not aten's, and two return nothing (they write into
+    `out`), so the aten rule above would time none of them; on a GPU each is one kernel
+    (`_foreach_copy_`, `split_with_sizes_copy`, `_chunk_cat`) moving every byte it copies."""
+    name = func._opname
+    if name == "all_gather_copy_in":
+        # This rank's shards into its slice of the all-gather's input (the first output).
+        inputs, outputs = list(args[0]), [out[0]] if isinstance(out, tuple) else []
+    elif name == "split_with_sizes_copy":
+        # The whole gathered buffer into every parameter's unsharded tensor.
+        inputs, outputs = [args[0]], list(kwargs["out"])
+    elif name == "chunk_cat":
+        # The unsharded gradients into the reduce-scatter's input.
+        inputs, outputs = list(args[0]), [kwargs["out"]]
+    else:
+        return None
+    floating = [t.dtype for t in outputs if t.is_floating_point()]
+    dtype = _math_dtype(floating[0] if floating else torch.float32, tf32=tf32)
+    return Kernel(0, inputs, outputs, dtype)
+
+
 class KernelTimes(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Adds up every kernel's roofline time on `budget`'s GPU; `ends_s` is the running total
     at the end of each micro-step (`SpeedPass`)."""
@@ -106,6 +132,8 @@ class KernelTimes(TorchDispatchMode):  # type: ignore[no-untyped-call]
     ) -> Kernel | None:
         """The kernel `func` launched to make `out`; None for a view, an allocation or an op
         that returns no tensor."""
+        if func.namespace == "fsdp":
+            return _fsdp_copy(func, args, kwargs, out, tf32=self.tf32)
         if func.namespace != "aten" or func.is_view or func in _NO_KERNEL:
             return None
         outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
