@@ -16,7 +16,7 @@ from autotune.core.memory.optimizer_states import (
     Library,
     state_bytes,
 )
-from autotune.core.schemas import Spec, TrainingSpec
+from autotune.core.schemas import Phase, Spec, TrainingSpec
 from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.estimate import EstimateRunner
 from autotune.engine.probe import probe_session
@@ -179,13 +179,33 @@ def test_sharded_8bit_probes_alike_on_the_emulated_gpu_and_in_estimates() -> Non
         "max_micro_batch": 16,
     }
     spec = Spec.model_validate({"model": {"hf_config": GQA_LLAMA}, "training": training})
-    # At 40 MiB micro-batch 2 runs out in the backward, and micro-batch 1, which fit in the
-    # warm-up, then runs out too: after FSDP2's reset of a failed step, this rank's 8-bit
-    # AdamW step needs a 20 MiB segment more (not understood yet:
-    # docs/design.md#the-layer-replay); at 64 MiB the trials fit and fail by size alone.
+    # At 40 MiB micro-batch 1 fits in the warm-up (no optimizer state yet in its forward and
+    # backward) and runs out in every later step, which holds that state
+    # (docs/design.md#the-layer-replay): both answer 0. At 64 MiB the sizes fit and fail by
+    # size alone.
     capacity_bytes = 64 * 2**20
     emulated = probe_session(InProcessRunner(spec, EmulatedDevice(capacity_bytes)))
     estimated = probe_session(EstimateRunner(spec, capacity_bytes=capacity_bytes))
     maxima = [mode.max_micro_batch for mode in emulated.modes]
     assert maxima == [mode.max_micro_batch for mode in estimated.modes]
     assert all(maximum >= 1 for maximum in maxima), maxima
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("optimizer", ["adamw8bit", "adamw"])
+def test_a_warm_up_that_fits_is_no_steady_step_that_fits(optimizer: str) -> None:
+    """The warm-up makes the optimizer state in its optimizer step; every later step holds it
+    through its forward and backward. On 40 MiB the zero3 rank's warm-up at micro-batch 1 fits,
+    and the steady step at 1 runs out in the backward with the state held, with either
+    optimizer (docs/design.md#the-layer-replay)."""
+    training = {"seq_len": 32, "optimizer": optimizer, "world_size": 2, "sharding": "zero3"}
+    spec = Spec.model_validate({"model": {"hf_config": GQA_LLAMA}, "training": training})
+    runner = InProcessRunner(spec, EmulatedDevice(40 * 2**20))
+    warm_up = runner.warm_up(checkpointing=False)
+    assert warm_up.fits
+    for _ in range(2):  # the same whatever ran before
+        steady = runner.trial(1, checkpointing=False)
+        assert steady.oom is not None
+        assert steady.oom_phase == Phase.BACKWARD
+        assert steady.oom.optimizer_state_bytes > 0
+        assert steady.phase_peak_bytes[Phase.FORWARD] > warm_up.phase_peak_bytes[Phase.FORWARD]
