@@ -167,13 +167,20 @@ RUNS_OUT = [
     (
         ("llama", 10, "zero3", 4, False, 128, 66, True),
         [(2, 1, True, 8), (2, 1, True, 2), (4, 1, True, 8), (2, 2, True, 5)],
-        {Phase.FORWARD, Phase.BACKWARD},
+        {None, Phase.FORWARD, Phase.BACKWARD},
     ),
 ]
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize(("rank", "trials", "phases"), RUNS_OUT)
+@pytest.mark.parametrize(
+    ("rank", "trials", "phases"),
+    RUNS_OUT,
+    ids=[
+        "-".join(str(part) for part in (*rank[:4], "lora" if rank[4] else "full", *rank[5:7]))
+        for rank, *_ in RUNS_OUT
+    ],
+)
 def test_a_sharded_rank_that_runs_out_is_replayed_with_its_detail_to_the_byte(
     rank: tuple[str, int, str, int, bool, int, int, bool],
     trials: list[tuple[int, int, bool, int | None]],
