@@ -655,6 +655,7 @@ SPEED_LABELS = (
     "bytecode",
     "ckpt-replay",
     "sharded-replay",
+    "oom-replay",
 )
 # Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
 # of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).
@@ -823,6 +824,23 @@ SPEED_NOTES = [
     "then; the journal does not record it), the 80-layer model built and traced; the other 5 "
     "trials and 2 warm-ups are replayed (1.3-6.0 s each). The 15 s goal is not met: it needs "
     "the out-of-memory detail from the replay.",
+    "Round 6 (oom-replay row, commit b5083b1), at load 9.8 on the 2 shared cores: a sharded "
+    "rank's out-of-memory detail comes from the replay too (the journal records FSDP2's swaps "
+    "of shards and gathered parameters and the gathered parameters' gradients: "
+    "docs/design.md#the-layer-replay), so no trial traces the 80-layer model. "
+    "llama70b-lora-zero3-probe: 17.8 CPU s instead of 66.4, the same answers to the byte; its "
+    "first trial (micro-batch 1 without checkpointing, which runs out) 1.35 s instead of 47.2. "
+    "The 15 s goal is not met. Where the 17.8 s go (a run of the same probe timing each "
+    "function's CPU seconds, 17.4 s in all): the 8 traced steps of the 5-layer model 11.5 s "
+    "(2 warm-ups, 6 trials: fake-tensor dispatch, as in round 2), writing out the 80-layer "
+    "journals 1.0 s and replaying them through the allocator model 1.2 s, the search's own "
+    "replays of the 80-layer allocation traces (its fit points, the recommended micro-batch, "
+    "the check that the replay is exact) 2.2 s and their predicted traces and live peaks 0.75 "
+    "s, the build 0.6 s (the 80-layer model on the meta device, read by replay_depth, 0.07 s). "
+    "Cut: the allocator model rounds each request size once (a deep step asks for a few "
+    "hundred sizes tens of thousands of times): its replays 2.55 s before, 2.23 after. What "
+    "is left is the traced steps' per-op cost, and the Python allocator model run over "
+    "80-layer traces (about 3.4 s here).",
 ]
 
 

@@ -568,12 +568,6 @@ class EstimateRunner:
                     self._stop_partial_replay(reason)
                 else:
                     self._stop_replay(reason)
-            if outcome is not None and not outcome.fits and self.spec.training.world_size > 1:
-                # An out-of-memory's detail counts the weights and gradients registered on
-                # the model then: FSDP2 swaps a block's shards for its gathered parameters
-                # while it runs, which the journal does not record. Traced whole, so that
-                # the detail is the rank's own (docs/design.md#the-layer-replay).
-                outcome = None
         if outcome is None:
             runner = self._runner
             with self._mode, _sequences_not_packed(), self._checked():

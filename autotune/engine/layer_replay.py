@@ -57,10 +57,13 @@ from autotune.engine.emulation.layer_journal import (
     FIXED,
     FREE,
     GRAD,
+    HOLD,
     MARK,
     NO_LAYER,
     OP,
     OPTIMIZER_STATE,
+    REFERENCES,
+    UNGRAD,
     WEIGHT,
     JournalTracker,
     LayerContexts,
@@ -98,12 +101,12 @@ def owners(journal: Sequence[tuple[Any, ...]]) -> list[int | None]:
                 sticky = None
             result.append(None if last_layer == NO_LAYER else last_layer)
             continue
-        if kind == FREE or kind == GRAD:
+        if kind in REFERENCES:
             context = record[2]
             if context == NO_LAYER:
                 # Between two layers (the previous layer's output dropped as the next one
                 # starts) a free goes with the layer that just ran; elsewhere (the gradients'
-                # release) with its allocation.
+                # release) with its allocation; and so do the other records naming one.
                 context = last_layer if last_layer != NO_LAYER else result[record[1]]
             result.append(context)
             continue
@@ -234,7 +237,7 @@ def expand(journal: Sequence[tuple[Any, ...]], plan: LayerPlan) -> list[tuple[An
         if not isinstance(segment, _Sweep):
             for event in range(*segment):
                 record = journal[event]
-                if record[0] in (FREE, GRAD):
+                if record[0] in REFERENCES:
                     target = renumbered_fixed.get(record[1])
                     place = location.get(record[1])
                     if place is not None and place[1] in (0, depth - 1):
@@ -275,7 +278,7 @@ def expand(journal: Sequence[tuple[Any, ...]], plan: LayerPlan) -> list[tuple[An
                     position += len(fan)
                     continue
                 item = template[position]
-                if record[0] in (FREE, GRAD):
+                if record[0] in REFERENCES:
                     if item[1] == "fixed":
                         target = renumbered_fixed.get(item[2])
                     elif source in (0, depth - 1) and abs(item[2]) > 1:
@@ -311,7 +314,7 @@ def _check_one_run(
             if mine == theirs:
                 continue
             if (
-                mine[0] in (FREE, GRAD)
+                mine[0] in REFERENCES
                 and mine[:3] == theirs[:3]
                 and mine[1] != "fixed"
                 and abs(mine[2]) == 1
@@ -321,7 +324,7 @@ def _check_one_run(
                 continue
             raise NotReplayable(f"the middle layers' events differ in sweep {number}")
     for item in reference:
-        if item[0] in (FREE, GRAD) and item[1] != "fixed" and pure + item[2] not in middle:
+        if item[0] in REFERENCES and item[1] != "fixed" and pure + item[2] not in middle:
             raise NotReplayable(f"a middle layer names a layer outside its run in {number}")
 
 
@@ -374,6 +377,9 @@ def evaluate(
     live_bytes = 0
     blocks: dict[int, tuple[Any, int, int]] = {}  # journal index -> (block, bytes, category)
     gradients: set[int] = set()
+    # Allocations registered on the model as weights, or not, otherwise than their category
+    # says (FSDP2's swaps of a block's shards and gathered parameters).
+    registered: dict[int, bool] = {}
     position: dict[int, int] = {}  # journal index of an allocation -> its allocation event
     series: list[int] = []
     allocations: list[int] = []
@@ -388,7 +394,7 @@ def evaluate(
                 block = allocator.malloc(nbytes)
             except AllocatorOutOfMemory as error:
                 oom_phase = record[4]
-                oom = _oom_detail(journal, index, error, blocks, gradients)
+                oom = _oom_detail(journal, index, error, blocks, gradients, registered)
                 break
             counted = _rounded(nbytes, block_bytes)
             blocks[index] = (block, counted, record[5])
@@ -408,8 +414,12 @@ def evaluate(
             if record[4] and live_bytes > phase_peak_bytes.get(phase, -1):
                 phase_peak_bytes[phase] = live_bytes
             series.append(live_bytes)
-        else:
+        elif kind == GRAD:
             gradients.add(record[1])
+        elif kind == UNGRAD:
+            gradients.discard(record[1])
+        else:
+            registered[record[1]] = kind == HOLD
     return StepOutcome.of_allocator(
         micro_batch,
         allocator.stats,
@@ -427,10 +437,11 @@ def _oom_detail(
     error: AllocatorOutOfMemory,
     blocks: dict[int, tuple[Any, int, int]],
     gradients: set[int],
+    registered: dict[int, bool],
 ) -> OomDetail:
     """What the tracker's `oom` says at the allocation `failed`: its op (the next op's record;
-    the resident tensors before the first), and the live weights, gradients and optimizer
-    state."""
+    the resident tensors before the first), and the live weights (registered on the model:
+    `registered`, else by category), gradients and optimizer state."""
     op: object = "the step's resident tensors"
     for record in journal[failed:]:
         if record[0] == OP:
@@ -438,7 +449,11 @@ def _oom_detail(
             break
     if not any(record[0] == OP for record in journal[:failed]):
         op = "the step's resident tensors"
-    weights = sum(b for i, (_, b, c) in blocks.items() if c == WEIGHT and i not in gradients)
+    weights = sum(
+        b
+        for i, (_, b, c) in blocks.items()
+        if registered.get(i, c == WEIGHT) and i not in gradients
+    )
     state = sum(b for i, (_, b, c) in blocks.items() if c == OPTIMIZER_STATE)
     grads = sum(blocks[i][1] for i in gradients if i in blocks)
     allocated = error.allocated_bytes

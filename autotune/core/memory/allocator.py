@@ -171,6 +171,9 @@ class CachingAllocator:
             raise ValueError(f"only the native allocator is modelled, not {config.backend}")
         self._config = config
         self._max_split = _UNLIMITED if config.max_split_bytes is None else config.max_split_bytes
+        # Each request size's rounded size and segment size under `config`: a step asks for
+        # the same few hundred sizes tens of thousands of times (a replayed deep model's layers).
+        self._sizes: dict[int, tuple[int, int]] = {}
 
     def set_memory_fraction(self, fraction: float) -> None:
         """`setMemoryFraction`: limit the reserved memory to `fraction` of the device's."""
@@ -192,8 +195,11 @@ class CachingAllocator:
                 raise ValueError(f"negative size {size_bytes}")
             return NO_BLOCK
         config = self._config
-        size = round_size(size_bytes, config)
-        alloc_size = allocation_size(size, config)
+        sizes = self._sizes.get(size_bytes)
+        if sizes is None:
+            rounded = round_size(size_bytes, config)
+            sizes = self._sizes[size_bytes] = (rounded, allocation_size(rounded, config))
+        size, alloc_size = sizes
         if size_bytes >= _ONE_EXABYTE:
             raise self._out_of_memory(size_bytes, alloc_size)
         pool = self._small if size <= SMALL_SIZE_BYTES else self._large
@@ -224,7 +230,12 @@ class CachingAllocator:
         self._requested -= block.requested
         block.requested = 0
         pool = self._small if block.small else self._large
-        for neighbour in (block.prev, block.next):
+        # Most neighbours are allocated or absent: checked here, before a call.
+        neighbour = block.prev
+        if neighbour is not None and not neighbour.allocated:
+            self._try_merge_blocks(block, neighbour, pool)
+        neighbour = block.next
+        if neighbour is not None and not neighbour.allocated:
             self._try_merge_blocks(block, neighbour, pool)
         pool.insert(block)
 

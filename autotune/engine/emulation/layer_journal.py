@@ -17,6 +17,13 @@ Which layer an event belongs to:
   goes with whatever precedes it (AdamW's step counters, made one per parameter beside its
   moments).
 
+What an out-of-memory's detail counts as weights and gradients is what is registered on the model
+at that moment (`autotune.engine.emulation.tracker.MemoryHolders`): on an FSDP2 rank a block's
+gathered parameters while it runs, its shards otherwise, each with its own `.grad`. The journal
+records each swap (FSDP2's `FSDPParam._setattr_on_modules`, watched while the tracker is active)
+as the storages it drops and holds, and each gradient a registered gathered parameter receives,
+so that the detail can be computed from the journal alone (docs/design.md#the-layer-replay).
+
 The hooks and the journal allocate nothing and change no op: the journal is a record of the
 step the plain tracker would count.
 """
@@ -24,8 +31,9 @@ step the plain tracker would count.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.utils._pytree as pytree
@@ -41,13 +49,25 @@ from autotune.engine.emulation.tracker import (
     local_tensor,
 )
 
+# FSDP2's parameter, whose `_setattr_on_modules` registers its sharded or gathered tensor on its
+# module; looked up only once FSDP2 is imported (a rank that is not sharded never imports it).
+_FSDP_PARAM_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param"
+
 # Journal records, tuples for speed (a small trace writes some ten thousand):
 #   (ALLOC, nbytes, context, tag, phase, category)
 #   (FREE, journal index of the allocation, context)
 #   (OP, context, tag, phase, peak_check, op)
 #   (GRAD, journal index of the allocation, context)  -- that storage became a parameter's .grad
 #   (MARK, context)  -- an uncounted op (a record_function's marker): a boundary, nothing else
-ALLOC, FREE, OP, GRAD, MARK = 0, 1, 2, 3, 4
+#   (HOLD, journal index of the allocation, context)  -- that storage became a registered
+#       parameter's (FSDP2 registered a block's gathered or sharded parameters on its modules)
+#   (DROP, journal index of the allocation, context)  -- it stopped being one
+#   (UNGRAD, journal index of the allocation, context)  -- it stopped being a registered
+#       parameter's .grad (its parameter was swapped out)
+ALLOC, FREE, OP, GRAD, MARK, HOLD, DROP, UNGRAD = 0, 1, 2, 3, 4, 5, 6, 7
+# The records that name an allocation (their second field), renumbered when a journal is written
+# out for another depth.
+REFERENCES = (FREE, GRAD, HOLD, DROP, UNGRAD)
 NO_LAYER = -1  # a context outside every layer
 FIXED = -1  # a tag: no layer's, or several layers'
 STICKY = -2  # a tag: no tagged input; the event goes with the one before it
@@ -169,6 +189,10 @@ class JournalTracker(LiveBytesTracker):  # type: ignore[no-untyped-call]
         self._count_tag = FIXED
         self._count_key: int | None = None
         self._added_bytes = 0
+        # Each registered parameter's gradient storage the journal holds, by the parameter's id
+        # (its `.grad` may be gone by the time the parameter is swapped out).
+        self._held_gradients: dict[int, _StorageRef] = {}
+        self._original_setattr_on_modules: Any = None
         contexts.reset()
 
     def _count(self, tensor: torch.Tensor) -> int:
@@ -197,6 +221,12 @@ class JournalTracker(LiveBytesTracker):  # type: ignore[no-untyped-call]
             added = super()._count_outputs(out)
         self._added_bytes += added
         return added
+
+    def _resized(self, ref: _StorageRef, nbytes: int) -> int:
+        # A resized storage's allocation is of that storage's category (FSDP2 resizes its
+        # gathered parameters' storages outside any op).
+        self._count_key = ref.key
+        return super()._resized(ref, nbytes)
 
     def _record_allocation(self, nbytes: int) -> int:
         event = super()._record_allocation(nbytes)
@@ -232,6 +262,83 @@ class JournalTracker(LiveBytesTracker):  # type: ignore[no-untyped-call]
         if ref.event >= 0 and self._active:
             context = self.contexts.current(self.phase)
             self.journal.append((GRAD, self._journal_index[ref.event], context))
+            self._held_gradients[id(parameter)] = ref
+
+    # ---------------------------------------------------------------------------------------
+    # Which parameters are registered on the model: FSDP2 swaps a block's shards for its
+    # gathered parameters while the block runs (module docstring).
+
+    _active_tracker: ClassVar[JournalTracker | None] = None
+
+    def _live_event(self, tensor: torch.Tensor | None) -> _StorageRef | None:
+        """The counted, journaled storage of `tensor` (None: none, or not journaled)."""
+        if tensor is None:
+            return None
+        key = storage_key(tensor)
+        ref = self._storages.get(key) if key is not None else None
+        return ref if ref is not None and ref.event >= 0 else None
+
+    def _registered(self, old: torch.Tensor | None, new: torch.Tensor) -> None:
+        """FSDP2 registered `new` on its module in place of `old`: the journal drops `old`'s
+        storage and the gradient it held for it, and holds `new`'s and its `.grad`'s."""
+        if not self._active:
+            return
+        context = self.contexts.current(self.phase)
+        index = self._journal_index
+        if old is not None and old is not new:
+            ref = self._live_event(old)
+            if ref is not None:
+                self.journal.append((DROP, index[ref.event], context))
+            held = self._held_gradients.pop(id(old), None)
+            if held is not None and self._storages.get(held.key) is held:
+                self.journal.append((UNGRAD, index[held.event], context))
+        ref = self._live_event(new)
+        if ref is not None:
+            self.journal.append((HOLD, index[ref.event], context))
+        grad = self._live_event(new.grad)
+        if grad is not None:
+            self.journal.append((GRAD, index[grad.event], context))
+            self._held_gradients[id(new)] = grad
+        hooks = getattr(new, "_post_accumulate_grad_hooks", None) or {}
+        if new.requires_grad and _gathered_gradient not in hooks.values():
+            # A gathered parameter's gradient is accumulated on it by autograd and taken off
+            # it by FSDP2's post-backward, before the swap back to the shards.
+            new.register_post_accumulate_grad_hook(_gathered_gradient)  # type: ignore[no-untyped-call]
+
+    def _gathered_gradient(self, parameter: torch.Tensor) -> None:
+        """`parameter` (registered, gathered) received its gradient."""
+        ref = self._live_event(parameter.grad)
+        if ref is not None and self._active:
+            context = self.contexts.current(self.phase)
+            self.journal.append((GRAD, self._journal_index[ref.event], context))
+            self._held_gradients[id(parameter)] = ref
+
+    def __enter__(self) -> JournalTracker:
+        fsdp_param = sys.modules.get(_FSDP_PARAM_MODULE)
+        if fsdp_param is not None:
+            parameter_class = fsdp_param.FSDPParam
+            original = parameter_class._setattr_on_modules
+            self._original_setattr_on_modules = original
+            tracker = self
+
+            def _setattr_on_modules(parameter: Any, tensor: torch.Tensor) -> None:
+                info = parameter._module_info
+                old = info.module._parameters.get(info.param_name)
+                original(parameter, tensor)
+                tracker._registered(old, tensor)
+
+            parameter_class._setattr_on_modules = _setattr_on_modules
+        JournalTracker._active_tracker = self
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        JournalTracker._active_tracker = None
+        original = self._original_setattr_on_modules
+        if original is not None:
+            sys.modules[_FSDP_PARAM_MODULE].FSDPParam._setattr_on_modules = original
+            self._original_setattr_on_modules = None
 
     def __torch_dispatch__(
         self,
@@ -273,6 +380,13 @@ class JournalTracker(LiveBytesTracker):  # type: ignore[no-untyped-call]
         peak_check = self._added_bytes > 0 or self.phase is not previous_phase
         self.journal.append((OP, context, tag, self.phase, peak_check, func))
         return out
+
+
+def _gathered_gradient(parameter: torch.Tensor) -> None:
+    """A gathered parameter's gradient hook: heard by the journal's tracker while one runs."""
+    tracker = JournalTracker._active_tracker
+    if tracker is not None:
+        tracker._gathered_gradient(parameter)
 
 
 def parameter_tags(

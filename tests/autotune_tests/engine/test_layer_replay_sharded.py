@@ -12,7 +12,7 @@ import pytest
 
 from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.gpus.cuda_reserve import budget_for
-from autotune.core.schemas import Spec
+from autotune.core.schemas import Phase, Spec
 from autotune.engine.estimate import EstimateRunner
 from autotune.engine.layer_replay import replay_depth
 from tests.autotune_tests.engine.test_layer_replay import (
@@ -31,12 +31,23 @@ RELATIVE = 1e-12
 
 
 def _sharded(
-    model_type: str, depth: int, sharding: str, ranks: int, *, lora: bool, **training: Any
+    model_type: str,
+    depth: int,
+    sharding: str,
+    ranks: int,
+    *,
+    lora: bool,
+    config: dict[str, Any] | None = None,
+    **training: Any,
 ) -> Spec:
     if sharding == "hybrid":
         training["shard_group_size"] = 2
     return _spec(
-        _config(model_type, depth), lora=lora, world_size=ranks, sharding=sharding, **training
+        _config(model_type, depth, **(config or {})),
+        lora=lora,
+        world_size=ranks,
+        sharding=sharding,
+        **training,
     )
 
 
@@ -59,9 +70,8 @@ def test_every_replayed_sharded_trial_is_the_whole_trace_to_the_byte(
     replayed = EstimateRunner(spec, capacity_bytes=capacity_bytes)
     traced = EstimateRunner(spec, capacity_bytes=capacity_bytes, layer_replay=False)
     assert replayed.layer_replay and not traced.layer_replay
-    # An out-of-memory's detail is traced whole (the weights registered on the model while
-    # FSDP2 gathers a block); everything else is replayed.
     every_trial_the_same(replayed, traced)
+    assert replayed._full is None  # every trial replayed, those that ran out included
 
 
 @pytest.mark.e2e
@@ -116,3 +126,86 @@ def test_partial_checkpointing_of_a_sharded_rank_replayed_is_the_whole_trace_to_
     traced = EstimateRunner(spec, capacity_bytes=capacity_bytes, layer_replay=False)
     _the_same(replayed.warm_up(checkpointing=True), traced.warm_up(checkpointing=True))
     every_partial_trial_the_same(replayed, traced, blocks, [(1, 1), (2, 2), (32, 1)])
+
+
+# Layers wide enough beside the 512-token vocabulary that a step runs out inside a layer, while
+# FSDP2 has swapped its shards for its gathered parameters (and, in the backward, while those
+# hold their gradients): what an out-of-memory's detail counts as weights and gradients then is
+# what the journal's holds and drops say.
+WIDE = {"hidden_size": 256, "intermediate_size": 1024}
+
+
+# (model type, depth, sharding, ranks, LoRA, sequence length, capacity in MiB, checkpointed
+# warm-up), its trials (micro-batch, accumulation, checkpointing, checkpointed blocks) and the
+# phases they run out in (None: fits), each capacity chosen for them.
+RUNS_OUT = [
+    # In a layer's forward and, checkpointed, in a layer's backward with some of its gathered
+    # parameters' gradients accumulated.
+    (
+        ("qwen2", 9, "zero3", 4, False, 128, 60, False),
+        [(1, 1, False, None), (2, 2, False, None), (4, 1, True, None), (2, 1, True, None)],
+        {None, Phase.FORWARD, Phase.BACKWARD},
+    ),
+    # The warm-up in the optimizer (its first step makes the AdamW state), then cold trials.
+    (
+        ("llama", 8, "zero2", 2, False, 16, 76, False),
+        [(1, 1, True, None), (2, 1, False, None), (1, 2, True, None)],
+        {Phase.OPTIMIZER},
+    ),
+    (
+        ("llama", 12, "hybrid", 8, True, 128, 60, False),
+        [(1, 1, False, None), (2, 1, True, None), (4, 1, False, None), (8, 1, True, None)],
+        {None, Phase.FORWARD},
+    ),
+    (
+        ("qwen2", 7, "zero2", 4, True, 128, 50, True),
+        [(1, 1, True, None), (8, 1, True, None), (4, 1, True, None), (2, 1, False, None)],
+        {None, Phase.FORWARD, Phase.BACKWARD},
+    ),
+    # Partial checkpointing (the 8-layer journal): in a checkpointed layer's recomputation and
+    # backward, and in the forward, at 2, 5 and 8 of 10 blocks.
+    (
+        ("llama", 10, "zero3", 4, False, 128, 66, True),
+        [(2, 1, True, 8), (2, 1, True, 2), (4, 1, True, 8), (2, 2, True, 5)],
+        {None, Phase.FORWARD, Phase.BACKWARD},
+    ),
+]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("rank", "trials", "phases"),
+    RUNS_OUT,
+    ids=[
+        "-".join(str(part) for part in (*rank[:4], "lora" if rank[4] else "full", *rank[5:7]))
+        for rank, *_ in RUNS_OUT
+    ],
+)
+def test_a_sharded_rank_that_runs_out_is_replayed_with_its_detail_to_the_byte(
+    rank: tuple[str, int, str, int, bool, int, int, bool],
+    trials: list[tuple[int, int, bool, int | None]],
+    phases: set[Phase | None],
+) -> None:
+    """Out-of-memory inside a layer's forward and backward and in the optimizer, on zero2,
+    zero3 and hybrid ranks: the replayed detail (weights and gradients registered on the model
+    then, optimizer state, activations, cache) and every other field are the whole trace's."""
+    model_type, depth, sharding, ranks, lora, seq_len, capacity_mib, warm_checkpointing = rank
+    spec = _sharded(model_type, depth, sharding, ranks, lora=lora, config=WIDE, seq_len=seq_len)
+    replayed = EstimateRunner(spec, capacity_bytes=capacity_mib * MiB)
+    traced = EstimateRunner(spec, capacity_bytes=capacity_mib * MiB, layer_replay=False)
+    warm = replayed.warm_up(checkpointing=warm_checkpointing)
+    _the_same(warm, traced.warm_up(checkpointing=warm_checkpointing))
+    seen = {warm.oom_phase}
+    for micro_batch, accumulation, checkpointing, blocks in trials:
+        outcomes = [
+            runner.trial(
+                micro_batch, accumulation, checkpointing=checkpointing, checkpointed_blocks=blocks
+            )
+            for runner in (replayed, traced)
+        ]
+        _the_same(*outcomes)
+        seen.add(outcomes[0].oom_phase)
+    assert seen == phases
+    # Every trial replayed (partial checkpointing's by its own traced model), none traced whole.
+    assert replayed.layer_replay and replayed._full is None
+    assert replayed.partial_replay == any(blocks is not None for *_, blocks in trials)
