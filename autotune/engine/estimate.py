@@ -53,7 +53,7 @@ from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.emulation.layer_journal import NotReplayable
 from autotune.engine.kernel_times import KernelTimes, SpeedPass
 from autotune.engine.layer_replay import PARTIAL_TRACED_LAYERS, LayerReplay, replay_depth
-from autotune.engine.layer_speed import step_times_s
+from autotune.engine.layer_speed import LayerKernelTimes, step_times_s
 from autotune.engine.runner import InProcessRunner
 from autotune.engine.training.sharding import model_parameters
 
@@ -335,6 +335,10 @@ class EstimateRunner:
         self._warm_outcome: StepOutcome | None = None
         self._outcomes: dict[_TrialKey, StepOutcome] = {}
         self._step_times: dict[_TrialKey, _StepTimes] = {}
+        # Once warm, the traced models' speed passes by traced depth and shallow step: partial
+        # checkpointing's counts mostly share one shallow step (`LayerReplay.plan`), each timed
+        # from its kernels by its own plan.
+        self._layered: dict[tuple[int, _TrialKey], LayerKernelTimes] = {}
         # Speed passes by the layer replay while they can be (`autotune.engine.layer_speed`);
         # `layer_replay=False` times the whole model too.
         self._speed_replay = True
@@ -507,6 +511,7 @@ class EstimateRunner:
     def warm_up(self, *, checkpointing: bool = False) -> StepOutcome:
         self._outcomes.clear()
         self._step_times.clear()
+        self._layered.clear()
         self._warm_checkpointing = checkpointing
         with self._mode, _sequences_not_packed(), self._checked():
             outcome = None
@@ -629,8 +634,12 @@ class EstimateRunner:
             try:
                 plan, shallow_blocks = replay.plan(key.checkpointed_blocks)
                 shallow_key = replace(key, checkpointed_blocks=shallow_blocks)
-                with replay.speed_pass(self.gpu, self.assumptions, tf32) as layered:
-                    self._timed_step(replay.runner, shallow_key, layered)
+                layered = self._layered.get((replay.traced_layers, shallow_key))
+                if layered is None:
+                    with replay.speed_pass(self.gpu, self.assumptions, tf32) as layered:
+                        self._timed_step(replay.runner, shallow_key, layered)
+                    if self._warm:
+                        self._layered[(replay.traced_layers, shallow_key)] = layered
                 total_s, middle_s = step_times_s(layered.deep_times_s(plan))
                 times = _StepTimes(total_s=total_s, middle_s=middle_s)
             except NotReplayable as reason:

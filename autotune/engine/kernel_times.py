@@ -117,6 +117,12 @@ class KernelTimes(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.time_s = 0.0
         self.ends_s: list[float] = []
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Out of torch's guard around a mode's __torch_dispatch__, as the trackers are
+        # (`autotune.engine.emulation.tracker.LiveBytesTracker`): no step runs compiled.
+        return False
+
     def kernel_time_s(self, kernel: Kernel, bytes_moved: int | None = None) -> float:
         """`kernel`'s roofline time, moving `bytes_moved` (its own tensors' by default)."""
         return op_time_s(

@@ -601,6 +601,11 @@ class LayerReplay:
         self._gradients: _GradientRecorder | None = None
         self._tags: dict[int, int] = {}
         self._categories: dict[int, int] = {}
+        # Once warm, the shallow journals by the shallow step: partial checkpointing of many
+        # counts runs one shallow step (`partial_plan`: both runs shortened to 3 layers), so
+        # each count is written out from the one trace (docs/design.md#the-layer-replay).
+        self._warm = False
+        self._journals: dict[_ShallowKey, list[tuple[Any, ...]]] = {}
         _, _, by_parameter = parameter_tags(layers, self.runner.step.model, {})
         for parameter in self.runner.step.model.parameters():
             if parameter.requires_grad:
@@ -696,6 +701,52 @@ class LayerReplay:
         step = runner.step
         optimizer = getattr(step.optimizer, "optim", step.optimizer)
         state_was_empty = not optimizer.state
+        key = (micro_batch, accumulation_steps, checkpointing, shallow_blocks)
+        journal = self._journals.get(key)
+        if journal is None:
+            journal = self._journal(micro_batch, accumulation_steps, checkpointing, shallow_blocks)
+            if self._warm:
+                # After the warm-up a step starts from the same state whatever ran before
+                # (the estimate's own answers from earlier traces rest on it), so the same
+                # shallow step journals the same events.
+                self._journals[key] = journal
+        device = self.device
+        outcome = evaluate(
+            expand(journal, plan),
+            micro_batch=micro_batch,
+            limit_bytes=device.capacity_bytes - device.kept_free_bytes,
+            allocator_config=device.allocator_config,
+            device_total_bytes=device.info.total_memory_bytes,
+            block_bytes=device.block_bytes,
+        )
+        if not outcome.fits:
+            # What the deep model's runner does after an out-of-memory (`InProcessRunner._run`),
+            # and the optimizer state its step would not have made.
+            step.clear_grads()
+            if outcome.oom_phase is Phase.OPTIMIZER:
+                if runner.has_snapshot:
+                    runner.restore()
+                else:
+                    step.reset_optimizer()
+            elif state_was_empty:
+                step.reset_optimizer()
+        return outcome
+
+    def _journal(
+        self,
+        micro_batch: int,
+        accumulation_steps: int,
+        checkpointing: bool,
+        shallow_blocks: int | None,
+    ) -> list[tuple[Any, ...]]:
+        """The shallow model's journal of one step, traced.
+
+        Raises:
+            NotReplayable: the shallow step did not complete.
+        """
+        runner = self.runner
+        step = runner.step
+        optimizer = getattr(step.optimizer, "optim", step.optimizer)
         self._tags, self._categories, _ = parameter_tags(self.layers, step.model, optimizer.state)
         shallow = runner.trial(
             micro_batch,
@@ -719,33 +770,18 @@ class LayerReplay:
                     index = tracker._journal_index[ref.event]
                     record = journal[index]
                     journal[index] = (*record[:5], OPTIMIZER_STATE)
-        device = self.device
-        outcome = evaluate(
-            expand(journal, plan),
-            micro_batch=micro_batch,
-            limit_bytes=device.capacity_bytes - device.kept_free_bytes,
-            allocator_config=device.allocator_config,
-            device_total_bytes=device.info.total_memory_bytes,
-            block_bytes=device.block_bytes,
-        )
-        if not outcome.fits:
-            # What the deep model's runner does after an out-of-memory (`InProcessRunner._run`),
-            # and the optimizer state its step would not have made.
-            step.clear_grads()
-            if outcome.oom_phase is Phase.OPTIMIZER:
-                if runner.has_snapshot:
-                    runner.restore()
-                else:
-                    step.reset_optimizer()
-            elif state_was_empty:
-                step.reset_optimizer()
-        return outcome
+        return journal
 
     def warm_up(self, *, checkpointing: bool) -> StepOutcome:
+        self._warm = False
+        self._journals.clear()
         outcome = self.trial(1, 1, checkpointing=checkpointing)
         if outcome.fits:
             self.runner.settle()
+            self._warm = True
         return outcome
 
 
 _UNBOUNDED_BYTES = 1 << 62
+# A shallow step: micro-batch, accumulation steps, checkpointing, checkpointed shallow layers.
+_ShallowKey = tuple[int, int, bool, int | None]

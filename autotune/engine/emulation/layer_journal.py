@@ -355,7 +355,9 @@ class JournalTracker(LiveBytesTracker):  # type: ignore[no-untyped-call]
                 # which would cut a layer's run into one run per parameter.
                 phase = Phase.OPTIMIZER if self._in_optimizer else self.phase
                 self.journal.append((MARK, self.contexts.current(phase)))
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            # Uncounted (the tracker's own path for these); most are device queries, two for
+            # every counted op of a trace on fake tensors.
+            return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         # The phase as the tracker will decide it; a backward pass starts outside the layers.
         backward = not self._in_optimizer and _current_graph_task_id() != -1

@@ -293,6 +293,14 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     # -------------------------------------------------------------------------------------
     # The per-op hook: keep it short, it runs for every op of every trial.
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps each mode's own __torch_dispatch__ in a guard that keeps torch.compile
+        # out of it: four eval-frame switches a call, and a trace on fake tensors makes about
+        # three calls per op here (device queries pass through every mode too). No step runs
+        # compiled, so the trackers opt out of the guard (docs/design.md#the-layer-replay).
+        return False
+
     def __torch_dispatch__(
         self,
         func: Any,

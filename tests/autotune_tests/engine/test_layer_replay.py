@@ -142,8 +142,9 @@ def every_partial_trial_the_same(
     ("model_type", "depth", "lora", "capacity_bytes", "blocks", "warm_checkpointing"),
     [
         # The edges: 1 and 2 blocks (no checkpointed middle layer, or one), N - 2 and N - 1
-        # (one plain middle layer, or none), N (full checkpointing), and both runs repeated.
-        ("llama", 12, False, 13 * MiB, (1, 2, 6, 11, 12), True),
+        # (one plain middle layer, or none), N (full checkpointing), and both runs repeated,
+        # at 5 and 6 blocks from one shallow trace (the second written out from the first's).
+        ("llama", 12, False, 13 * MiB, (1, 2, 5, 6, 11, 12), True),
         ("qwen2", 9, True, 16 * MiB, (1, 8), False),
         # As deep as the traced model: each layer its own template.
         ("llama", 8, True, 10 * MiB, (3, 7), True),
