@@ -36,6 +36,7 @@ from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.gpus.cuda_reserve import GpuBudget, budget_for
 from autotune.core.gpus.roofline import RooflineAssumptions
 from autotune.core.memory.allocator_config import AllocatorConfig
+from autotune.core.memory.optimizer_states import FSDP2_SHARDINGS
 from autotune.core.parallel.layouts import layout_transfers
 from autotune.core.parallel.overlap import OverlapAssumptions, StepTimes, step_times
 from autotune.core.parallel.topology import Topology, topology_for
@@ -568,11 +569,16 @@ class EstimateRunner:
                     self._stop_partial_replay(reason)
                 else:
                     self._stop_replay(reason)
-            if outcome is not None and not outcome.fits and self.spec.training.world_size > 1:
+            if (
+                outcome is not None
+                and not outcome.fits
+                and self.spec.training.sharding in FSDP2_SHARDINGS
+            ):
                 # An out-of-memory's detail counts the weights and gradients registered on
                 # the model then: FSDP2 swaps a block's shards for its gathered parameters
                 # while it runs, which the journal does not record. Traced whole, so that
-                # the detail is the rank's own (docs/design.md#the-layer-replay).
+                # the detail is the rank's own (docs/design.md#the-layer-replay); DDP's
+                # ranks keep their parameters, and are replayed.
                 outcome = None
         if outcome is None:
             runner = self._runner

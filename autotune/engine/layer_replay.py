@@ -49,11 +49,13 @@ from autotune.core.gpus.cuda_reserve import GpuBudget
 from autotune.core.gpus.roofline import RooflineAssumptions
 from autotune.core.memory.allocator import AllocatorOutOfMemory, CachingAllocator
 from autotune.core.memory.allocator_config import AllocatorConfig
+from autotune.core.memory.gradient_buckets import BucketTensor
 from autotune.core.parallel.layouts import ModelParameters
 from autotune.core.schemas import OOM_OP_MAX, OomDetail, Phase, Sharding, Spec, StepOutcome
 from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.emulation.layer_journal import (
     ALLOC,
+    BUCKET,
     FIXED,
     FREE,
     GRAD,
@@ -68,9 +70,11 @@ from autotune.engine.emulation.layer_journal import (
     parameter_tags,
     storage_key,
 )
+from autotune.engine.layer_buckets import BucketLayout, JournalBuckets, LayerBuckets
 from autotune.engine.layer_plan import LayerPlan, partial_plan, uniform_plan
 from autotune.engine.layer_speed import LayerKernelTimes
 from autotune.engine.runner import InProcessRunner
+from autotune.engine.training.data_parallel import EmulatedReducer, trainable_parameters
 from autotune.engine.training.sharding import model_parameters
 
 # The depth of the traced model: the first and last layers may differ from the others (the
@@ -144,11 +148,16 @@ def _sweep_at(
     return None
 
 
-def expand(journal: Sequence[tuple[Any, ...]], plan: LayerPlan) -> list[tuple[Any, ...]]:
+def expand(
+    journal: Sequence[tuple[Any, ...]], plan: LayerPlan, buckets: JournalBuckets | None = None
+) -> list[tuple[Any, ...]]:
     """The journal of the same step with `plan.depth` layers instead of `plan.traced_layers`,
     each deep layer repeating its template's run (module docstring,
     `autotune.engine.layer_plan`). Records keep their shape; a free's or gradient's reference
-    is renumbered.
+    is renumbered. DDP's buckets (`buckets`; allocations of category BUCKET) are the deep
+    model's: each group of them in the shallow journal is replaced by its deep layout, and a
+    gradient that becomes a view of one names its deep parameter's bucket
+    (`autotune.engine.layer_buckets`).
 
     Raises:
         NotReplayable: the journal does not have the structure the rule needs.
@@ -156,6 +165,8 @@ def expand(journal: Sequence[tuple[Any, ...]], plan: LayerPlan) -> list[tuple[An
     depth = plan.traced_layers
     target_depth = plan.depth
     owner_of = owners(journal)
+    bucket_of = _bucket_groups(journal, buckets)
+    deep_buckets: dict[int, list[int]] = {}  # group -> the deep buckets' places in the output
     # Runs of one owner, then segments: a run outside the layers, or a sweep.
     runs: list[tuple[int | None, int, int]] = []
     start = 0
@@ -194,6 +205,9 @@ def expand(journal: Sequence[tuple[Any, ...]], plan: LayerPlan) -> list[tuple[An
         segments.append(sweep)
         index += len(sweep.runs)
 
+    if any(event in location for event in bucket_of):
+        raise NotReplayable("a bucket allocated in a sweep over the layers")
+
     def relative(event: int, layer: int) -> tuple[Any, ...]:
         record = journal[event]
         kind = record[0]
@@ -203,6 +217,10 @@ def expand(journal: Sequence[tuple[Any, ...]], plan: LayerPlan) -> list[tuple[An
             return (OP, record[3], record[4], record[5])
         if kind == MARK:
             return (MARK,)
+        if record[1] in bucket_of:
+            if kind == FREE or buckets is None:
+                raise NotReplayable(f"event {event} frees a bucket")
+            return (kind, _BUCKET, buckets.parameters.slot(record[3]))
         target = location.get(record[1])
         if target is None:
             return (kind, "fixed", record[1])
@@ -234,6 +252,20 @@ def expand(journal: Sequence[tuple[Any, ...]], plan: LayerPlan) -> list[tuple[An
         if not isinstance(segment, _Sweep):
             for event in range(*segment):
                 record = journal[event]
+                group = bucket_of.get(event)
+                if group is not None:
+                    if group not in deep_buckets:
+                        assert buckets is not None
+                        deep_buckets[group] = []
+                        for nbytes in buckets.layouts[group].sizes_bytes:
+                            deep_buckets[group].append(len(out))
+                            out.append((record[0], nbytes, *record[2:]))
+                    continue
+                if record[0] in (FREE, GRAD) and record[1] in bucket_of:
+                    owner = _end_layer(buckets, record, event, depth, target_depth)
+                    out.append(_bucket_gradient(record, owner, buckets, bucket_of, deep_buckets))
+                    renumbered_fixed[event] = len(out) - 1
+                    continue
                 if record[0] in (FREE, GRAD):
                     target = renumbered_fixed.get(record[1])
                     place = location.get(record[1])
@@ -275,7 +307,18 @@ def expand(journal: Sequence[tuple[Any, ...]], plan: LayerPlan) -> list[tuple[An
                     position += len(fan)
                     continue
                 item = template[position]
-                if record[0] in (FREE, GRAD):
+                if record[0] in (FREE, GRAD) and item[1] == _BUCKET:
+                    assert buckets is not None
+                    owner = buckets.parameters.layer_of(record[3])
+                    if owner is None and source in (0, depth - 1):
+                        # The first layer's backward goes on into the embeddings'.
+                        deep_owner = None
+                    elif owner == source:
+                        deep_owner = layer
+                    else:
+                        raise NotReplayable(f"event {event}: another layer's gradient")
+                    record = _bucket_gradient(record, deep_owner, buckets, bucket_of, deep_buckets)
+                elif record[0] in (FREE, GRAD):
                     if item[1] == "fixed":
                         target = renumbered_fixed.get(item[2])
                     elif source in (0, depth - 1) and abs(item[2]) > 1:
@@ -296,6 +339,68 @@ def expand(journal: Sequence[tuple[Any, ...]], plan: LayerPlan) -> list[tuple[An
     return out
 
 
+# A relative record's mark: a gradient that became a view of a bucket.
+_BUCKET = "bucket"
+
+
+def _bucket_groups(
+    journal: Sequence[tuple[Any, ...]], buckets: JournalBuckets | None
+) -> dict[int, int]:
+    """Each bucket allocation's group: the runs of consecutive bucket allocations, in order.
+
+    Raises:
+        NotReplayable: groups other than `buckets.layouts`' (or buckets without them).
+    """
+    group_of: dict[int, int] = {}
+    groups = 0
+    for index, record in enumerate(journal):
+        if record[0] == ALLOC and record[5] == BUCKET:
+            if index - 1 not in group_of:
+                groups += 1
+            group_of[index] = groups - 1
+    if groups != (0 if buckets is None else len(buckets.layouts)):
+        raise NotReplayable(f"{groups} groups of buckets in the journal")
+    return group_of
+
+
+def _end_layer(
+    buckets: JournalBuckets | None,
+    record: tuple[Any, ...],
+    event: int,
+    depth: int,
+    target_depth: int,
+) -> int | None:
+    """Outside the sweeps, the deep layer of a gradient that became a bucket's view: none for
+    a parameter outside the layers, the first or last layer's for theirs."""
+    assert buckets is not None
+    if record[0] == FREE:
+        raise NotReplayable(f"event {event} frees a bucket")
+    layer = buckets.parameters.layer_of(record[3])
+    if layer is None:
+        return None
+    if layer not in (0, depth - 1):
+        raise NotReplayable(f"event {event}: a middle layer's gradient outside the layers")
+    return 0 if layer == 0 else target_depth - 1
+
+
+def _bucket_gradient(
+    record: tuple[Any, ...],
+    deep_layer: int | None,
+    buckets: JournalBuckets | None,
+    bucket_of: dict[int, int],
+    deep_buckets: dict[int, list[int]],
+) -> tuple[Any, ...]:
+    """A gradient record naming a shallow bucket, renamed to the deep bucket of the deep
+    parameter it stands for in `deep_layer`."""
+    assert buckets is not None
+    group = bucket_of[record[1]]
+    placed = deep_buckets.get(group)
+    if placed is None:
+        raise NotReplayable("a gradient names a bucket not yet allocated")
+    parameter = buckets.parameters.deep_parameter(record[3], deep_layer)
+    return (record[0], placed[buckets.layouts[group].bucket_of[parameter]], *record[2:])
+
+
 def _check_one_run(
     described: dict[int, list[tuple[Any, ...]]], middle: tuple[int, ...], number: int
 ) -> None:
@@ -313,7 +418,7 @@ def _check_one_run(
             if (
                 mine[0] in (FREE, GRAD)
                 and mine[:3] == theirs[:3]
-                and mine[1] != "fixed"
+                and mine[1] not in ("fixed", _BUCKET)
                 and abs(mine[2]) == 1
                 and layer + mine[2] not in middle
                 and pure + theirs[2] in middle
@@ -321,7 +426,11 @@ def _check_one_run(
                 continue
             raise NotReplayable(f"the middle layers' events differ in sweep {number}")
     for item in reference:
-        if item[0] in (FREE, GRAD) and item[1] != "fixed" and pure + item[2] not in middle:
+        if (
+            item[0] in (FREE, GRAD)
+            and item[1] not in ("fixed", _BUCKET)
+            and pure + item[2] not in middle
+        ):
             raise NotReplayable(f"a middle layer names a layer outside its run in {number}")
 
 
@@ -458,8 +567,11 @@ def _oom_detail(
 # The shallow model's trace, and when a spec may be replayed at all.
 
 _DEPTH_KEY = "num_hidden_layers"
-# FSDP2's layouts: every decoder layer its own unit (`autotune.engine.training.sharding`).
-_REPLAYED_SHARDINGS = (Sharding.ZERO2, Sharding.ZERO3, Sharding.HYBRID)
+# One rank or DDP's (its buckets laid out for the deep model, `autotune.engine.layer_buckets`),
+# and FSDP2's layouts: every decoder layer its own unit (`autotune.engine.training.sharding`).
+# Not ZeRO-1: its optimizer holds the state of a partition of the parameters that depends on
+# the depth (docs/design.md#the-layer-replay).
+_REPLAYED_SHARDINGS = (Sharding.NONE, Sharding.ZERO2, Sharding.ZERO3, Sharding.HYBRID)
 _SIMPLE = (int, float, str, bool, type(None))
 
 
@@ -490,16 +602,15 @@ def _layer_signature(layer: nn.Module) -> tuple[Any, ...]:
 
 def replay_depth(spec: Spec) -> int | None:
     """The depth to replay `spec`'s model at, or None when its step must be traced whole: only
-    a transformers config (a factory's blocks may be anything), one rank or FSDP2's sharded
-    ranks (zero2, zero3, hybrid; DDP's buckets are not modelled), deeper than the traced model
-    plus two,
-    and only when all of its layers are the same layer (`_layer_signature`, read from the model
-    built on the meta device: per-layer settings such as `layer_types`, a first dense layer of
-    a mixture-of-experts, or a sliding window on some layers make them differ)."""
+    a transformers config (a factory's blocks may be anything), one rank, DDP's ranks or
+    FSDP2's sharded ranks (zero2, zero3, hybrid; not ZeRO-1's, whose optimizer's partition
+    is not modelled), deeper than the traced model plus two, and only when all of its layers
+    are the same layer (`_layer_signature`, read from the model built on the meta device:
+    per-layer settings such as `layer_types`, a first dense layer of a mixture-of-experts, or
+    a sliding window on some layers make them differ)."""
     config = spec.model.hf_config
     training = spec.training
-    single = training.world_size == 1 and training.sharding is Sharding.NONE
-    if config is None or not (single or training.sharding in _REPLAYED_SHARDINGS):
+    if config is None or training.sharding not in _REPLAYED_SHARDINGS:
         return None
     depth = config.get(_DEPTH_KEY)
     if not isinstance(depth, int) or depth < TRACED_LAYERS + 2:
@@ -529,7 +640,7 @@ def replay_depth(spec: Spec) -> int | None:
 
 
 class _GradientRecorder(Protocol):
-    def record_gradient(self, parameter: torch.Tensor, tag: int) -> None: ...
+    def record_gradient(self, parameter: torch.Tensor, tag: int, number: int = -1) -> None: ...
 
 
 class LayerReplay:
@@ -587,10 +698,34 @@ class LayerReplay:
         self._tags: dict[int, int] = {}
         self._categories: dict[int, int] = {}
         _, _, by_parameter = parameter_tags(layers, self.runner.step.model, {})
+        # Each trainable parameter's number is its place in DDP's order (module by module).
+        trainable = trainable_parameters(self.runner.step.model)
+        numbers = {id(parameter): number for number, parameter in enumerate(trainable)}
         for parameter in self.runner.step.model.parameters():
             if parameter.requires_grad:
-                hook = functools.partial(self._gradient, by_parameter.get(id(parameter), FIXED))
+                hook = functools.partial(
+                    self._gradient,
+                    by_parameter.get(id(parameter), FIXED),
+                    numbers.get(id(parameter), -1),
+                )
                 parameter.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+        # DDP's ranks: the deep model's buckets (`autotune.engine.layer_buckets`).
+        self.reducer: EmulatedReducer | None = self.runner.step.reducer
+        self.buckets: LayerBuckets | None = None
+        if self.reducer is not None:
+            if any(True for layer in layers for _ in layer.buffers()):
+                # The buffers DDP flattens to broadcast would be the deep model's.
+                raise NotReplayable("DDP with buffers in the layers")
+            tags = [by_parameter.get(id(parameter), FIXED) for parameter in trainable]
+            self.buckets = LayerBuckets(
+                [
+                    BucketTensor(p.numel() * p.element_size(), (p.dtype, p.device))
+                    for p in trainable
+                ],
+                [None if tag < 0 else tag for tag in tags],
+                traced_layers,
+                depth,
+            )
 
     def model_parameters(self) -> ModelParameters:
         """The deep model's parameters as FSDP2's units hold them (one unit per layer, then the
@@ -620,9 +755,19 @@ class LayerReplay:
         self._gradients = tracker
         return tracker
 
-    def _gradient(self, tag: int, parameter: torch.Tensor) -> None:
+    def _gradient(self, tag: int, number: int, parameter: torch.Tensor) -> None:
         if self._gradients is not None:
-            self._gradients.record_gradient(parameter, tag)
+            self._gradients.record_gradient(parameter, tag, number)
+
+    def _bucket_layout(self) -> BucketLayout | None:
+        """The deep model's buckets as the reducer's are now: made with the model, or rebuilt
+        in the ready order (None without DDP)."""
+        reducer, buckets = self.reducer, self.buckets
+        if reducer is None or buckets is None:
+            return None
+        if reducer.rebuilt:
+            return buckets.rebuilt(reducer.ready_order)
+        return buckets.construction()
 
     @contextmanager
     def speed_pass(
@@ -682,6 +827,15 @@ class LayerReplay:
         optimizer = getattr(step.optimizer, "optim", step.optimizer)
         state_was_empty = not optimizer.state
         self._tags, self._categories, _ = parameter_tags(self.layers, step.model, optimizer.state)
+        layouts: list[BucketLayout] = []
+        resident_buckets = self._bucket_layout()
+        was_rebuilt = self.reducer is not None and self.reducer.rebuilt
+        if self.reducer is not None and resident_buckets is not None:
+            layouts.append(resident_buckets)
+            for bucket in self.reducer.buckets:
+                key = storage_key(bucket)
+                if key is not None:
+                    self._categories[key] = BUCKET
         shallow = runner.trial(
             micro_batch,
             accumulation_steps,
@@ -704,9 +858,25 @@ class LayerReplay:
                     index = tracker._journal_index[ref.event]
                     record = journal[index]
                     journal[index] = (*record[:5], OPTIMIZER_STATE)
+        rebuilt = self._bucket_layout()
+        rebuilt_here = self.reducer is not None and self.reducer.rebuilt and not was_rebuilt
+        if self.reducer is not None and rebuilt is not None and rebuilt_here:
+            # The reducer rebuilt its buckets inside the step (the first step after a
+            # synchronised one that was no warm-up): their allocations are buckets too.
+            layouts.append(rebuilt)
+            for bucket in self.reducer.buckets:
+                key = storage_key(bucket)
+                ref = tracker._storages.get(key) if key is not None else None
+                if ref is not None and ref.event >= 0:
+                    index = tracker._journal_index[ref.event]
+                    journal[index] = (*journal[index][:5], BUCKET)
         device = self.device
         outcome = evaluate(
-            expand(journal, plan),
+            expand(
+                journal,
+                plan,
+                None if self.buckets is None else JournalBuckets(self.buckets, tuple(layouts)),
+            ),
             micro_batch=micro_batch,
             limit_bytes=device.capacity_bytes - device.kept_free_bytes,
             allocator_config=device.allocator_config,
@@ -714,6 +884,13 @@ class LayerReplay:
             block_bytes=device.block_bytes,
         )
         if not outcome.fits:
+            if rebuilt_here:
+                # The deep reducer may have run out rebuilding its buckets, which leaves it
+                # half built: the whole model says what it does.
+                raise NotReplayable("a step that rebuilt DDP's buckets ran out")
+            if self.reducer is not None and outcome.oom_phase is not Phase.OPTIMIZER:
+                # The deep model's synchronised backward did not complete: no ready order.
+                self.reducer.forget_ready_order()
             # What the deep model's runner does after an out-of-memory (`InProcessRunner._run`),
             # and the optimizer state its step would not have made.
             step.clear_grads()

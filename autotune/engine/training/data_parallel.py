@@ -97,6 +97,24 @@ class EmulatedReducer:
         """The flat gradient buckets: allocated with the model, so resident in every step."""
         return tuple(self._buckets)
 
+    @property
+    def rebuilt(self) -> bool:
+        """Whether the buckets were rebuilt in the order gradients became ready."""
+        return self._rebuilt
+
+    @property
+    def ready_order(self) -> tuple[int, ...]:
+        """The parameters (by their place in DDP's order) in the order their gradients became
+        ready in the first synchronised backward that reached them all (empty before)."""
+        return tuple(self._ready_order)
+
+    def forget_ready_order(self) -> None:
+        """Before the rebuild, forget a recorded ready order, as a synchronised backward cut
+        short by an out-of-memory leaves none (the layer replay's shallow model completes a
+        step that the deep one does not)."""
+        if not self._rebuilt:
+            self._ready_order = []
+
     def bucket_sizes_bytes(self) -> list[int]:
         return [b.numel() * b.element_size() for b in self._buckets]
 
