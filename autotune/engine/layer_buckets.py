@@ -82,6 +82,11 @@ class LayerBuckets:
             *tensors[last + 1 :],
         ]
 
+    @property
+    def count(self) -> int:
+        """The shallow model's trainable parameters."""
+        return len(self._layers)
+
     def slot(self, number: int) -> int:
         """Shallow parameter `number`'s place in its layer (its number outside the layers)."""
         layer = self._layers[number]

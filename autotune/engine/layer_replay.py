@@ -165,7 +165,7 @@ def expand(
     depth = plan.traced_layers
     target_depth = plan.depth
     owner_of = owners(journal)
-    bucket_of = _bucket_groups(journal, buckets)
+    bucket_of, views = _bucket_groups(journal, buckets)
     deep_buckets: dict[int, list[int]] = {}  # group -> the deep buckets' places in the output
     # Runs of one owner, then segments: a run outside the layers, or a sweep.
     runs: list[tuple[int | None, int, int]] = []
@@ -205,7 +205,7 @@ def expand(
         segments.append(sweep)
         index += len(sweep.runs)
 
-    if any(event in location for event in bucket_of):
+    if any(event in location for event in (*bucket_of, *views.skipped)):
         raise NotReplayable("a bucket allocated in a sweep over the layers")
 
     def relative(event: int, layer: int) -> tuple[Any, ...]:
@@ -257,9 +257,23 @@ def expand(
                     if group not in deep_buckets:
                         assert buckets is not None
                         deep_buckets[group] = []
-                        for nbytes in buckets.layouts[group].sizes_bytes:
+                        layout = buckets.layouts[group]
+                        members = [0] * len(layout.sizes_bytes)
+                        for bucket in layout.bucket_of:
+                            members[bucket] += 1
+                        made = views.made.get(group)
+                        view = views.records.get(group)
+                        for nbytes, count in zip(layout.sizes_bytes, members, strict=True):
                             deep_buckets[group].append(len(out))
                             out.append((record[0], nbytes, *record[2:]))
+                            if made is not None:
+                                # A rebuild: the op that made the bucket, and its views of
+                                # its parameters.
+                                out.append(made)
+                            if view is not None:
+                                out += [view] * (count * views.per_parameter[group])
+                    continue
+                if event in views.skipped:
                     continue
                 if record[0] in (FREE, GRAD) and record[1] in bucket_of:
                     owner = _end_layer(buckets, record, event, depth, target_depth)
@@ -343,24 +357,85 @@ def expand(
 _BUCKET = "bucket"
 
 
+@dataclass
+class _BucketViews:
+    """What a rebuild does after each bucket's allocation (`EmulatedReducer._build`): the op
+    that made it, then a view op per parameter. The events, per group the two records and the
+    view ops per parameter."""
+
+    skipped: set[int]
+    made: dict[int, tuple[Any, ...]]
+    records: dict[int, tuple[Any, ...]]
+    per_parameter: dict[int, int]
+
+
+# The op a rebuild allocates a bucket with, and those it makes its views with.
+_MADE_OP = "aten.empty."
+_VIEW_OPS = ("aten.as_strided.", "aten.narrow.", "aten.view.")
+
+
 def _bucket_groups(
     journal: Sequence[tuple[Any, ...]], buckets: JournalBuckets | None
-) -> dict[int, int]:
-    """Each bucket allocation's group: the runs of consecutive bucket allocations, in order.
+) -> tuple[dict[int, int], _BucketViews]:
+    """Each bucket allocation's group, in order: the resident buckets' allocations, one after
+    the other, then (when the step rebuilds them) the rebuilt ones, each followed by the op
+    that made it and the views of its parameters.
 
     Raises:
-        NotReplayable: groups other than `buckets.layouts`' (or buckets without them).
+        NotReplayable: groups other than `buckets.layouts`' (or buckets without them), or
+            a rebuild of another shape.
     """
     group_of: dict[int, int] = {}
+    views = _BucketViews(set(), {}, {}, {})
+    allocations = [i for i, r in enumerate(journal) if r[0] == ALLOC and r[5] == BUCKET]
+    expected = 0 if buckets is None else len(buckets.layouts)
     groups = 0
-    for index, record in enumerate(journal):
-        if record[0] == ALLOC and record[5] == BUCKET:
-            if index - 1 not in group_of:
-                groups += 1
-            group_of[index] = groups - 1
-    if groups != (0 if buckets is None else len(buckets.layouts)):
+    at = 0
+    while at < len(allocations):
+        group = groups
+        groups += 1
+        if group == 0:
+            # The residents: allocations back to back.
+            index = allocations[at]
+            while at < len(allocations) and allocations[at] == index:
+                group_of[index] = group
+                at += 1
+                index += 1
+            continue
+        views.per_parameter[group] = 0
+        while at < len(allocations):
+            index = allocations[at]
+            group_of[index] = group
+            made = journal[index + 1] if index + 1 < len(journal) else (None,)
+            if made[0] != OP or not str(made[5]).startswith(_MADE_OP):
+                raise NotReplayable("a bucket rebuilt otherwise")
+            if views.made.setdefault(group, made) != made:
+                raise NotReplayable("buckets rebuilt by different ops")
+            views.skipped.add(index + 1)
+            index += 2
+            while index < len(journal) and journal[index][0] == OP:
+                record = journal[index]
+                # The views are one op per parameter; what differs comes after them (the
+                # buffers flattened to broadcast).
+                if not str(record[5]).startswith(_VIEW_OPS):
+                    break
+                if views.records.setdefault(group, record) != record:
+                    break
+                views.skipped.add(index)
+                views.per_parameter[group] += 1
+                index += 1
+            at += 1
+            if at < len(allocations) and allocations[at] != index:
+                break
+    if groups != expected:
         raise NotReplayable(f"{groups} groups of buckets in the journal")
-    return group_of
+    if buckets is not None:
+        count = buckets.parameters.count
+        for group, ops in views.per_parameter.items():
+            if ops % count:
+                raise NotReplayable("a rebuild's views are not so many per parameter")
+            views.per_parameter[group] = ops // count
+    return group_of, views
 
 
 def _end_layer(
@@ -725,6 +800,14 @@ class LayerReplay:
                 [None if tag < 0 else tag for tag in tags],
                 traced_layers,
                 depth,
+            )
+            # The step states the buckets' bytes: the deep model's.
+            step = self.runner.step
+            world_size = spec.training.world_size
+            deep_bytes = sum(self.buckets.construction().sizes_bytes)
+            step.assumptions = (
+                self.reducer.assumption(world_size, bucket_bytes=deep_bytes),
+                *step.assumptions[1:],
             )
 
     def model_parameters(self) -> ModelParameters:
