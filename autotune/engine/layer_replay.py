@@ -49,11 +49,13 @@ from autotune.core.gpus.cuda_reserve import GpuBudget
 from autotune.core.gpus.roofline import RooflineAssumptions
 from autotune.core.memory.allocator import AllocatorOutOfMemory, CachingAllocator
 from autotune.core.memory.allocator_config import AllocatorConfig
+from autotune.core.memory.gradient_buckets import BucketTensor
 from autotune.core.parallel.layouts import ModelParameters
 from autotune.core.schemas import OOM_OP_MAX, OomDetail, Phase, Sharding, Spec, StepOutcome
 from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.emulation.layer_journal import (
     ALLOC,
+    BUCKET,
     FIXED,
     FREE,
     GRAD,
@@ -71,9 +73,11 @@ from autotune.engine.emulation.layer_journal import (
     parameter_tags,
     storage_key,
 )
+from autotune.engine.layer_buckets import BucketLayout, JournalBuckets, LayerBuckets
 from autotune.engine.layer_plan import LayerPlan, partial_plan, uniform_plan
 from autotune.engine.layer_speed import LayerKernelTimes
 from autotune.engine.runner import InProcessRunner
+from autotune.engine.training.data_parallel import EmulatedReducer, trainable_parameters
 from autotune.engine.training.sharding import model_parameters
 
 # The depth of the traced model: the first and last layers may differ from the others (the
@@ -147,11 +151,16 @@ def _sweep_at(
     return None
 
 
-def expand(journal: Sequence[tuple[Any, ...]], plan: LayerPlan) -> list[tuple[Any, ...]]:
+def expand(
+    journal: Sequence[tuple[Any, ...]], plan: LayerPlan, buckets: JournalBuckets | None = None
+) -> list[tuple[Any, ...]]:
     """The journal of the same step with `plan.depth` layers instead of `plan.traced_layers`,
     each deep layer repeating its template's run (module docstring,
     `autotune.engine.layer_plan`). Records keep their shape; a free's or gradient's reference
-    is renumbered.
+    is renumbered. DDP's buckets (`buckets`; allocations of category BUCKET) are the deep
+    model's: each group of them in the shallow journal is replaced by its deep layout, and a
+    gradient that becomes a view of one names its deep parameter's bucket
+    (`autotune.engine.layer_buckets`).
 
     Raises:
         NotReplayable: the journal does not have the structure the rule needs.
@@ -159,6 +168,8 @@ def expand(journal: Sequence[tuple[Any, ...]], plan: LayerPlan) -> list[tuple[An
     depth = plan.traced_layers
     target_depth = plan.depth
     owner_of = owners(journal)
+    bucket_of, views = _bucket_groups(journal, buckets)
+    deep_buckets: dict[int, list[int]] = {}  # group -> the deep buckets' places in the output
     # Runs of one owner, then segments: a run outside the layers, or a sweep.
     runs: list[tuple[int | None, int, int]] = []
     start = 0
@@ -197,6 +208,9 @@ def expand(journal: Sequence[tuple[Any, ...]], plan: LayerPlan) -> list[tuple[An
         segments.append(sweep)
         index += len(sweep.runs)
 
+    if any(event in location for event in (*bucket_of, *views.skipped)):
+        raise NotReplayable("a bucket allocated in a sweep over the layers")
+
     def relative(event: int, layer: int) -> tuple[Any, ...]:
         record = journal[event]
         kind = record[0]
@@ -206,6 +220,10 @@ def expand(journal: Sequence[tuple[Any, ...]], plan: LayerPlan) -> list[tuple[An
             return (OP, record[3], record[4], record[5])
         if kind == MARK:
             return (MARK,)
+        if record[1] in bucket_of:
+            if kind == FREE or buckets is None:
+                raise NotReplayable(f"event {event} frees a bucket")
+            return (kind, _BUCKET, buckets.parameters.slot(record[3]))
         target = location.get(record[1])
         if target is None:
             return (kind, "fixed", record[1])
@@ -237,6 +255,34 @@ def expand(journal: Sequence[tuple[Any, ...]], plan: LayerPlan) -> list[tuple[An
         if not isinstance(segment, _Sweep):
             for event in range(*segment):
                 record = journal[event]
+                group = bucket_of.get(event)
+                if group is not None:
+                    if group not in deep_buckets:
+                        assert buckets is not None
+                        deep_buckets[group] = []
+                        layout = buckets.layouts[group]
+                        members = [0] * len(layout.sizes_bytes)
+                        for bucket in layout.bucket_of:
+                            members[bucket] += 1
+                        made = views.made.get(group)
+                        view = views.records.get(group)
+                        for nbytes, count in zip(layout.sizes_bytes, members, strict=True):
+                            deep_buckets[group].append(len(out))
+                            out.append((record[0], nbytes, *record[2:]))
+                            if made is not None:
+                                # A rebuild: the op that made the bucket, and its views of
+                                # its parameters.
+                                out.append(made)
+                            if view is not None:
+                                out += [view] * (count * views.per_parameter[group])
+                    continue
+                if event in views.skipped:
+                    continue
+                if record[0] in (FREE, GRAD) and record[1] in bucket_of:
+                    owner = _end_layer(buckets, record, event, depth, target_depth)
+                    out.append(_bucket_gradient(record, owner, buckets, bucket_of, deep_buckets))
+                    renumbered_fixed[event] = len(out) - 1
+                    continue
                 if record[0] in REFERENCES:
                     target = renumbered_fixed.get(record[1])
                     place = location.get(record[1])
@@ -278,7 +324,18 @@ def expand(journal: Sequence[tuple[Any, ...]], plan: LayerPlan) -> list[tuple[An
                     position += len(fan)
                     continue
                 item = template[position]
-                if record[0] in REFERENCES:
+                if record[0] in (FREE, GRAD) and item[1] == _BUCKET:
+                    assert buckets is not None
+                    owner = buckets.parameters.layer_of(record[3])
+                    if owner is None and source in (0, depth - 1):
+                        # The first layer's backward goes on into the embeddings'.
+                        deep_owner = None
+                    elif owner == source:
+                        deep_owner = layer
+                    else:
+                        raise NotReplayable(f"event {event}: another layer's gradient")
+                    record = _bucket_gradient(record, deep_owner, buckets, bucket_of, deep_buckets)
+                elif record[0] in REFERENCES:
                     if item[1] == "fixed":
                         target = renumbered_fixed.get(item[2])
                     elif source in (0, depth - 1) and abs(item[2]) > 1:
@@ -299,6 +356,129 @@ def expand(journal: Sequence[tuple[Any, ...]], plan: LayerPlan) -> list[tuple[An
     return out
 
 
+# A relative record's mark: a gradient that became a view of a bucket.
+_BUCKET = "bucket"
+
+
+@dataclass
+class _BucketViews:
+    """What a rebuild does after each bucket's allocation (`EmulatedReducer._build`): the op
+    that made it, then a view op per parameter. The events, per group the two records and the
+    view ops per parameter."""
+
+    skipped: set[int]
+    made: dict[int, tuple[Any, ...]]
+    records: dict[int, tuple[Any, ...]]
+    per_parameter: dict[int, int]
+
+
+# The op a rebuild allocates a bucket with, and those it makes its views with.
+_MADE_OP = "aten.empty."
+_VIEW_OPS = ("aten.as_strided.", "aten.narrow.", "aten.view.")
+
+
+def _bucket_groups(
+    journal: Sequence[tuple[Any, ...]], buckets: JournalBuckets | None
+) -> tuple[dict[int, int], _BucketViews]:
+    """Each bucket allocation's group, in order: the resident buckets' allocations, one after
+    the other, then (when the step rebuilds them) the rebuilt ones, each followed by the op
+    that made it and the views of its parameters.
+
+    Raises:
+        NotReplayable: groups other than `buckets.layouts`' (or buckets without them), or
+            a rebuild of another shape.
+    """
+    group_of: dict[int, int] = {}
+    views = _BucketViews(set(), {}, {}, {})
+    allocations = [i for i, r in enumerate(journal) if r[0] == ALLOC and r[5] == BUCKET]
+    expected = 0 if buckets is None else len(buckets.layouts)
+    groups = 0
+    at = 0
+    while at < len(allocations):
+        group = groups
+        groups += 1
+        if group == 0:
+            # The residents: allocations back to back.
+            index = allocations[at]
+            while at < len(allocations) and allocations[at] == index:
+                group_of[index] = group
+                at += 1
+                index += 1
+            continue
+        views.per_parameter[group] = 0
+        while at < len(allocations):
+            index = allocations[at]
+            group_of[index] = group
+            made = journal[index + 1] if index + 1 < len(journal) else (None,)
+            if made[0] != OP or not str(made[5]).startswith(_MADE_OP):
+                raise NotReplayable("a bucket rebuilt otherwise")
+            if views.made.setdefault(group, made) != made:
+                raise NotReplayable("buckets rebuilt by different ops")
+            views.skipped.add(index + 1)
+            index += 2
+            while index < len(journal) and journal[index][0] == OP:
+                record = journal[index]
+                # The views are one op per parameter; what differs comes after them (the
+                # buffers flattened to broadcast).
+                if not str(record[5]).startswith(_VIEW_OPS):
+                    break
+                if views.records.setdefault(group, record) != record:
+                    break
+                views.skipped.add(index)
+                views.per_parameter[group] += 1
+                index += 1
+            at += 1
+            if at < len(allocations) and allocations[at] != index:
+                break
+    if groups != expected:
+        raise NotReplayable(f"{groups} groups of buckets in the journal")
+    if buckets is not None:
+        count = buckets.parameters.count
+        for group, ops in views.per_parameter.items():
+            if ops % count:
+                raise NotReplayable("a rebuild's views are not so many per parameter")
+            views.per_parameter[group] = ops // count
+    return group_of, views
+
+
+def _end_layer(
+    buckets: JournalBuckets | None,
+    record: tuple[Any, ...],
+    event: int,
+    depth: int,
+    target_depth: int,
+) -> int | None:
+    """Outside the sweeps, the deep layer of a gradient that became a bucket's view: none for
+    a parameter outside the layers, the first or last layer's for theirs."""
+    assert buckets is not None
+    if record[0] == FREE:
+        raise NotReplayable(f"event {event} frees a bucket")
+    layer = buckets.parameters.layer_of(record[3])
+    if layer is None:
+        return None
+    if layer not in (0, depth - 1):
+        raise NotReplayable(f"event {event}: a middle layer's gradient outside the layers")
+    return 0 if layer == 0 else target_depth - 1
+
+
+def _bucket_gradient(
+    record: tuple[Any, ...],
+    deep_layer: int | None,
+    buckets: JournalBuckets | None,
+    bucket_of: dict[int, int],
+    deep_buckets: dict[int, list[int]],
+) -> tuple[Any, ...]:
+    """A gradient record naming a shallow bucket, renamed to the deep bucket of the deep
+    parameter it stands for in `deep_layer`."""
+    assert buckets is not None
+    group = bucket_of[record[1]]
+    placed = deep_buckets.get(group)
+    if placed is None:
+        raise NotReplayable("a gradient names a bucket not yet allocated")
+    parameter = buckets.parameters.deep_parameter(record[3], deep_layer)
+    return (record[0], placed[buckets.layouts[group].bucket_of[parameter]], *record[2:])
+
+
 def _check_one_run(
     described: dict[int, list[tuple[Any, ...]]], middle: tuple[int, ...], number: int
 ) -> None:
@@ -316,7 +496,7 @@ def _check_one_run(
             if (
                 mine[0] in REFERENCES
                 and mine[:3] == theirs[:3]
-                and mine[1] != "fixed"
+                and mine[1] not in ("fixed", _BUCKET)
                 and abs(mine[2]) == 1
                 and layer + mine[2] not in middle
                 and pure + theirs[2] in middle
@@ -324,7 +504,11 @@ def _check_one_run(
                 continue
             raise NotReplayable(f"the middle layers' events differ in sweep {number}")
     for item in reference:
-        if item[0] in REFERENCES and item[1] != "fixed" and pure + item[2] not in middle:
+        if (
+            item[0] in REFERENCES
+            and item[1] not in ("fixed", _BUCKET)
+            and pure + item[2] not in middle
+        ):
             raise NotReplayable(f"a middle layer names a layer outside its run in {number}")
 
 
@@ -473,8 +657,11 @@ def _oom_detail(
 # The shallow model's trace, and when a spec may be replayed at all.
 
 _DEPTH_KEY = "num_hidden_layers"
-# FSDP2's layouts: every decoder layer its own unit (`autotune.engine.training.sharding`).
-_REPLAYED_SHARDINGS = (Sharding.ZERO2, Sharding.ZERO3, Sharding.HYBRID)
+# One rank or DDP's (its buckets laid out for the deep model, `autotune.engine.layer_buckets`),
+# and FSDP2's layouts: every decoder layer its own unit (`autotune.engine.training.sharding`).
+# Not ZeRO-1: its optimizer holds the state of a partition of the parameters that depends on
+# the depth (docs/design.md#the-layer-replay).
+_REPLAYED_SHARDINGS = (Sharding.NONE, Sharding.ZERO2, Sharding.ZERO3, Sharding.HYBRID)
 _SIMPLE = (int, float, str, bool, type(None))
 
 
@@ -505,16 +692,15 @@ def _layer_signature(layer: nn.Module) -> tuple[Any, ...]:
 
 def replay_depth(spec: Spec) -> int | None:
     """The depth to replay `spec`'s model at, or None when its step must be traced whole: only
-    a transformers config (a factory's blocks may be anything), one rank or FSDP2's sharded
-    ranks (zero2, zero3, hybrid; DDP's buckets are not modelled), deeper than the traced model
-    plus two,
-    and only when all of its layers are the same layer (`_layer_signature`, read from the model
-    built on the meta device: per-layer settings such as `layer_types`, a first dense layer of
-    a mixture-of-experts, or a sliding window on some layers make them differ)."""
+    a transformers config (a factory's blocks may be anything), one rank, DDP's ranks or
+    FSDP2's sharded ranks (zero2, zero3, hybrid; not ZeRO-1's, whose optimizer's partition
+    is not modelled), deeper than the traced model plus two, and only when all of its layers
+    are the same layer (`_layer_signature`, read from the model built on the meta device:
+    per-layer settings such as `layer_types`, a first dense layer of a mixture-of-experts, or
+    a sliding window on some layers make them differ)."""
     config = spec.model.hf_config
     training = spec.training
-    single = training.world_size == 1 and training.sharding is Sharding.NONE
-    if config is None or not (single or training.sharding in _REPLAYED_SHARDINGS):
+    if config is None or training.sharding not in _REPLAYED_SHARDINGS:
         return None
     depth = config.get(_DEPTH_KEY)
     if not isinstance(depth, int) or depth < TRACED_LAYERS + 2:
@@ -544,7 +730,7 @@ def replay_depth(spec: Spec) -> int | None:
 
 
 class _GradientRecorder(Protocol):
-    def record_gradient(self, parameter: torch.Tensor, tag: int) -> None: ...
+    def record_gradient(self, parameter: torch.Tensor, tag: int, number: int = -1) -> None: ...
 
 
 class LayerReplay:
@@ -605,12 +791,44 @@ class LayerReplay:
         # counts runs one shallow step (`partial_plan`: both runs shortened to 3 layers), so
         # each count is written out from the one trace (docs/design.md#the-layer-replay).
         self._warm = False
-        self._journals: dict[_ShallowKey, list[tuple[Any, ...]]] = {}
+        self._journals: dict[_ShallowKey, _ShallowJournal] = {}
         _, _, by_parameter = parameter_tags(layers, self.runner.step.model, {})
+        # Each trainable parameter's number is its place in DDP's order (module by module).
+        trainable = trainable_parameters(self.runner.step.model)
+        numbers = {id(parameter): number for number, parameter in enumerate(trainable)}
         for parameter in self.runner.step.model.parameters():
             if parameter.requires_grad:
-                hook = functools.partial(self._gradient, by_parameter.get(id(parameter), FIXED))
+                hook = functools.partial(
+                    self._gradient,
+                    by_parameter.get(id(parameter), FIXED),
+                    numbers.get(id(parameter), -1),
+                )
                 parameter.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+        # DDP's ranks: the deep model's buckets (`autotune.engine.layer_buckets`).
+        self.reducer: EmulatedReducer | None = self.runner.step.reducer
+        self.buckets: LayerBuckets | None = None
+        if self.reducer is not None:
+            if any(True for layer in layers for _ in layer.buffers()):
+                # The buffers DDP flattens to broadcast would be the deep model's.
+                raise NotReplayable("DDP with buffers in the layers")
+            tags = [by_parameter.get(id(parameter), FIXED) for parameter in trainable]
+            self.buckets = LayerBuckets(
+                [
+                    BucketTensor(p.numel() * p.element_size(), (p.dtype, p.device))
+                    for p in trainable
+                ],
+                [None if tag < 0 else tag for tag in tags],
+                traced_layers,
+                depth,
+            )
+            # The step states the buckets' bytes: the deep model's.
+            step = self.runner.step
+            world_size = spec.training.world_size
+            deep_bytes = sum(self.buckets.construction().sizes_bytes)
+            step.assumptions = (
+                self.reducer.assumption(world_size, bucket_bytes=deep_bytes),
+                *step.assumptions[1:],
+            )
 
     def model_parameters(self) -> ModelParameters:
         """The deep model's parameters as FSDP2's units hold them (one unit per layer, then the
@@ -640,9 +858,19 @@ class LayerReplay:
         self._gradients = tracker
         return tracker
 
-    def _gradient(self, tag: int, parameter: torch.Tensor) -> None:
+    def _gradient(self, tag: int, number: int, parameter: torch.Tensor) -> None:
         if self._gradients is not None:
-            self._gradients.record_gradient(parameter, tag)
+            self._gradients.record_gradient(parameter, tag, number)
+
+    def _bucket_layout(self) -> BucketLayout | None:
+        """The deep model's buckets as the reducer's are now: made with the model, or rebuilt
+        in the ready order (None without DDP)."""
+        reducer, buckets = self.reducer, self.buckets
+        if reducer is None or buckets is None:
+            return None
+        if reducer.rebuilt:
+            return buckets.rebuilt(reducer.ready_order)
+        return buckets.construction()
 
     @contextmanager
     def speed_pass(
@@ -702,17 +930,22 @@ class LayerReplay:
         optimizer = getattr(step.optimizer, "optim", step.optimizer)
         state_was_empty = not optimizer.state
         key = (micro_batch, accumulation_steps, checkpointing, shallow_blocks)
-        journal = self._journals.get(key)
-        if journal is None:
-            journal = self._journal(micro_batch, accumulation_steps, checkpointing, shallow_blocks)
-            if self._warm:
+        shallow = self._journals.get(key)
+        if shallow is None:
+            shallow = self._journal(micro_batch, accumulation_steps, checkpointing, shallow_blocks)
+            if self._warm and self.reducer is None:
                 # After the warm-up a step starts from the same state whatever ran before
                 # (the estimate's own answers from earlier traces rest on it), so the same
-                # shallow step journals the same events.
-                self._journals[key] = journal
+                # shallow step journals the same events. Not on DDP's ranks: the first step
+                # after the warm-up rebuilds the buckets, the later ones do not.
+                self._journals[key] = shallow
         device = self.device
         outcome = evaluate(
-            expand(journal, plan),
+            expand(
+                shallow.journal,
+                plan,
+                None if self.buckets is None else JournalBuckets(self.buckets, shallow.layouts),
+            ),
             micro_batch=micro_batch,
             limit_bytes=device.capacity_bytes - device.kept_free_bytes,
             allocator_config=device.allocator_config,
@@ -720,6 +953,13 @@ class LayerReplay:
             block_bytes=device.block_bytes,
         )
         if not outcome.fits:
+            if shallow.rebuilt_buckets:
+                # The deep reducer may have run out rebuilding its buckets, which leaves it
+                # half built: the whole model says what it does.
+                raise NotReplayable("a step that rebuilt DDP's buckets ran out")
+            if self.reducer is not None and outcome.oom_phase is not Phase.OPTIMIZER:
+                # The deep model's synchronised backward did not complete: no ready order.
+                self.reducer.forget_ready_order()
             # What the deep model's runner does after an out-of-memory (`InProcessRunner._run`),
             # and the optimizer state its step would not have made.
             step.clear_grads()
@@ -738,8 +978,8 @@ class LayerReplay:
         accumulation_steps: int,
         checkpointing: bool,
         shallow_blocks: int | None,
-    ) -> list[tuple[Any, ...]]:
-        """The shallow model's journal of one step, traced.
+    ) -> _ShallowJournal:
+        """The shallow model's journal of one step, traced, with DDP's bucket layouts.
 
         Raises:
             NotReplayable: the shallow step did not complete.
@@ -748,6 +988,15 @@ class LayerReplay:
         step = runner.step
         optimizer = getattr(step.optimizer, "optim", step.optimizer)
         self._tags, self._categories, _ = parameter_tags(self.layers, step.model, optimizer.state)
+        layouts: list[BucketLayout] = []
+        resident_buckets = self._bucket_layout()
+        was_rebuilt = self.reducer is not None and self.reducer.rebuilt
+        if self.reducer is not None and resident_buckets is not None:
+            layouts.append(resident_buckets)
+            for bucket in self.reducer.buckets:
+                key = storage_key(bucket)
+                if key is not None:
+                    self._categories[key] = BUCKET
         shallow = runner.trial(
             micro_batch,
             accumulation_steps,
@@ -770,7 +1019,19 @@ class LayerReplay:
                     index = tracker._journal_index[ref.event]
                     record = journal[index]
                     journal[index] = (*record[:5], OPTIMIZER_STATE)
-        return journal
+        rebuilt = self._bucket_layout()
+        rebuilt_here = self.reducer is not None and self.reducer.rebuilt and not was_rebuilt
+        if self.reducer is not None and rebuilt is not None and rebuilt_here:
+            # The reducer rebuilt its buckets inside the step (the first step after a
+            # synchronised one that was no warm-up): their allocations are buckets too.
+            layouts.append(rebuilt)
+            for bucket in self.reducer.buckets:
+                key = storage_key(bucket)
+                ref = tracker._storages.get(key) if key is not None else None
+                if ref is not None and ref.event >= 0:
+                    index = tracker._journal_index[ref.event]
+                    journal[index] = (*journal[index][:5], BUCKET)
+        return _ShallowJournal(journal, tuple(layouts), rebuilt_here)
 
     def warm_up(self, *, checkpointing: bool) -> StepOutcome:
         self._warm = False
@@ -785,3 +1046,13 @@ class LayerReplay:
 _UNBOUNDED_BYTES = 1 << 62
 # A shallow step: micro-batch, accumulation steps, checkpointing, checkpointed shallow layers.
 _ShallowKey = tuple[int, int, bool, int | None]
+
+
+@dataclass(frozen=True)
+class _ShallowJournal:
+    """One shallow step's journal, with DDP's bucket layouts in it (none: no DDP) and whether
+    the step rebuilt them."""
+
+    journal: list[tuple[Any, ...]]
+    layouts: tuple[BucketLayout, ...]
+    rebuilt_buckets: bool

@@ -34,8 +34,11 @@ from autotune.engine.emulation.layer_journal import (
     STICKY,
     LayerContexts,
     NotReplayable,
+    ViewKey,
+    gradient_view,
     output_tags,
     storage_key,
+    tag_of,
 )
 from autotune.engine.emulation.tracker import _current_graph_task_id, local_tensor
 from autotune.engine.kernel_times import Kernel, KernelTimes
@@ -66,6 +69,8 @@ class LayerKernelTimes(KernelTimes):  # type: ignore[no-untyped-call]
         super().__init__(budget, assumptions, tf32)
         self.contexts = contexts
         self.tags = tags
+        # Gradients that are views of DDP's buckets, by view (`gradient_view`).
+        self.views: dict[ViewKey, int] = {}
         self.depth = depth
         contexts.reset()
         self._micro_step = 0
@@ -88,12 +93,18 @@ class LayerKernelTimes(KernelTimes):  # type: ignore[no-untyped-call]
         self._fixed_s.append(0.0)
         self._layer_s.append([0.0] * self.depth)
 
-    def record_gradient(self, parameter: torch.Tensor, tag: int) -> None:
-        """`parameter.grad` is complete: its storage is `tag`'s layer's gradient."""
+    def record_gradient(self, parameter: torch.Tensor, tag: int, number: int = -1) -> None:
+        """`parameter.grad` is complete: its storage (or its view of a bucket) is `tag`'s
+        layer's gradient."""
+        del number  # the journal's, for DDP's buckets; a kernel names no parameter
         grad = parameter.grad
         key = storage_key(grad) if grad is not None else None
         if grad is not None and key is not None:
-            self.tags[key] = tag
+            view = gradient_view(grad)
+            if view is None:
+                self.tags[key] = tag
+            else:
+                self.views[view] = tag
             self._kept.append(local_tensor(grad).untyped_storage())
 
     def _context(self) -> int:
@@ -113,7 +124,7 @@ class LayerKernelTimes(KernelTimes):  # type: ignore[no-untyped-call]
                 self._file(context, func, kernel)
             return
         # Outside the layers: the outputs take the layer of what the op reads.
-        per_output, tag = output_tags(func, args, kwargs, self.tags)
+        per_output, tag = output_tags(func, args, kwargs, self.tags, self.views)
         outputs = pytree.tree_leaves(out)
         if isinstance(per_output, list) and isinstance(out, (list, tuple)):
             pairs = list(zip(out, per_output, strict=False))
@@ -134,8 +145,8 @@ class LayerKernelTimes(KernelTimes):  # type: ignore[no-untyped-call]
         layer_bytes = [0] * self.depth
         fixed_bytes = 0
         for tensor in (*kernel.inputs, *kernel.outputs):
-            key = storage_key(tensor)
-            layer = self.tags.get(key, FIXED) if key is not None else FIXED
+            tagged = tag_of(tensor, self.tags, self.views)
+            layer = FIXED if tagged is None else tagged
             nbytes = tensor.numel() * tensor.element_size()
             if layer >= 0:
                 layer_bytes[layer] += nbytes

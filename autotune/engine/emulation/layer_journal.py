@@ -57,7 +57,8 @@ _FSDP_PARAM_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param"
 #   (ALLOC, nbytes, context, tag, phase, category)
 #   (FREE, journal index of the allocation, context)
 #   (OP, context, tag, phase, peak_check, op)
-#   (GRAD, journal index of the allocation, context)  -- that storage became a parameter's .grad
+#   (GRAD, journal index of the allocation, context, parameter)  -- that storage became the
+#       .grad of the parameter of that number (the trainable parameters' order, -1: unknown)
 #   (MARK, context)  -- an uncounted op (a record_function's marker): a boundary, nothing else
 #   (HOLD, journal index of the allocation, context)  -- that storage became a registered
 #       parameter's (FSDP2 registered a block's gathered or sharded parameters on its modules)
@@ -71,8 +72,10 @@ REFERENCES = (FREE, GRAD, HOLD, DROP, UNGRAD)
 NO_LAYER = -1  # a context outside every layer
 FIXED = -1  # a tag: no layer's, or several layers'
 STICKY = -2  # a tag: no tagged input; the event goes with the one before it
-# Categories of an allocation, for an out-of-memory's detail (`autotune.core.schemas.OomDetail`).
-OTHER, WEIGHT, OPTIMIZER_STATE = 0, 1, 2
+# Categories of an allocation, for an out-of-memory's detail (`autotune.core.schemas.OomDetail`),
+# and DDP's gradient buckets, which the replay lays out for the deep model
+# (`autotune.engine.layer_buckets`); a bucket is no weight nor state.
+OTHER, WEIGHT, OPTIMIZER_STATE, BUCKET = 0, 1, 2, 3
 
 
 class NotReplayable(Exception):
@@ -87,29 +90,64 @@ def storage_key(tensor: torch.Tensor) -> int | None:
         return None
 
 
-def _key_or_none(tensor: torch.Tensor) -> int:
-    """`storage_key`, with -1 (never a key) for a tensor without a storage."""
+def _or_sticky(tag: int | None) -> int:
+    return STICKY if tag is None else tag
+
+
+# A view of a shared storage: (the storage's key, offset, elements).
+ViewKey = tuple[int, int, int]
+
+
+def gradient_view(grad: torch.Tensor) -> ViewKey | None:
+    """A gradient that is a view into a larger storage (DDP's buckets, whose gradients are
+    their views: `gradient_as_bucket_view`) is tagged as that view, not as the storage, which
+    holds gradients of several layers; None for a gradient with a storage of its own."""
+    key = storage_key(grad)
+    if key is None:
+        return None
+    local = local_tensor(grad)
+    if local.untyped_storage().nbytes() == local.numel() * local.element_size():
+        return None
+    return (key, int(local.storage_offset()), local.numel())
+
+
+def tag_of(
+    tensor: torch.Tensor, tags: dict[int, int], views: dict[ViewKey, int] | None = None
+) -> int | None:
+    """`tensor`'s tag: its view's (`gradient_view`) in `views`, else its storage's in `tags`
+    (None: untagged)."""
     key = storage_key(tensor)
-    return -1 if key is None else key
+    if key is None:
+        return None
+    if views:
+        local = local_tensor(tensor)
+        tag = views.get((key, int(local.storage_offset()), local.numel()))
+        if tag is not None:
+            return tag
+    return tags.get(key)
 
 
 def output_tags(
-    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tags: dict[int, int]
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    tags: dict[int, int],
+    views: dict[ViewKey, int] | None = None,
 ) -> tuple[list[int] | int, int]:
     """Outside the layers: the tags of an op's outputs (a foreach op's i-th output the tag of
     its first list's i-th tensor, any other op's the one tag its inputs share), and the op's
-    own, from the storages' `tags`."""
+    own, from the storages' `tags` and the gradient views' `views`."""
     if func.__name__.startswith("_foreach_") and args and isinstance(args[0], list | tuple):
         per_output = [
-            tags.get(_key_or_none(t), STICKY) if isinstance(t, torch.Tensor) else STICKY
+            _or_sticky(tag_of(t, tags, views)) if isinstance(t, torch.Tensor) else STICKY
             for t in args[0]
         ]
         distinct = set(per_output)
         return per_output, (distinct.pop() if len(distinct) == 1 else FIXED)
     found = {
-        tags[key]
+        tag
         for t in pytree.tree_leaves((args, kwargs))
-        if isinstance(t, torch.Tensor) and (key := storage_key(t)) in tags
+        if isinstance(t, torch.Tensor) and (tag := tag_of(t, tags, views)) is not None
     }
     if not found:
         return STICKY, STICKY
@@ -183,6 +221,10 @@ class JournalTracker(LiveBytesTracker):  # type: ignore[no-untyped-call]
         self.contexts = contexts
         self.tags = tags
         self.categories = categories
+        # Gradients that are views of a shared storage (DDP's buckets), by view, and the views
+        # of each such storage.
+        self.views: dict[ViewKey, int] = {}
+        self._views_of: dict[int, list[ViewKey]] = {}
         self.journal: list[tuple[Any, ...]] = []
         self._journal_index: dict[int, int] = {}  # allocation event -> its journal index
         self._output_tags: list[int] | int | None = None  # None: residents, looked up
@@ -248,20 +290,28 @@ class JournalTracker(LiveBytesTracker):  # type: ignore[no-untyped-call]
         key = ref.key
         if self._storages.get(key) is ref:
             self.tags.pop(key, None)
+            for view in self._views_of.pop(key, ()):
+                self.views.pop(view, None)
         super()._release(ref)
 
-    def record_gradient(self, parameter: torch.Tensor, tag: int) -> None:
+    def record_gradient(self, parameter: torch.Tensor, tag: int, number: int = -1) -> None:
         """`parameter.grad` is complete (a post-accumulate-grad hook): its storage is now a
-        gradient, of `tag`'s layer."""
+        gradient, of `tag`'s layer (or, a view of a bucket, that view is), of the parameter
+        `number`."""
         grad = parameter.grad
         key = storage_key(grad) if grad is not None else None
         ref = self._storages.get(key) if key is not None else None
-        if key is None or ref is None:
+        if grad is None or key is None or ref is None:
             return
-        self.tags[key] = tag
+        view = gradient_view(grad)
+        if view is None:
+            self.tags[key] = tag
+        else:
+            self.views[view] = tag
+            self._views_of.setdefault(key, []).append(view)
         if ref.event >= 0 and self._active:
             context = self.contexts.current(self.phase)
-            self.journal.append((GRAD, self._journal_index[ref.event], context))
+            self.journal.append((GRAD, self._journal_index[ref.event], context, number))
             self._held_gradients[id(parameter)] = ref
 
     # ---------------------------------------------------------------------------------------
@@ -297,7 +347,7 @@ class JournalTracker(LiveBytesTracker):  # type: ignore[no-untyped-call]
             self.journal.append((HOLD, index[ref.event], context))
         grad = self._live_event(new.grad)
         if grad is not None:
-            self.journal.append((GRAD, index[grad.event], context))
+            self.journal.append((GRAD, index[grad.event], context, -1))
             self._held_gradients[id(new)] = grad
         hooks = getattr(new, "_post_accumulate_grad_hooks", None) or {}
         if new.requires_grad and _gathered_gradient not in hooks.values():
@@ -310,7 +360,7 @@ class JournalTracker(LiveBytesTracker):  # type: ignore[no-untyped-call]
         ref = self._live_event(parameter.grad)
         if ref is not None and self._active:
             context = self.contexts.current(self.phase)
-            self.journal.append((GRAD, self._journal_index[ref.event], context))
+            self.journal.append((GRAD, self._journal_index[ref.event], context, -1))
             self._held_gradients[id(parameter)] = ref
 
     def __enter__(self) -> JournalTracker:
@@ -372,7 +422,7 @@ class JournalTracker(LiveBytesTracker):  # type: ignore[no-untyped-call]
         tag = STICKY
         self._output_tags = STICKY
         if context == NO_LAYER:
-            self._output_tags, tag = output_tags(func, args, kwargs, self.tags)
+            self._output_tags, tag = output_tags(func, args, kwargs, self.tags, self.views)
         previous_phase = self.phase
         self._added_bytes = 0
         try:

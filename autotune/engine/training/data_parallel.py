@@ -97,15 +97,35 @@ class EmulatedReducer:
         """The flat gradient buckets: allocated with the model, so resident in every step."""
         return tuple(self._buckets)
 
+    @property
+    def rebuilt(self) -> bool:
+        """Whether the buckets were rebuilt in the order gradients became ready."""
+        return self._rebuilt
+
+    @property
+    def ready_order(self) -> tuple[int, ...]:
+        """The parameters (by their place in DDP's order) in the order their gradients became
+        ready in the first synchronised backward that reached them all (empty before)."""
+        return tuple(self._ready_order)
+
+    def forget_ready_order(self) -> None:
+        """Before the rebuild, forget a recorded ready order, as a synchronised backward cut
+        short by an out-of-memory leaves none (the layer replay's shallow model completes a
+        step that the deep one does not)."""
+        if not self._rebuilt:
+            self._ready_order = []
+
     def bucket_sizes_bytes(self) -> list[int]:
         return [b.numel() * b.element_size() for b in self._buckets]
 
-    def assumption(self, world_size: int) -> str:
-        """What a trial counts for data parallelism, as `DeviceInfo.assumptions` states it."""
+    def assumption(self, world_size: int, bucket_bytes: int | None = None) -> str:
+        """What a trial counts for data parallelism, as `DeviceInfo.assumptions` states it;
+        `bucket_bytes`: the buckets' total, when not these (the layer replay's deep model's)."""
         flag = self.gradient_as_bucket_view
+        total = sum(self.bucket_sizes_bytes()) if bucket_bytes is None else bucket_bytes
         return (
             f"data parallel, {world_size} ranks: each holds torch DDP's gradient buckets "
-            f"({format_bytes(sum(self.bucket_sizes_bytes()))}, resident) with "
+            f"({format_bytes(total)}, resident) with "
             f"gradient_as_bucket_view={flag}, 25 MiB buckets, buffers flattened before each "
             "step; the all-reduce itself and NCCL's buffers are not tensors of the step"
         )

@@ -74,6 +74,14 @@ def test_every_replayed_trial_is_the_whole_trace_to_the_byte(
     every_trial_the_same(replayed, traced)
 
 
+def every_trial_of_spec_the_same(spec: Spec, capacity_bytes: int) -> None:
+    """`every_trial_the_same` for `spec` at `capacity_bytes`, replayed and traced whole."""
+    replayed = EstimateRunner(spec, capacity_bytes=capacity_bytes)
+    traced = EstimateRunner(spec, capacity_bytes=capacity_bytes, layer_replay=False)
+    assert replayed.layer_replay and not traced.layer_replay
+    every_trial_the_same(replayed, traced)
+
+
 def every_trial_the_same(replayed: EstimateRunner, traced: EstimateRunner) -> None:
     """The warm-up and `TRIALS`, replayed and traced, are the same; some fit, some do not."""
     _the_same(replayed.warm_up(), traced.warm_up())
@@ -195,11 +203,12 @@ def test_layers_that_differ_are_not_replayed() -> None:
     assert replay_depth(_spec(_config("qwen2", 8), lora=True)) == 8
 
 
-def test_only_deep_transformers_configs_off_ddp_are_replayed() -> None:
+def test_only_deep_transformers_configs_off_zero1_are_replayed() -> None:
     assert replay_depth(_spec(_config("llama", TRACED_LAYERS + 1), lora=True)) is None
     assert replay_depth(_spec(_config("llama", TRACED_LAYERS + 2), lora=True)) == 7
-    # DDP's ranks (FSDP2's are replayed: tests/autotune_tests/engine/test_layer_replay_sharded.py).
-    ddp = _spec(_config("llama", 16), lora=True, world_size=2, sharding="zero1")
-    assert replay_depth(ddp) is None
+    # ZeRO-1's ranks (DDP's and FSDP2's are replayed:
+    # tests/autotune_tests/engine/test_layer_replay_ddp.py, test_layer_replay_sharded.py).
+    zero1 = _spec(_config("llama", 16), lora=True, world_size=2, sharding="zero1")
+    assert replay_depth(zero1) is None
     preset = Spec.model_validate({"model": {"preset": "llama-tiny"}, "training": {"seq_len": 16}})
     assert replay_depth(preset) is None
