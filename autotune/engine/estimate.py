@@ -36,7 +36,6 @@ from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.gpus.cuda_reserve import GpuBudget, budget_for
 from autotune.core.gpus.roofline import RooflineAssumptions
 from autotune.core.memory.allocator_config import AllocatorConfig
-from autotune.core.memory.optimizer_states import FSDP2_SHARDINGS
 from autotune.core.parallel.layouts import layout_transfers
 from autotune.core.parallel.overlap import OverlapAssumptions, StepTimes, step_times
 from autotune.core.parallel.topology import Topology, topology_for

@@ -21,7 +21,7 @@ from tests.autotune_tests.engine.test_layer_replay import (
     _spec,
     _the_same,
     every_partial_trial_the_same,
-    every_trial_of_spec_the_same,
+    every_trial_the_same,
 )
 
 pytest.importorskip("transformers")
