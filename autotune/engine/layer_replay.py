@@ -40,6 +40,7 @@ import importlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Protocol
 
 import torch
@@ -49,6 +50,7 @@ from autotune.core.gpus.cuda_reserve import GpuBudget
 from autotune.core.gpus.roofline import RooflineAssumptions
 from autotune.core.memory.allocator import AllocatorOutOfMemory, CachingAllocator
 from autotune.core.memory.allocator_config import AllocatorConfig
+from autotune.core.memory.resident_placement import ResidentPlacement, TrialStart
 from autotune.core.parallel.layouts import ModelParameters
 from autotune.core.schemas import OOM_OP_MAX, OomDetail, Phase, Sharding, Spec, StepOutcome
 from autotune.engine.devices.device import EmulatedDevice
@@ -363,14 +365,39 @@ def evaluate(
     allocator_config: AllocatorConfig | None,
     device_total_bytes: int,
     block_bytes: int,
+    placement: ResidentPlacement | None = None,
 ) -> StepOutcome:
     """The outcome of the step `journal` records on the emulated GPU: the allocations replayed
     in order through a fresh caching allocator of `limit_bytes`, as the emulated device's
     tracker mallocs and frees them (`autotune.engine.devices.device.EmulatedDevice`), and the
-    live bytes, phase peaks and out-of-memory as the tracker counts them."""
+    live bytes, phase peaks and out-of-memory as the tracker counts them. With `placement`,
+    the residents (the allocations before the journal's first marker, which the tracker
+    writes after them) start where the warm-up left them, as on the device after its
+    warm-up."""
     allocator = CachingAllocator(
         limit_bytes, allocator_config, device_total_bytes=device_total_bytes
     )
+    placed: list[Any] = []
+    start: TrialStart | None = None
+    if placement is not None:
+        residents = next((i for i, record in enumerate(journal) if record[0] == MARK), 0)
+        sizes = [record[1] for record in journal[:residents]]
+        if any(record[0] != ALLOC for record in journal[:residents]):
+            raise NotReplayable("the residents' allocations are not the journal's first")
+        start = TrialStart(placement, len(sizes))
+        try:
+            placed = placement.place(allocator, sizes)
+        except AllocatorOutOfMemory as error:
+            return StepOutcome.of_allocator(
+                micro_batch,
+                allocator.stats,
+                phase_peak_bytes={},
+                oom_phase=journal[0][4],
+                oom=_oom_detail(journal, 0, error, {}, set()),
+                series=None,
+                allocations=None,
+            )
+        placed.reverse()
     live_bytes = 0
     blocks: dict[int, tuple[Any, int, int]] = {}  # journal index -> (block, bytes, category)
     gradients: set[int] = set()
@@ -385,7 +412,7 @@ def evaluate(
         if kind == ALLOC:
             nbytes = record[1]
             try:
-                block = allocator.malloc(nbytes)
+                block = placed.pop() if placed else allocator.malloc(nbytes)
             except AllocatorOutOfMemory as error:
                 oom_phase = record[4]
                 oom = _oom_detail(journal, index, error, blocks, gradients)
@@ -418,6 +445,7 @@ def evaluate(
         oom=oom,
         series=series,
         allocations=allocations,
+        start=start,
     )
 
 
@@ -530,6 +558,12 @@ def replay_depth(spec: Spec) -> int | None:
 
 class _GradientRecorder(Protocol):
     def record_gradient(self, parameter: torch.Tensor, tag: int) -> None: ...
+
+
+class _Placed(Enum):
+    """Where a replayed trial starts when not told: as the device's trials do."""
+
+    DEVICES = "the device's"
 
 
 class LayerReplay:
@@ -668,10 +702,12 @@ class LayerReplay:
         *,
         checkpointing: bool,
         checkpointed_blocks: int | None = None,
+        placement: ResidentPlacement | None | _Placed = _Placed.DEVICES,
     ) -> StepOutcome:
         """The deep model's trial, replayed (the shallow model is left as the deep one's
         trial would leave it); `checkpointed_blocks` while checkpointing: the deep model's
-        first layers checkpointed (None: all).
+        first layers checkpointed (None: all). It starts where the device's trials start (its
+        warm-up's `placement` of the residents), or from `placement` when given.
 
         Raises:
             NotReplayable: the shallow journal does not show the structure the rule needs.
@@ -712,6 +748,7 @@ class LayerReplay:
             allocator_config=device.allocator_config,
             device_total_bytes=device.info.total_memory_bytes,
             block_bytes=device.block_bytes,
+            placement=device.placement if placement is _Placed.DEVICES else placement,
         )
         if not outcome.fits:
             # What the deep model's runner does after an out-of-memory (`InProcessRunner._run`),
@@ -726,10 +763,18 @@ class LayerReplay:
                 step.reset_optimizer()
         return outcome
 
-    def warm_up(self, *, checkpointing: bool) -> StepOutcome:
-        outcome = self.trial(1, 1, checkpointing=checkpointing)
+    def warm_up(
+        self,
+        *,
+        checkpointing: bool,
+        placement: ResidentPlacement | None | _Placed = _Placed.DEVICES,
+    ) -> StepOutcome:
+        """The deep model's warm-up, from where `trial` starts; the device keeps where it
+        left the residents, if it is the first."""
+        outcome = self.trial(1, 1, checkpointing=checkpointing, placement=placement)
         if outcome.fits:
             self.runner.settle()
+            self.device.keep_placement(outcome)
         return outcome
 
 

@@ -201,3 +201,6 @@ class CudaDevice:
 
     def synchronize(self) -> None:
         self._cuda.synchronize(self._index)
+
+    def after_warm_up(self) -> None:
+        """Nothing to do: the card keeps its residents where the warm-up put them."""

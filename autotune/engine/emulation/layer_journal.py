@@ -24,13 +24,14 @@ step the plain tracker would count.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from autotune.core.memory.resident_placement import ResidentPlacement
 from autotune.core.schemas import Phase
 from autotune.engine.emulation.tracker import (
     _UNCOUNTED_OP_IDS,
@@ -170,6 +171,14 @@ class JournalTracker(LiveBytesTracker):  # type: ignore[no-untyped-call]
         self._count_key: int | None = None
         self._added_bytes = 0
         contexts.reset()
+
+    def add_resident(
+        self, tensors: Iterable[torch.Tensor], placement: ResidentPlacement | None = None
+    ) -> None:
+        super().add_resident(tensors, placement)
+        # The residents' allocations end here: a replay places them as the tracker did
+        # (`autotune.engine.layer_replay.evaluate`).
+        self.journal.append((MARK, NO_LAYER))
 
     def _count(self, tensor: torch.Tensor) -> int:
         key = storage_key(tensor)
