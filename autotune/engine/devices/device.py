@@ -20,7 +20,7 @@ import torch
 from autotune.core.bytesize import format_bytes
 from autotune.core.errors import SpecError
 from autotune.core.gpus.catalogue import UnknownGpu, find_gpu
-from autotune.core.gpus.cuda_reserve import GpuBudget, budget_for
+from autotune.core.gpus.cuda_reserve import BLAS_HANDLE_OPS, BLAS_THREADS, GpuBudget, budget_for
 from autotune.core.memory.allocator import CachingAllocator
 from autotune.core.memory.allocator_config import AllocatorConfig, canonical_conf
 from autotune.core.memory.resident_placement import ResidentPlacement, TrialStart
@@ -221,8 +221,20 @@ class EmulatedDevice:
             None, allocator=allocator, block_bytes=self.block_bytes, record_series=record_series
         )
         tracker.holders = holders
-        residents = [*resident, *self._workspaces]
         placement = self.placement
+        residents = list(resident)
+        if placement is None:
+            # The warm-up: each thread's BLAS workspaces are allocated at its first matmul,
+            # as the card creates its cuBLAS handle then, among the step's tensors.
+            per_thread = len(self._workspaces) // BLAS_THREADS
+            tracker.deferred = {
+                backward: list(self._workspaces[thread * per_thread : (thread + 1) * per_thread])
+                for thread, backward in enumerate((False, True))
+                if per_thread
+            }
+            tracker.deferred_ops = BLAS_HANDLE_OPS
+        else:
+            residents += self._workspaces
 
         def resident_then_step() -> object:
             # Inside the tracked run: a resident set the allocator cannot hold is an

@@ -180,6 +180,14 @@ class JournalTracker(LiveBytesTracker):  # type: ignore[no-untyped-call]
         # (`autotune.engine.layer_replay.evaluate`).
         self.journal.append((MARK, NO_LAYER))
 
+    def _count_deferred(self, backward: bool) -> None:
+        # Counted as residents are (no op's outputs): tagged by their storage, FIXED.
+        tags, self._output_tags = self._output_tags, None
+        try:
+            super()._count_deferred(backward)
+        finally:
+            self._output_tags = tags
+
     def _count(self, tensor: torch.Tensor) -> int:
         key = storage_key(tensor)
         tag = self._count_tag

@@ -151,6 +151,11 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._placed: list[BlockId] = []
         # How many of `allocations` are the residents' (the first ones).
         self.resident_events = 0
+        # Tensors first counted just before the first op of `deferred_ops` on a thread (True:
+        # the autograd engine's, running backward; False: the caller's): the BLAS workspaces
+        # a card allocates as a thread's first matmul creates its cuBLAS handle.
+        self.deferred: dict[bool, list[torch.Tensor]] = {}
+        self.deferred_ops: frozenset[str] = frozenset()
 
     # -------------------------------------------------------------------------------------
     # Counting storages.
@@ -311,6 +316,11 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if ref.event >= 0 and self._active:
             self.allocations.append(-(ref.event + 1))
 
+    def _count_deferred(self, backward: bool) -> None:
+        """Count the tensors deferred to this thread's first such op (`deferred`)."""
+        for tensor in self.deferred.pop(backward, []):
+            self._count(tensor)
+
     def _count_outputs(self, out: object) -> int:
         if isinstance(out, torch.Tensor):
             return self._count(out)
@@ -342,6 +352,8 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         phase_changed = phase is not self.phase
         self.phase = phase
         self._op = func
+        if self.deferred and func.overloadpacket.__name__ in self.deferred_ops:
+            self._count_deferred(phase is Phase.BACKWARD)
         live_before_bytes = self.live_bytes
         out = func(*args, **(kwargs or {}))
         added_bytes = self._count_outputs(out)
