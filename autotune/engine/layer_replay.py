@@ -602,6 +602,7 @@ class LayerReplay:
         # out, so that it is whole.
         twin.capacity_bytes = _UNBOUNDED_BYTES
         twin.make_tracker = self._make_tracker
+        self._twin = twin
         self.runner = InProcessRunner(
             shallow, twin, allowed_factory_prefixes=allowed_factory_prefixes
         )
@@ -713,6 +714,11 @@ class LayerReplay:
             NotReplayable: the shallow journal does not show the structure the rule needs.
         """
         plan, shallow_blocks = self.plan(checkpointed_blocks if checkpointing else None)
+        start = self.device.placement if placement is _Placed.DEVICES else placement
+        # The twin counts no allocator, but its trial counts the BLAS workspaces as the deep
+        # model's does: resident once the residents are placed, else at each thread's first
+        # matmul (the warm-up's).
+        self._twin.placement = start
         runner = self.runner
         step = runner.step
         optimizer = getattr(step.optimizer, "optim", step.optimizer)
@@ -748,7 +754,7 @@ class LayerReplay:
             allocator_config=device.allocator_config,
             device_total_bytes=device.info.total_memory_bytes,
             block_bytes=device.block_bytes,
-            placement=device.placement if placement is _Placed.DEVICES else placement,
+            placement=start,
         )
         if not outcome.fits:
             # What the deep model's runner does after an out-of-memory (`InProcessRunner._run`),

@@ -10,7 +10,6 @@ exception goes through unchanged.
 
 from __future__ import annotations
 
-import itertools
 import re
 from collections.abc import Callable, Iterable
 from typing import Protocol
@@ -222,19 +221,7 @@ class EmulatedDevice:
         )
         tracker.holders = holders
         placement = self.placement
-        residents = list(resident)
-        if placement is None:
-            # The warm-up: each thread's BLAS workspaces are allocated at its first matmul,
-            # as the card creates its cuBLAS handle then, among the step's tensors.
-            per_thread = len(self._workspaces) // BLAS_THREADS
-            tracker.deferred = {
-                backward: list(self._workspaces[thread * per_thread : (thread + 1) * per_thread])
-                for thread, backward in enumerate((False, True))
-                if per_thread
-            }
-            tracker.deferred_ops = BLAS_HANDLE_OPS
-        else:
-            residents += self._workspaces
+        residents = self._residents(resident, tracker)
 
         def resident_then_step() -> object:
             # Inside the tracked run: a resident set the allocator cannot hold is an
@@ -256,6 +243,24 @@ class EmulatedDevice:
         )
         self._last_outcome = outcome
         return outcome
+
+    def _residents(
+        self, resident: Iterable[torch.Tensor], tracker: LiveBytesTracker
+    ) -> list[torch.Tensor]:
+        """What a trial counts before its step: `resident`, and the BLAS workspaces once the
+        warm-up placed them. In the warm-up (no `placement` yet) each thread's workspaces are
+        allocated at its first matmul instead, among the step's tensors, as the card creates
+        that thread's cuBLAS handle then."""
+        if self.placement is not None:
+            return [*resident, *self._workspaces]
+        per_thread = len(self._workspaces) // BLAS_THREADS
+        tracker.deferred = {
+            backward: list(self._workspaces[thread * per_thread : (thread + 1) * per_thread])
+            for thread, backward in enumerate((False, True))
+            if per_thread
+        }
+        tracker.deferred_ops = BLAS_HANDLE_OPS
+        return list(resident)
 
     def after_warm_up(self) -> None:
         """The last tracked trial was the warm-up: keep where it left the residents
@@ -290,7 +295,7 @@ class EmulatedDevice:
             limit_bytes, block_bytes=self.block_bytes, record_series=record_series
         )
         tracker.holders = holders
-        tracker.add_resident(itertools.chain(resident, self._workspaces))
+        tracker.add_resident(self._residents(resident, tracker))
         oom_phase = run_tracked(step, tracker, micro_batch=micro_batch)
         # The tracker raises before any op takes live bytes past capacity; only a resident
         # set that is already too big can leave a completed step over it.
