@@ -260,7 +260,7 @@ def probe_mode(
 
 def _stored(outcome: StepOutcome) -> StepOutcome:
     """The series served the fit; a result keeps what the wire and the store keep."""
-    return outcome.model_copy(update={"series": None, "allocations": None, "start": None})
+    return outcome.model_copy(update={"series": None, "allocations": None})
 
 
 def probe(spec: Spec, device: Device, *, on_attempt: AttemptCallback | None = None) -> ProbeResult:
@@ -356,11 +356,7 @@ def _traced_answer(
         if first.micro_batch == second.micro_batch:
             continue
         model = AllocationModel.fit(
-            first.micro_batch,
-            first.allocations,
-            second.micro_batch,
-            second.allocations,
-            starts=(first.start, second.start),
+            first.micro_batch, first.allocations, second.micro_batch, second.allocations
         )
         if model is None:
             continue

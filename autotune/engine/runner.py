@@ -258,9 +258,7 @@ class InProcessRunner:
 
     def settle(self) -> None:
         """After a first complete step: the state a warm-up leaves (rebuilt buckets, and the
-        snapshot that undoes an out-of-memory inside the optimizer step, and the residents
-        where the step left them on the device)."""
-        self.device.after_warm_up()
+        snapshot that undoes an out-of-memory inside the optimizer step)."""
         self.step.settle()
         if self.keeps_state:
             self._snapshot = self.step.snapshot()
