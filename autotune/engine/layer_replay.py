@@ -580,7 +580,7 @@ def evaluate(
                 allocator.stats,
                 phase_peak_bytes={},
                 oom_phase=journal[0][4],
-                oom=_oom_detail(journal, 0, error, {}, set()),
+                oom=_oom_detail(journal, 0, error, {}, set(), {}),
                 series=None,
                 allocations=None,
             )
