@@ -579,8 +579,9 @@ class ChildProcessRunner:
         self.last_failure: FailedCall | None = None
         self._spec_json = spec.model_dump_json()
         self._description: Description | None = None
-        # The mode of the last warm-up that fitted: every later child warms up the same way, so
-        # that its trial sees the optimizer state a long-lived session would have.
+        # The mode of the first warm-up that fitted: every later child warms up the same way, so
+        # that its trial sees the optimizer state, and the residents where that warm-up left
+        # them, as a long-lived session would (a later warm-up finds them placed).
         self._warm_mode: bool | None = None
 
     def _run(self, operation: Operation, **fields: Any) -> object:
@@ -651,7 +652,7 @@ class ChildProcessRunner:
     def warm_up(self, *, checkpointing: bool) -> StepOutcome:
         outcome = self._run("warm_up", checkpointing=checkpointing)
         assert isinstance(outcome, StepOutcome)
-        if outcome.fits:
+        if outcome.fits and self._warm_mode is None:
             self._warm_mode = checkpointing
         return outcome
 

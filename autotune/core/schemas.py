@@ -11,11 +11,12 @@ from collections.abc import Sequence
 from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SkipValidation, model_validator
 
 from autotune.core.bytesize import format_bytes
 from autotune.core.errors import SpecError, shown
 from autotune.core.hubid import HUB_ID_MAX, hub_id_problem
+from autotune.core.memory.resident_placement import TrialStart
 from autotune.core.presets import PRESETS, CNNPreset, DecoderPreset
 
 if TYPE_CHECKING:
@@ -715,6 +716,9 @@ class StepOutcome(FrozenModel):
     # The step's allocations and frees in order, encoded as autotune.core.memory.allocation_trace
     # reads them, for the search's replay through the allocator model; kept like `series`.
     allocations: tuple[int, ...] | None = Field(default=None, exclude=True, repr=False)
+    # Where `allocations` started: the residents where the warm-up left them (None: packed into
+    # a fresh allocator, as in the warm-up itself); kept like `allocations`.
+    start: SkipValidation[TrialStart | None] = Field(default=None, exclude=True, repr=False)
 
     @classmethod
     def of_allocator(
@@ -727,6 +731,7 @@ class StepOutcome(FrozenModel):
         oom: OomDetail | None,
         series: Sequence[int] | None,
         allocations: Sequence[int] | None,
+        start: TrialStart | None = None,
     ) -> StepOutcome:
         """A step run through the model of the caching allocator, which never reserves past
         its capacity: it fits when nothing ran out, and only then keeps its `series` and
@@ -743,6 +748,7 @@ class StepOutcome(FrozenModel):
             oom=oom,
             series=tuple(series) if fits and series is not None else None,
             allocations=tuple(allocations) if fits and allocations is not None else None,
+            start=start if fits and allocations is not None else None,
         )
 
 

@@ -301,13 +301,15 @@ class _Search:
         which were never run for real: the bracket stays as the real trials leave it."""
         complete = sorted(
             (
-                (obs.micro_batch, series, obs.allocations)
+                (obs.micro_batch, series, obs.allocations, obs.start)
                 for obs in traced
                 if obs.fits and (series := obs.series) and obs.micro_batch >= 2
             ),
             key=lambda point: point[0],
         )
-        for (b1, series1, allocations1), (b2, series2, allocations2) in pairwise(complete):
+        for (b1, series1, allocations1, start1), (b2, series2, allocations2, start2) in pairwise(
+            complete
+        ):
             if b1 == b2:
                 continue
             model = PeakModel.fit(b1, series1, b2, series2)
@@ -317,7 +319,7 @@ class _Search:
             # Not a pair of real trials: a refit on the real ones must not take it for its own.
             self.fitted_on = None
             self.allocation_model = (
-                AllocationModel.fit(b1, allocations1, b2, allocations2)
+                AllocationModel.fit(b1, allocations1, b2, allocations2, starts=(start1, start2))
                 if allocations1 and allocations2
                 else None
             )
@@ -346,7 +348,13 @@ class _Search:
             oldest_allocations = traced[oldest_b].allocations
             newest_allocations = traced[newest_b].allocations
             self.allocation_model = (
-                AllocationModel.fit(oldest_b, oldest_allocations, newest_b, newest_allocations)
+                AllocationModel.fit(
+                    oldest_b,
+                    oldest_allocations,
+                    newest_b,
+                    newest_allocations,
+                    starts=(traced[oldest_b].start, traced[newest_b].start),
+                )
                 if oldest_allocations and newest_allocations
                 else None
             )

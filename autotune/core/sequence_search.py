@@ -80,7 +80,7 @@ def find_max_seq_len(
         # The search counts steps where it counts samples; it checks the size it asked for,
         # and the series are not offered: memory is not affine in the length.
         return outcome.model_copy(
-            update={"micro_batch": steps, "series": None, "allocations": None}
+            update={"micro_batch": steps, "series": None, "allocations": None, "start": None}
         )
 
     search = find_max_micro_batch(

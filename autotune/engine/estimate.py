@@ -36,6 +36,7 @@ from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.gpus.cuda_reserve import GpuBudget, budget_for
 from autotune.core.gpus.roofline import RooflineAssumptions
 from autotune.core.memory.allocator_config import AllocatorConfig
+from autotune.core.memory.resident_placement import ResidentPlacement
 from autotune.core.parallel.layouts import layout_transfers
 from autotune.core.parallel.overlap import OverlapAssumptions, StepTimes, step_times
 from autotune.core.parallel.topology import Topology, topology_for
@@ -327,11 +328,13 @@ class EstimateRunner:
         )
         # Traced trials and speed passes once the runner is warm, by what was traced: after a
         # warm-up a trial starts from the same state whatever ran before (gradients freed, an
-        # optimizer step that ran out undone from the snapshot) and a fresh allocator, so the
-        # same trial traces the same outcome. The tuner asks for many again (the probe's
-        # sizes, the G = 2 probe's, its measurements of them).
+        # optimizer step that ran out undone from the snapshot) and the residents where the
+        # first warm-up left them, so the same trial traces the same outcome. The tuner asks
+        # for many again (the probe's sizes, the G = 2 probe's, its measurements of them).
         self._warm = False
         self._warm_checkpointing = False
+        # Where the residents were as the last warm-up started (None: before the first).
+        self._warm_placement: ResidentPlacement | None = None
         self._warm_outcome: StepOutcome | None = None
         self._outcomes: dict[_TrialKey, StepOutcome] = {}
         self._step_times: dict[_TrialKey, _StepTimes] = {}
@@ -422,7 +425,9 @@ class EstimateRunner:
         """
         assert self._partial is not None
         with self._mode, _sequences_not_packed(), self._checked():
-            outcome = self._partial.warm_up(checkpointing=self._warm_checkpointing)
+            outcome = self._partial.warm_up(
+                checkpointing=self._warm_checkpointing, placement=self._warm_placement
+            )
         if outcome != self._warm_outcome:
             raise NotReplayable("the two traced models' warm-ups differ")
 
@@ -513,6 +518,7 @@ class EstimateRunner:
         self._step_times.clear()
         self._layered.clear()
         self._warm_checkpointing = checkpointing
+        self._warm_placement = self._device.placement
         with self._mode, _sequences_not_packed(), self._checked():
             outcome = None
             if self._replay is not None:

@@ -40,6 +40,7 @@ import importlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Protocol
 
 import torch
@@ -50,6 +51,7 @@ from autotune.core.gpus.roofline import RooflineAssumptions
 from autotune.core.memory.allocator import AllocatorOutOfMemory, CachingAllocator
 from autotune.core.memory.allocator_config import AllocatorConfig
 from autotune.core.memory.gradient_buckets import BucketTensor
+from autotune.core.memory.resident_placement import ResidentPlacement, TrialStart
 from autotune.core.parallel.layouts import ModelParameters
 from autotune.core.schemas import OOM_OP_MAX, OomDetail, Phase, Sharding, Spec, StepOutcome
 from autotune.engine.devices.device import EmulatedDevice
@@ -550,14 +552,39 @@ def evaluate(
     allocator_config: AllocatorConfig | None,
     device_total_bytes: int,
     block_bytes: int,
+    placement: ResidentPlacement | None = None,
 ) -> StepOutcome:
     """The outcome of the step `journal` records on the emulated GPU: the allocations replayed
     in order through a fresh caching allocator of `limit_bytes`, as the emulated device's
     tracker mallocs and frees them (`autotune.engine.devices.device.EmulatedDevice`), and the
-    live bytes, phase peaks and out-of-memory as the tracker counts them."""
+    live bytes, phase peaks and out-of-memory as the tracker counts them. With `placement`,
+    the residents (the allocations before the journal's first marker, which the tracker
+    writes after them) start where the warm-up left them, as on the device after its
+    warm-up."""
     allocator = CachingAllocator(
         limit_bytes, allocator_config, device_total_bytes=device_total_bytes
     )
+    placed: list[Any] = []
+    start: TrialStart | None = None
+    if placement is not None:
+        residents = next((i for i, record in enumerate(journal) if record[0] == MARK), 0)
+        sizes = [record[1] for record in journal[:residents]]
+        if any(record[0] != ALLOC for record in journal[:residents]):
+            raise NotReplayable("the residents' allocations are not the journal's first")
+        start = TrialStart(placement, len(sizes))
+        try:
+            placed = placement.place(allocator, sizes)
+        except AllocatorOutOfMemory as error:
+            return StepOutcome.of_allocator(
+                micro_batch,
+                allocator.stats,
+                phase_peak_bytes={},
+                oom_phase=journal[0][4],
+                oom=_oom_detail(journal, 0, error, {}, set(), {}),
+                series=None,
+                allocations=None,
+            )
+        placed.reverse()
     live_bytes = 0
     blocks: dict[int, tuple[Any, int, int]] = {}  # journal index -> (block, bytes, category)
     gradients: set[int] = set()
@@ -575,7 +602,7 @@ def evaluate(
         if kind == ALLOC:
             nbytes = record[1]
             try:
-                block = allocator.malloc(nbytes)
+                block = placed.pop() if placed else allocator.malloc(nbytes)
             except AllocatorOutOfMemory as error:
                 oom_phase = record[4]
                 oom = _oom_detail(journal, index, error, blocks, gradients, registered)
@@ -612,6 +639,7 @@ def evaluate(
         oom=oom,
         series=series,
         allocations=allocations,
+        start=start,
     )
 
 
@@ -733,6 +761,12 @@ class _GradientRecorder(Protocol):
     def record_gradient(self, parameter: torch.Tensor, tag: int, number: int = -1) -> None: ...
 
 
+class _Placed(Enum):
+    """Where a replayed trial starts when not told: as the device's trials do."""
+
+    DEVICES = "the device's"
+
+
 class LayerReplay:
     """Trials of a deep model by the layer replay (module docstring): `device` is the emulated
     GPU the estimate is for; the shallow model, of `traced_layers` layers, runs on a twin of it
@@ -769,6 +803,7 @@ class LayerReplay:
         # out, so that it is whole.
         twin.capacity_bytes = _UNBOUNDED_BYTES
         twin.make_tracker = self._make_tracker
+        self._twin = twin
         self.runner = InProcessRunner(
             shallow, twin, allowed_factory_prefixes=allowed_factory_prefixes
         )
@@ -916,15 +951,22 @@ class LayerReplay:
         *,
         checkpointing: bool,
         checkpointed_blocks: int | None = None,
+        placement: ResidentPlacement | None | _Placed = _Placed.DEVICES,
     ) -> StepOutcome:
         """The deep model's trial, replayed (the shallow model is left as the deep one's
         trial would leave it); `checkpointed_blocks` while checkpointing: the deep model's
-        first layers checkpointed (None: all).
+        first layers checkpointed (None: all). It starts where the device's trials start (its
+        warm-up's `placement` of the residents), or from `placement` when given.
 
         Raises:
             NotReplayable: the shallow journal does not show the structure the rule needs.
         """
         plan, shallow_blocks = self.plan(checkpointed_blocks if checkpointing else None)
+        start = self.device.placement if placement is _Placed.DEVICES else placement
+        # The twin counts no allocator, but its trial counts the BLAS workspaces as the deep
+        # model's does: resident once the residents are placed, else at each thread's first
+        # matmul (the warm-up's).
+        self._twin.placement = start
         runner = self.runner
         step = runner.step
         optimizer = getattr(step.optimizer, "optim", step.optimizer)
@@ -933,7 +975,7 @@ class LayerReplay:
         shallow = self._journals.get(key)
         if shallow is None:
             shallow = self._journal(micro_batch, accumulation_steps, checkpointing, shallow_blocks)
-            if self._warm and self.reducer is None:
+            if self._warm and self.reducer is None and placement is _Placed.DEVICES:
                 # After the warm-up a step starts from the same state whatever ran before
                 # (the estimate's own answers from earlier traces rest on it), so the same
                 # shallow step journals the same events. Not on DDP's ranks: the first step
@@ -951,6 +993,7 @@ class LayerReplay:
             allocator_config=device.allocator_config,
             device_total_bytes=device.info.total_memory_bytes,
             block_bytes=device.block_bytes,
+            placement=start,
         )
         if not outcome.fits:
             if shallow.rebuilt_buckets:
@@ -1033,12 +1076,20 @@ class LayerReplay:
                     journal[index] = (*journal[index][:5], BUCKET)
         return _ShallowJournal(journal, tuple(layouts), rebuilt_here)
 
-    def warm_up(self, *, checkpointing: bool) -> StepOutcome:
+    def warm_up(
+        self,
+        *,
+        checkpointing: bool,
+        placement: ResidentPlacement | None | _Placed = _Placed.DEVICES,
+    ) -> StepOutcome:
+        """The deep model's warm-up, from where `trial` starts; the device keeps where it
+        left the residents, if it is the first."""
         self._warm = False
         self._journals.clear()
-        outcome = self.trial(1, 1, checkpointing=checkpointing)
+        outcome = self.trial(1, 1, checkpointing=checkpointing, placement=placement)
         if outcome.fits:
             self.runner.settle()
+            self.device.keep_placement(outcome)
             self._warm = True
         return outcome
 

@@ -260,7 +260,7 @@ def probe_mode(
 
 def _stored(outcome: StepOutcome) -> StepOutcome:
     """The series served the fit; a result keeps what the wire and the store keep."""
-    return outcome.model_copy(update={"series": None, "allocations": None})
+    return outcome.model_copy(update={"series": None, "allocations": None, "start": None})
 
 
 def probe(spec: Spec, device: Device, *, on_attempt: AttemptCallback | None = None) -> ProbeResult:
@@ -356,7 +356,11 @@ def _traced_answer(
         if first.micro_batch == second.micro_batch:
             continue
         model = AllocationModel.fit(
-            first.micro_batch, first.allocations, second.micro_batch, second.allocations
+            first.micro_batch,
+            first.allocations,
+            second.micro_batch,
+            second.allocations,
+            starts=(first.start, second.start),
         )
         if model is None:
             continue

@@ -258,7 +258,9 @@ class InProcessRunner:
 
     def settle(self) -> None:
         """After a first complete step: the state a warm-up leaves (rebuilt buckets, and the
-        snapshot that undoes an out-of-memory inside the optimizer step)."""
+        snapshot that undoes an out-of-memory inside the optimizer step, and the residents
+        where the step left them on the device)."""
+        self.device.after_warm_up()
         self.step.settle()
         if self.keeps_state:
             self._snapshot = self.step.snapshot()

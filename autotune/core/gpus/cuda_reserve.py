@@ -39,6 +39,11 @@ CUBLASLT_WORKSPACE_BYTES = 1024 * _KiB
 # One workspace per (handle, stream), a handle per thread: the thread that runs forward and the
 # optimizer step, and the autograd engine's device thread that runs backward.
 BLAS_THREADS = 2
+# The ops whose first run on a thread creates that thread's cuBLAS handle, and with it the
+# thread's workspaces.
+BLAS_HANDLE_OPS = frozenset(
+    {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "addmv"}
+)
 
 # NCCL (defaults, one communicator): per channel and connection, the Simple buffer
 # (NCCL_BUFFSIZE, 4 MiB), the LL128 and LL buffers, 10 MiB once rounded to cuMem's granularity;

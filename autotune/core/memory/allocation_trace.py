@@ -2,7 +2,8 @@
 what a device of a given size would reserve for it, and whether it runs out
 (docs/design.md#the-caching-allocator-model); and `AllocationModel`, the traces of one step fitted
 affinely in the micro-batch, which predicts by replay where a step runs out on reserved memory
-(docs/design.md#predicting-reserved-memory).
+(docs/design.md#predicting-reserved-memory). A trace that starts from the residents where the
+warm-up left them carries its `TrialStart`, and is replayed from there.
 
 A trace travels encoded as integers, as the tracker records it: a size >= 0 is a storage of that
 many bytes allocated, -(n + 1) the free of the storage allocated by event n.
@@ -20,6 +21,7 @@ from autotune.core.memory.allocator import (
     CachingAllocator,
 )
 from autotune.core.memory.allocator_config import AllocatorConfig
+from autotune.core.memory.resident_placement import TrialStart
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,12 +78,25 @@ def replay(
 
 
 def replay_encoded(
-    trace: Sequence[int], capacity_bytes: int, config: AllocatorConfig | None = None
+    trace: Sequence[int],
+    capacity_bytes: int,
+    config: AllocatorConfig | None = None,
+    start: TrialStart | None = None,
 ) -> ReplayResult:
-    """`replay` of an encoded trace."""
+    """`replay` of an encoded trace; from `start`'s placement of its residents (its first
+    events) when given, as the trial it was recorded in started."""
     allocator = CachingAllocator(capacity_bytes, config)
     live: dict[int, BlockId] = {}
-    for position, event in enumerate(trace):
+    first = 0
+    if start is not None:
+        first = start.resident_events
+        try:
+            blocks = start.placement.place(allocator, trace[:first])
+        except AllocatorOutOfMemory as error:
+            return ReplayResult(allocator.stats, error, 0)
+        live = dict(enumerate(blocks))
+    for position in range(first, len(trace)):
+        event = trace[position]
         if event >= 0:
             try:
                 live[position] = allocator.malloc(event)
@@ -105,23 +120,32 @@ class AllocationModel:
     known, and replaying it says what the allocator reserves there and whether it runs out.
 
     Sizes are stored as base + (b - b1) * delta / span, rounded up, so non-integer slopes stay
-    within a byte; frees carry a delta of 0.
+    within a byte; frees carry a delta of 0. Both traces started from `start` (None: a fresh
+    allocator), and so does every replay.
     """
 
     base_micro_batch: int
     span_micro_batches: int
     base: tuple[int, ...]
     delta_bytes: tuple[int, ...]
+    start: TrialStart | None = None
 
     @classmethod
     def fit(
-        cls, b1: int, trace1: Sequence[int], b2: int, trace2: Sequence[int]
+        cls,
+        b1: int,
+        trace1: Sequence[int],
+        b2: int,
+        trace2: Sequence[int],
+        *,
+        starts: tuple[TrialStart | None, TrialStart | None] = (None, None),
     ) -> AllocationModel | None:
-        """Fit on traces at `b1` < `b2`; None when their events differ (length, or which
-        allocation each free frees), they are empty, or `b1` < 2."""
+        """Fit on traces at `b1` < `b2` that started from `starts`; None when their events
+        differ (length, or which allocation each free frees), they are empty, `b1` < 2, or
+        they started from different placements."""
         if b2 <= b1:
             raise ValueError(f"need b1 < b2, got b1={b1}, b2={b2}")
-        if b1 < 2 or len(trace1) != len(trace2) or not trace1:
+        if b1 < 2 or len(trace1) != len(trace2) or not trace1 or starts[0] != starts[1]:
             return None
         for event1, event2 in zip(trace1, trace2, strict=True):
             if (event1 < 0 or event2 < 0) and event1 != event2:
@@ -133,6 +157,7 @@ class AllocationModel:
             delta_bytes=tuple(
                 0 if e1 < 0 else e2 - e1 for e1, e2 in zip(trace1, trace2, strict=True)
             ),
+            start=starts[0],
         )
 
     def trace(self, micro_batch: int) -> list[int]:
@@ -147,7 +172,7 @@ class AllocationModel:
         self, micro_batch: int, capacity_bytes: int, config: AllocatorConfig | None = None
     ) -> ReplayResult:
         """The predicted step at `micro_batch` on a device of `capacity_bytes`."""
-        return replay_encoded(self.trace(micro_batch), capacity_bytes, config)
+        return replay_encoded(self.trace(micro_batch), capacity_bytes, config, self.start)
 
     def live_peak_bytes(self, micro_batch: int) -> int:
         """The most bytes the predicted trace at `micro_batch` holds at once (as requested,

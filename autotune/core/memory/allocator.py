@@ -249,6 +249,10 @@ class CachingAllocator:
         self._peak_allocated = self._allocated
         self._peak_reserved = self._reserved
 
+    def reset_accumulated_stats(self) -> None:
+        """`resetAccumulatedStats`: the retry and out-of-memory counts restart from 0."""
+        self._num_alloc_retries = self._num_ooms = 0
+
     @property
     def stats(self) -> AllocatorStats:
         return AllocatorStats(

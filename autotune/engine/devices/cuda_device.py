@@ -16,6 +16,7 @@ import torch
 
 from autotune.core.errors import DeviceError
 from autotune.core.memory.allocator_config import AllocatorConfig, canonical_conf
+from autotune.core.memory.resident_placement import ResidentPlacement, TrialStart
 from autotune.core.schemas import DeviceInfo, DeviceKind, Phase, SpeedSource, StepOutcome
 from autotune.engine.devices.cuda_runtime import CudaRuntime, TorchCudaRuntime
 from autotune.engine.devices.nvml import GpuInfo, read_gpus
@@ -86,6 +87,10 @@ class CudaDevice:
         # (docs/design.md#named-gpus-and-what-cuda-takes).
         self._info = self._read_info()
         self._step_loaded = False
+        # The warm-up's trace as the tracker saw it: where the card left the residents, which
+        # the replays that predict its trials start from (the card needs no help).
+        self.placement: ResidentPlacement | None = None
+        self._last_outcome: StepOutcome | None = None
 
     def _nvml_gpu(self) -> GpuInfo | None:
         """This device as NVML lists it (matched by UUID), or None when NVML cannot say."""
@@ -183,7 +188,9 @@ class CudaDevice:
         phase_peak_bytes = dict(tracker.phase_peak_bytes) if tracker is not None else {}
         if oom_phase is None and not fits:
             oom_phase = peak_phase(phase_peak_bytes) or Phase.FORWARD
-        return StepOutcome(
+        recorded = tracker is not None and record_series and fits
+        placement = self.placement
+        outcome = StepOutcome(
             micro_batch=micro_batch,
             fits=fits,
             peak_bytes=peak_bytes,
@@ -191,13 +198,27 @@ class CudaDevice:
             num_alloc_retries=num_alloc_retries,
             phase_peak_bytes=phase_peak_bytes,
             oom_phase=oom_phase,
-            series=tuple(tracker.series)
-            if tracker is not None and record_series and fits
-            else None,
-            allocations=tuple(tracker.allocations)
-            if tracker is not None and record_series and fits
+            series=tuple(tracker.series) if tracker is not None and recorded else None,
+            allocations=tuple(tracker.allocations) if tracker is not None and recorded else None,
+            start=TrialStart(placement, tracker.resident_events)
+            if tracker is not None and recorded and placement is not None
             else None,
         )
+        if track:
+            self._last_outcome = outcome
+        return outcome
 
     def synchronize(self) -> None:
         self._cuda.synchronize(self._index)
+
+    def after_warm_up(self) -> None:
+        """The card keeps its residents where the warm-up put them; the trials' traces say so
+        from now on (`EmulatedDevice.keep_placement`'s rule)."""
+        warm_up = self._last_outcome
+        if (
+            self.placement is None
+            and warm_up is not None
+            and warm_up.fits
+            and warm_up.allocations is not None
+        ):
+            self.placement = ResidentPlacement(warm_up.allocations)

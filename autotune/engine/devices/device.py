@@ -10,7 +10,6 @@ exception goes through unchanged.
 
 from __future__ import annotations
 
-import itertools
 import re
 from collections.abc import Callable, Iterable
 from typing import Protocol
@@ -20,9 +19,10 @@ import torch
 from autotune.core.bytesize import format_bytes
 from autotune.core.errors import SpecError
 from autotune.core.gpus.catalogue import UnknownGpu, find_gpu
-from autotune.core.gpus.cuda_reserve import GpuBudget, budget_for
+from autotune.core.gpus.cuda_reserve import BLAS_HANDLE_OPS, BLAS_THREADS, GpuBudget, budget_for
 from autotune.core.memory.allocator import CachingAllocator
 from autotune.core.memory.allocator_config import AllocatorConfig, canonical_conf
+from autotune.core.memory.resident_placement import ResidentPlacement, TrialStart
 from autotune.core.schemas import DeviceInfo, DeviceKind, Phase, SpeedSource, StepOutcome
 from autotune.engine.devices.cuda_device import CudaDevice
 from autotune.engine.devices.cuda_runtime import CudaRuntime
@@ -64,6 +64,11 @@ class Device(Protocol):
 
     def synchronize(self) -> None: ...
 
+    def after_warm_up(self) -> None:
+        """The last tracked trial was the session's warm-up, and it fitted: the residents are
+        where it left them for every later trial."""
+        ...
+
 
 def _with_gpu_attention(step: Callable[[], object]) -> Callable[[], object]:
     def attended() -> object:
@@ -89,9 +94,11 @@ class EmulatedDevice:
     are resident in every step, as on the card (docs/design.md#named-gpus-and-what-cuda-takes).
 
     Every trial's storages are malloc'd from a fresh model of the caching allocator
-    (`allocator_config`: torch's defaults when None), residents first, so a step runs out where
-    its *reserved* memory would pass the capacity after the allocator freed its cache and retried
-    (docs/design.md#the-caching-allocator-on-the-emulated-gpu). `model_allocator=False` counts
+    (`allocator_config`: torch's defaults when None), so a step runs out where its *reserved*
+    memory would pass the capacity after the allocator freed its cache and retried
+    (docs/design.md#the-caching-allocator-on-the-emulated-gpu). Until the warm-up the residents
+    are malloc'd first; after it (`after_warm_up`) every trial starts from the state the
+    warm-up left, the residents where it put them (`placement`). `model_allocator=False` counts
     live tensor bytes against the capacity instead, as the emulated GPU did before: for
     comparisons only."""
 
@@ -116,6 +123,10 @@ class EmulatedDevice:
         # cost address space only.
         self._workspaces: tuple[torch.Tensor, ...] = ()
         self._kept_free_bytes = 0
+        # Where the warm-up left the residents (None: no warm-up yet), and the last tracked
+        # trial, which `after_warm_up` takes for the warm-up.
+        self.placement: ResidentPlacement | None = None
+        self._last_outcome: StepOutcome | None = None
         self.gpu = gpu
         if gpu is not None:
             self.capacity_bytes = gpu.capacity_bytes
@@ -209,17 +220,18 @@ class EmulatedDevice:
             None, allocator=allocator, block_bytes=self.block_bytes, record_series=record_series
         )
         tracker.holders = holders
-        residents = [*resident, *self._workspaces]
+        placement = self.placement
+        residents = self._residents(resident, tracker)
 
         def resident_then_step() -> object:
             # Inside the tracked run: a resident set the allocator cannot hold is an
             # out-of-memory of this trial like any other.
-            tracker.add_resident(residents)
+            tracker.add_resident(residents, placement)
             return step()
 
         oom_phase = run_tracked(resident_then_step, tracker, micro_batch=micro_batch)
         # The allocator never reserves past its capacity, so a step that completed fits.
-        return StepOutcome.of_allocator(
+        outcome = StepOutcome.of_allocator(
             micro_batch,
             allocator.stats,
             phase_peak_bytes=dict(tracker.phase_peak_bytes),
@@ -227,7 +239,48 @@ class EmulatedDevice:
             oom=tracker.oom,
             series=tracker.series if record_series else None,
             allocations=tracker.allocations if record_series else None,
+            start=None if placement is None else TrialStart(placement, tracker.resident_events),
         )
+        self._last_outcome = outcome
+        return outcome
+
+    def _residents(
+        self, resident: Iterable[torch.Tensor], tracker: LiveBytesTracker
+    ) -> list[torch.Tensor]:
+        """What a trial counts before its step: `resident`, and the BLAS workspaces once the
+        warm-up placed them. In the warm-up (no `placement` yet) each thread's workspaces are
+        allocated at its first matmul instead, among the step's tensors, as the card creates
+        that thread's cuBLAS handle then."""
+        if self.placement is not None:
+            return [*resident, *self._workspaces]
+        per_thread = len(self._workspaces) // BLAS_THREADS
+        tracker.deferred = {
+            backward: list(self._workspaces[thread * per_thread : (thread + 1) * per_thread])
+            for thread, backward in enumerate((False, True))
+            if per_thread
+        }
+        tracker.deferred_ops = BLAS_HANDLE_OPS
+        return list(resident)
+
+    def after_warm_up(self) -> None:
+        """The last tracked trial was the warm-up: keep where it left the residents
+        (`keep_placement`)."""
+        if self._last_outcome is not None:
+            self.keep_placement(self._last_outcome)
+
+    def keep_placement(self, warm_up: StepOutcome) -> None:
+        """From now on every trial starts with the residents where `warm_up` (a step from a
+        fresh allocator that fitted and recorded its allocations) left them. Only the first
+        warm-up places them: on a card a later one finds them placed already, and leaves them
+        there."""
+        if (
+            self.placement is None
+            and self.model_allocator
+            and warm_up.fits
+            and warm_up.start is None
+            and warm_up.allocations is not None
+        ):
+            self.placement = ResidentPlacement(warm_up.allocations)
 
     def _run_live_bytes(
         self,
@@ -242,7 +295,7 @@ class EmulatedDevice:
             limit_bytes, block_bytes=self.block_bytes, record_series=record_series
         )
         tracker.holders = holders
-        tracker.add_resident(itertools.chain(resident, self._workspaces))
+        tracker.add_resident(self._residents(resident, tracker))
         oom_phase = run_tracked(step, tracker, micro_batch=micro_batch)
         # The tracker raises before any op takes live bytes past capacity; only a resident
         # set that is already too big can leave a completed step over it.

@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotune.core.gpus.catalogue import Gpu
 from autotune.core.gpus.cuda_reserve import (
+    BLAS_HANDLE_OPS,
     CUBLAS_WORKSPACE_BYTES,
     CUBLAS_WORKSPACE_SM90_BYTES,
     CUBLASLT_WORKSPACE_BYTES,
@@ -58,7 +59,7 @@ HANDLE_BYTES = 2 * _MiB
 # The largest convolution input cuDNN takes before refusing with NOT_SUPPORTED: 32-bit indexing.
 CUDNN_MAX_ELEMENTS = 2**31 - 1
 
-MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "addmv"})
+MATMUL_OPS = BLAS_HANDLE_OPS
 CONVOLUTION_OPS = frozenset({"convolution", "convolution_backward"})
 
 # torch's messages for these failures (its TORCH_CUDABLAS_CHECK and AT_CUDNN_CHECK macros;

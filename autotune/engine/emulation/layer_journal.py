@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from autotune.core.memory.resident_placement import ResidentPlacement
 from autotune.core.schemas import Phase
 from autotune.engine.emulation.tracker import (
     _UNCOUNTED_OP_IDS,
@@ -236,6 +237,22 @@ class JournalTracker(LiveBytesTracker):  # type: ignore[no-untyped-call]
         self._held_gradients: dict[int, _StorageRef] = {}
         self._original_setattr_on_modules: Any = None
         contexts.reset()
+
+    def add_resident(
+        self, tensors: Iterable[torch.Tensor], placement: ResidentPlacement | None = None
+    ) -> None:
+        super().add_resident(tensors, placement)
+        # The residents' allocations end here: a replay places them as the tracker did
+        # (`autotune.engine.layer_replay.evaluate`).
+        self.journal.append((MARK, NO_LAYER))
+
+    def _count_deferred(self, backward: bool) -> None:
+        # Counted as residents are (no op's outputs): tagged by their storage, FIXED.
+        tags, self._output_tags = self._output_tags, None
+        try:
+            super()._count_deferred(backward)
+        finally:
+            self._output_tags = tags
 
     def _count(self, tensor: torch.Tensor) -> int:
         key = storage_key(tensor)

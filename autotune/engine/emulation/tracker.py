@@ -37,6 +37,7 @@ from autotune.core.memory.allocator import (
     BlockId,
     CachingAllocator,
 )
+from autotune.core.memory.resident_placement import ResidentPlacement
 from autotune.core.schemas import OOM_OP_MAX, OomDetail, Phase
 
 logger = logging.getLogger(__name__)
@@ -146,21 +147,49 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.holders: Callable[[], MemoryHolders] | None = None
         self.oom: OomDetail | None = None
         self._op: object = "the step's resident tensors"
+        # The blocks `add_resident` hands the residents it places, in the order it counts them.
+        self._placed: list[BlockId] = []
+        # How many of `allocations` are the residents' (the first ones).
+        self.resident_events = 0
+        # Tensors first counted just before the first op of `deferred_ops` on a thread (True:
+        # the autograd engine's, running backward; False: the caller's): the BLAS workspaces
+        # a card allocates as a thread's first matmul creates its cuBLAS handle.
+        self.deferred: dict[bool, list[torch.Tensor]] = {}
+        self.deferred_ops: frozenset[str] = frozenset()
 
     # -------------------------------------------------------------------------------------
     # Counting storages.
 
-    def add_resident(self, tensors: Iterable[torch.Tensor]) -> None:
+    def add_resident(
+        self, tensors: Iterable[torch.Tensor], placement: ResidentPlacement | None = None
+    ) -> None:
         """Count storages that already exist, and a tensor's `.grad` with it; dedupes by storage.
+        With `placement` (and the allocator), the allocator starts in the state the warm-up
+        left and each resident takes its block there (`ResidentPlacement.place`); without, they
+        are malloc'd in order.
 
         No capacity check here: what is resident before the step is the caller's business, and
         the first op of the step raises if it already does not fit.
         """
-        for tensor in tensors:
+        counted = [t for tensor in tensors for t in (tensor, tensor.grad) if t is not None]
+        if placement is not None and self.allocator is not None:
+            new: dict[int, int] = {}
+            for tensor in counted:
+                try:
+                    storage = local_tensor(tensor).untyped_storage()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                if id(storage) not in self._storages:
+                    new.setdefault(id(storage), storage.nbytes())
+            try:
+                self._placed = placement.place(self.allocator, list(new.values()))
+            except AllocatorOutOfMemory as error:
+                raise self._out_of_memory(error) from None
+            self._placed.reverse()
+        for tensor in counted:
             self._count(tensor)
-            grad = tensor.grad
-            if grad is not None:
-                self._count(grad)
+        self._placed = []
+        self.resident_events = len(self.allocations)
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
 
@@ -215,15 +244,20 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def _malloc(self, nbytes: int) -> BlockId:
         if self.allocator is None:
             return NO_BLOCK
+        if self._placed:
+            return self._placed.pop()  # a resident's block, placed already
         try:
             return self.allocator.malloc(nbytes)
         except AllocatorOutOfMemory as error:
-            self._record_oom(
-                error.allocation_bytes,
-                allocated_bytes=error.allocated_bytes,
-                cache_bytes=error.reserved_bytes - error.allocated_bytes,
-            )
-            raise torch.OutOfMemoryError(_out_of_memory_message(error, self.phase)) from None
+            raise self._out_of_memory(error) from None
+
+    def _out_of_memory(self, error: AllocatorOutOfMemory) -> torch.OutOfMemoryError:
+        self._record_oom(
+            error.allocation_bytes,
+            allocated_bytes=error.allocated_bytes,
+            cache_bytes=error.reserved_bytes - error.allocated_bytes,
+        )
+        return torch.OutOfMemoryError(_out_of_memory_message(error, self.phase))
 
     def _record_oom(
         self, allocation_bytes: int, *, allocated_bytes: int, cache_bytes: int
@@ -282,6 +316,11 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if ref.event >= 0 and self._active:
             self.allocations.append(-(ref.event + 1))
 
+    def _count_deferred(self, backward: bool) -> None:
+        """Count the tensors deferred to this thread's first such op (`deferred`)."""
+        for tensor in self.deferred.pop(backward, []):
+            self._count(tensor)
+
     def _count_outputs(self, out: object) -> int:
         if isinstance(out, torch.Tensor):
             return self._count(out)
@@ -321,6 +360,8 @@ class LiveBytesTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         phase_changed = phase is not self.phase
         self.phase = phase
         self._op = func
+        if self.deferred and func.overloadpacket.__name__ in self.deferred_ops:
+            self._count_deferred(phase is Phase.BACKWARD)
         live_before_bytes = self.live_bytes
         out = func(*args, **(kwargs or {}))
         added_bytes = self._count_outputs(out)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
+from torch.distributed.fsdp import FSDPModule
 from torch.utils._python_dispatch import _disable_current_modes
 
 from autotune.core.errors import SpecError
@@ -313,6 +314,7 @@ class TrainingStep:
         # FSDP2 sets up its iteration state in the first forward (`_is_root` is None before).
         if fsdp_state is not None and fsdp_state()._is_root:
             self.model.reset_iter_state()  # type: ignore[operator]
+            _drop_unreduced_grads(self.model)
         if self.scaler is not None:
             # `scaler.step()` marks the optimizer UNSCALED before `optimizer.step()` runs, and
             # only `update()` forgets it. After an out-of-memory inside the step, the next step
@@ -320,6 +322,24 @@ class TrainingStep:
             # the failed step's inf checks (review item 8 of issue 9). What update() does to
             # the per-optimizer records, without touching the scale.
             self.scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+
+def _drop_unreduced_grads(model: nn.Module) -> None:
+    """Drop the gradients a backward cut short left on FSDP2's gathered parameters.
+
+    FSDP2 moves a block's gradients into its reduce-scatter after the block's backward and then
+    sets its gathered parameters' `.grad` to None; a backward that ran out inside a block leaves
+    them there, and `reset_iter_state` (which discards in-flight reductions) does not touch
+    them. The next step's backward would then accumulate into them out of place (a new
+    gradient, then the stale one freed) instead of making them fresh: a trial would depend on
+    the one before it."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for fsdp_param in group.fsdp_params:
+                    if hasattr(fsdp_param, "_unsharded_param"):
+                        fsdp_param._unsharded_param.grad = None
+                    fsdp_param.unsharded_accumulated_grad = None
 
 
 def _build_optimizer(

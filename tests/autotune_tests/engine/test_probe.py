@@ -39,6 +39,16 @@ def capacity_for_about_four(spec: Spec) -> int:
     return peak3 + (peak3 - peak2) * 3 // 2
 
 
+def warmed_as_a_probe(spec: Spec, capacity_bytes: int) -> InProcessRunner:
+    """A fresh model and optimizer on a fresh device, warmed up as the probe warms up: the
+    plain mode first, whose warm-up places the residents for every later trial of both modes
+    (docs/design.md#the-caching-allocator-on-the-emulated-gpu), then the checkpointed one."""
+    runner = InProcessRunner(spec, EmulatedDevice(capacity_bytes))
+    for checkpointing in (False, True):
+        assert runner.warm_up(checkpointing=checkpointing).fits
+    return runner
+
+
 def _family(name: str) -> str:
     return getattr(PRESETS[name], "family", PRESETS[name].kind)
 
@@ -59,16 +69,18 @@ def test_probe_result_fits_and_one_more_does_not(name: str) -> None:
         b = mode.max_micro_batch
         assert b >= 1
         # Checked independently: a fresh model and optimizer on a fresh device of that size.
-        fresh = InProcessRunner(spec, EmulatedDevice(device.info.capacity_bytes))
-        assert fresh.warm_up(checkpointing=mode.checkpointing).fits
+        fresh = warmed_as_a_probe(spec, device.info.capacity_bytes)
         assert fresh.trial(b, checkpointing=mode.checkpointing).fits
         if not mode.capped:
             after = fresh.trial(b + 1, checkpointing=mode.checkpointing)
             assert not after.fits
             assert after.peak_bytes <= device.info.capacity_bytes
-        # Every attempt agrees with the answer (memory is monotone in b).
+        # Every attempt agrees with the answer: it fits up to it, but for the sizes below it
+        # the result lists as running out (memory is not monotone in b where the warm-up's
+        # placement leaves holes: llama-tiny checkpointed runs out at 10 and fits 18).
         for attempt in mode.attempts:
-            assert attempt.fits == (attempt.micro_batch <= b)
+            expected = attempt.micro_batch <= b and attempt.micro_batch not in mode.runs_out_below
+            assert attempt.fits == expected
         assert mode.recommended_micro_batch <= b
     plain, checkpointed = result.modes
     assert checkpointed.max_micro_batch >= plain.max_micro_batch
@@ -98,8 +110,7 @@ def test_a_checkpointed_probe_hinted_at_the_edge_of_a_dip_answers_the_largest_th
     tried = [attempt.micro_batch for attempt in checkpointed.attempts]
     assert tried[:3] == [plain.max_micro_batch, plain.max_micro_batch + 1, 2]
     assert checkpointed.max_micro_batch == 18
-    fresh = InProcessRunner(spec, EmulatedDevice(capacity_bytes))
-    assert fresh.warm_up(checkpointing=True).fits
+    fresh = warmed_as_a_probe(spec, capacity_bytes)
     assert not fresh.trial(19, checkpointing=True).fits
     assert fresh.trial(18, checkpointing=True).fits
     assert not fresh.trial(plain.max_micro_batch + 1, checkpointing=True).fits
@@ -197,7 +208,10 @@ def test_an_out_of_memory_says_which_allocation_failed_and_what_memory_held(
     parameters = list(runner.step.model.parameters())
     weight_bytes = sum(-(-p.numel() * p.element_size() // 512) * 512 for p in parameters)
 
-    outcome = runner.trial(4096)
+    # At 4096 the input batch alone (14 MiB) finds no hole in the warm-up's placement and no
+    # room for a segment: it runs out before any activation. At 2048 the first layer's output
+    # is made and its ReLU runs out.
+    outcome = runner.trial(2048)
 
     assert not outcome.fits
     oom = outcome.oom
