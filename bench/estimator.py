@@ -657,6 +657,7 @@ SPEED_LABELS = (
     "sharded-replay",
     "oom-replay",
     "tune-speed",
+    "microstep",
 )
 # Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
 # of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).
@@ -878,6 +879,40 @@ SPEED_NOTES = [
     "measured configurations (1 x 64 plain and checkpointed, 4 x 16 at 25 blocks) are about "
     "half of the row: a trial of 5 micro-steps and a speed pass of 3 each, 22 of the 44.8 "
     "s; a replay of middle micro-steps as of middle layers is the next lever.",
+    "Round 8 (microstep row, 27 Nov 2026): the micro-step replay (docs/design.md#the-micro-"
+    "step-replay, autotune/engine/microstep_replay.py): on one rank a trial of 4 or 5 micro-"
+    "steps (the tuner's measured 1 x 64 and 4 x 16 trace min(G, 5)) traces the shallow "
+    "model's step of 3 micro-steps, a first, a middle and a last, and writes its journal out "
+    "for 4 or 5 before the layer replay writes it out for the deep model: each unit of the "
+    "step (a micro-batch's making, its item count, a micro-step) repeated, its middle copy "
+    "standing for every other after a check that the last copy is the middle one. The journal"
+    " written out is the step of 4, 5 or 7 traced whole, record for record, and every trial "
+    "of 4, 5 or 64 micro-steps (LoRA and full, plain, checkpointed and partial, that fit and "
+    "that run out) is the whole model's trace to the byte "
+    "(tests/autotune_tests/engine/test_microstep_replay.py); DDP's and FSDP2's ranks trace "
+    "min(G, 5) as before. llama8b-lora-tune: 53.8 CPU s at load 11.2, against 61.6 CPU s at "
+    "load 10.8 for main's code (47cf06b, the tune-speed row's engine) run right after it on "
+    "the same box (2 cores shared with other helpers' tests and benches); 34 traced micro-"
+    "steps against 40, the same 18 traced steps, the same answers to the byte (maxima, 1 x 64"
+    " without checkpointing, samples/s 0.7019982546327984, peak 55,444,504,576 B). The "
+    "measured configurations' trials (calls_cpu_s): 1 x 64 plain 3.05 s, checkpointed 4.51, 4"
+    " x 16 at 25 blocks 6.06, against 5.35, 7.07 and 8.09 (13 % less in all; each figure is "
+    "one run at a load of 11 on 2 cores, where CPU seconds stretch too). "
+    "qwen0.5b-accumulation: 3.8 CPU s at load 11.6 (3.8 at load 5.1 in the bytecode row), 9 "
+    "traced micro-steps against 11 (G = 8's trial traces 3), the bytecode row's step times "
+    "and peaks to the byte; G = 64 and 2^20 are still answered from G = 8's traces. The 30 s "
+    "goal is not shown met at this load. Checked and not taken: one traced step of 3 micro-"
+    "steps for both the trial and the speed pass of a measured configuration (both now trace "
+    "the same 3 micro-steps): the speed pass's kernel times keep the storages they tag (and "
+    "the gradients) alive for the pass (autotune/engine/layer_speed.py, `_kept`), so under "
+    "one trace the journal's frees would come late, not the trial's to the byte; it would "
+    "need the kernel times to keep their tags otherwise. What is left (a cProfile of the same"
+    " tune at load about 11, 1,052 profiled s, compare shares): the 18 traced steps 85 % "
+    "(trials 59 %, the three speed passes 27 %), torch's fake-tensor dispatch most of them as"
+    " before; writing the deep journals out and replaying them through the allocator model 7 "
+    "% (expand 3 %, evaluate 4 %); the search's fit-point replays 2.4 %; writing 3 micro-"
+    "steps out for 4 or 5 0.6 %. A trial and a speed pass of each measured configuration, "
+    "both 3 micro-steps now, are still two traces: sharing one is the next lever.",
     "Profiles of llama8b-lora-tune (cProfile of the timed part, paths shortened), before (the "
     "sharded-replay code, 284.8 profiled s at load about 2.5) and after (this row's code, "
     "171.3 s at load about 7; the two loads differ, compare shares):\n\n```\n"

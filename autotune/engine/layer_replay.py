@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Iterator, Sequence
+import logging
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
@@ -78,9 +79,12 @@ from autotune.engine.emulation.layer_journal import (
 from autotune.engine.layer_buckets import BucketLayout, JournalBuckets, LayerBuckets
 from autotune.engine.layer_plan import LayerPlan, partial_plan, uniform_plan
 from autotune.engine.layer_speed import LayerKernelTimes
+from autotune.engine.microstep_replay import TRACED_MICRO_STEPS, StepMarks, write_out
 from autotune.engine.runner import InProcessRunner
 from autotune.engine.training.data_parallel import EmulatedReducer, trainable_parameters
 from autotune.engine.training.sharding import model_parameters
+
+logger = logging.getLogger(__name__)
 
 # The depth of the traced model: the first and last layers may differ from the others (the
 # first reads the embeddings, which need no gradient under LoRA; the last feeds the final
@@ -827,6 +831,17 @@ class LayerReplay:
         # each count is written out from the one trace (docs/design.md#the-layer-replay).
         self._warm = False
         self._journals: dict[_ShallowKey, _ShallowJournal] = {}
+        # A step of more micro-steps than `TRACED_MICRO_STEPS` is written out from one of that
+        # many (`autotune.engine.microstep_replay`) on one rank; DDP's and FSDP2's ranks trace
+        # theirs (their last micro-step synchronises, or each reduces its gradients). Where
+        # each unit of the traced step starts: a batch's making, its count, a micro-step.
+        self._microstep_replay = (
+            spec.training.world_size == 1 and spec.training.sharding is Sharding.NONE
+        )
+        self._unit_starts: tuple[list[int], ...] | None = None
+        workload = self.runner.workload
+        for unit, name in enumerate(_UNIT_CALLS):
+            setattr(workload, name, self._marked(unit, getattr(workload, name)))
         _, _, by_parameter = parameter_tags(layers, self.runner.step.model, {})
         # Each trainable parameter's number is its place in DDP's order (module by module).
         trainable = trainable_parameters(self.runner.step.model)
@@ -864,6 +879,18 @@ class LayerReplay:
                 self.reducer.assumption(world_size, bucket_bytes=deep_bytes),
                 *step.assumptions[1:],
             )
+
+    def _marked(self, unit: int, call: Callable[..., Any]) -> Callable[..., Any]:
+        """`call` (a workload's call made once per micro-step), noting where its unit starts in
+        the journal of a step being traced."""
+
+        def marked(*args: Any, **kwargs: Any) -> Any:
+            starts, tracker = self._unit_starts, self._tracker
+            if starts is not None and tracker is not None:
+                starts[unit].append(len(tracker.journal))
+            return call(*args, **kwargs)
+
+        return marked
 
     def model_parameters(self) -> ModelParameters:
         """The deep model's parameters as FSDP2's units hold them (one unit per layer, then the
@@ -971,20 +998,40 @@ class LayerReplay:
         step = runner.step
         optimizer = getattr(step.optimizer, "optim", step.optimizer)
         state_was_empty = not optimizer.state
-        key = (micro_batch, accumulation_steps, checkpointing, shallow_blocks)
+        # More micro-steps than traced: the step of `TRACED_MICRO_STEPS` written out for them.
+        written_out = self._microstep_replay and accumulation_steps > TRACED_MICRO_STEPS
+        traced_steps = TRACED_MICRO_STEPS if written_out else accumulation_steps
+        key = (micro_batch, traced_steps, checkpointing, shallow_blocks)
         shallow = self._journals.get(key)
         if shallow is None:
-            shallow = self._journal(micro_batch, accumulation_steps, checkpointing, shallow_blocks)
+            shallow = self._journal(micro_batch, traced_steps, checkpointing, shallow_blocks)
             if self._warm and self.reducer is None and placement is _Placed.DEVICES:
                 # After the warm-up a step starts from the same state whatever ran before
                 # (the estimate's own answers from earlier traces rest on it), so the same
                 # shallow step journals the same events. Not on DDP's ranks: the first step
                 # after the warm-up rebuilds the buckets, the later ones do not.
                 self._journals[key] = shallow
+        journal = shallow.journal
+        if written_out:
+            try:
+                if shallow.marks is None:
+                    raise NotReplayable("the traced step's units are not marked")
+                journal = write_out(journal, shallow.marks, accumulation_steps)
+            except NotReplayable as reason:
+                # The shallow step is traced at its length from now on; the layer replay goes on.
+                logger.info("estimate: tracing every micro-step: %s", reason)
+                self._microstep_replay = False
+                return self.trial(
+                    micro_batch,
+                    accumulation_steps,
+                    checkpointing=checkpointing,
+                    checkpointed_blocks=checkpointed_blocks,
+                    placement=placement,
+                )
         device = self.device
         outcome = evaluate(
             expand(
-                shallow.journal,
+                journal,
                 plan,
                 None if self.buckets is None else JournalBuckets(self.buckets, shallow.layouts),
             ),
@@ -1040,12 +1087,17 @@ class LayerReplay:
                 key = storage_key(bucket)
                 if key is not None:
                     self._categories[key] = BUCKET
-        shallow = runner.trial(
-            micro_batch,
-            accumulation_steps,
-            checkpointing=checkpointing,
-            checkpointed_blocks=shallow_blocks,
-        )
+        starts: tuple[list[int], ...] = tuple([] for _ in _UNIT_CALLS)
+        self._unit_starts = starts
+        try:
+            shallow = runner.trial(
+                micro_batch,
+                accumulation_steps,
+                checkpointing=checkpointing,
+                checkpointed_blocks=shallow_blocks,
+            )
+        finally:
+            self._unit_starts = None
         tracker = self._tracker
         self._tracker = None
         self._gradients = None
@@ -1074,7 +1126,8 @@ class LayerReplay:
                 if ref is not None and ref.event >= 0:
                     index = tracker._journal_index[ref.event]
                     journal[index] = (*journal[index][:5], BUCKET)
-        return _ShallowJournal(journal, tuple(layouts), rebuilt_here)
+        marks = StepMarks(tuple(tuple(unit) for unit in starts))
+        return _ShallowJournal(journal, tuple(layouts), rebuilt_here, marks)
 
     def warm_up(
         self,
@@ -1095,6 +1148,9 @@ class LayerReplay:
 
 
 _UNBOUNDED_BYTES = 1 << 62
+# The workload's calls a step makes once per micro-step, in the step's order: each starts a
+# unit of the step (`autotune.engine.microstep_replay`).
+_UNIT_CALLS = ("make_batch", "num_items", "loss_sum")
 # A shallow step: micro-batch, accumulation steps, checkpointing, checkpointed shallow layers.
 _ShallowKey = tuple[int, int, bool, int | None]
 
@@ -1107,3 +1163,5 @@ class _ShallowJournal:
     journal: list[tuple[Any, ...]]
     layouts: tuple[BucketLayout, ...]
     rebuilt_buckets: bool
+    # Where each unit of the step starts (`autotune.engine.microstep_replay`).
+    marks: StepMarks | None = None
