@@ -30,7 +30,7 @@ import torch
 
 from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.gpus.cuda_reserve import budget_for
-from autotune.core.schemas import Spec, TuneResult
+from autotune.core.schemas import Sharding, Spec, TuneResult
 from autotune.engine.estimate import EstimateRunner
 from autotune.engine.layout_tuning import tune_layouts
 
@@ -81,9 +81,21 @@ def run_cell(name: str, trials: int | None, storage_url: str) -> dict[str, Any]:
         budget = budget_for(find_gpu(GPU), layout.training.world_size)
         return EstimateRunner(layout, gpu=budget), None
 
-    result: TuneResult = tune_layouts(spec, open_layout, storage_url=storage_url, n_trials=trials)
+    # Each layout's CPU seconds: from its start to the next layout's (or the end).
+    layout_started: list[tuple[str, float]] = []
+
+    def on_layout(sharding: Sharding, index: int, count: int) -> None:
+        layout_started.append((sharding.value, time.process_time()))
+
+    result: TuneResult = tune_layouts(
+        spec, open_layout, storage_url=storage_url, n_trials=trials, on_layout=on_layout
+    )
     wall_s = time.monotonic() - started
     cpu_s = time.process_time() - cpu_started
+    ends = [at for _, at in layout_started[1:]] + [time.process_time()]
+    layout_cpu_s = {
+        name: round(end - at, 1) for (name, at), end in zip(layout_started, ends, strict=True)
+    }
     rec = result.recommendation
     return {
         "cell": name,
@@ -91,6 +103,7 @@ def run_cell(name: str, trials: int | None, storage_url: str) -> dict[str, Any]:
         "chosen": rec.sharding.value if rec is not None and rec.sharding else None,
         "estimate_wall_s": round(wall_s, 1),
         "estimate_cpu_s": round(cpu_s, 1),
+        "layout_cpu_s": layout_cpu_s,
         "load_average": [round(load, 1), round(os.getloadavg()[0], 1)],
         "commit": CODE_COMMIT,
         "trials_per_layout": trials,
@@ -158,6 +171,16 @@ def _cpu(row: dict[str, Any]) -> str:
     return "CPU time not recorded" if cpu_s is None else f"{cpu_s:.0f} s of CPU"
 
 
+def _layout_cpu(row: dict[str, Any]) -> str:
+    """Each layout's CPU seconds, in the order they ran, when recorded (the layout's model
+    build, warm-up, trials and speed passes; the first layout's includes the imports the
+    estimate makes on first use)."""
+    by_layout = row.get("layout_cpu_s")
+    if not by_layout:
+        return ""
+    return " CPU by layout: " + ", ".join(f"{k} {v:.1f} s" for k, v in by_layout.items()) + "."
+
+
 def _load(row: dict[str, Any]) -> str:
     """The load average as the cell started, and as it ended when recorded."""
     load = row["load_average"]
@@ -187,7 +210,7 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"## {row['cell']} ({row['world_size']} GPUs): chosen {row['chosen']}",
             "",
             f"Estimate: {row['estimate_wall_s']:.0f} s wall, {_cpu(row)} at load average "
-            f"{_load(row)} on commit {row.get('commit', 'not recorded')}.",
+            f"{_load(row)} on commit {row.get('commit', 'not recorded')}." + _layout_cpu(row),
             "",
             "| layout | verdict | max micro-batch (plain / ckpt) | best | samples/s per GPU "
             "| samples/s job | tokens/s job | compute s | exposed comm. s | memory per GPU GiB |",

@@ -45,6 +45,7 @@ from autotune.core.schemas import (
     DeviceKind,
     OptimizerName,
     Precision,
+    Sharding,
     Spec,
     SpeedSource,
     StepOutcome,
@@ -343,8 +344,10 @@ class EstimateRunner:
         # from its kernels by its own plan.
         self._layered: dict[tuple[int, _TrialKey], LayerKernelTimes] = {}
         # Speed passes by the layer replay while they can be (`autotune.engine.layer_speed`);
-        # `layer_replay=False` times the whole model too.
-        self._speed_replay = True
+        # `layer_replay=False` times the whole model too. Not ZeRO-1's: its optimizer's foreach
+        # kernels read the deep rank's share of the parameters, which no traced layer's bytes
+        # give (its trials are replayed, `autotune.engine.layer_zero1`).
+        self._speed_replay = spec.training.sharding is not Sharding.ZERO1
         self._partial_speed_replay = True
 
     def _build_full(self) -> InProcessRunner:

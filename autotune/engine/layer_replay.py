@@ -79,6 +79,14 @@ from autotune.engine.emulation.layer_journal import (
 from autotune.engine.layer_buckets import BucketLayout, JournalBuckets, LayerBuckets
 from autotune.engine.layer_plan import LayerPlan, partial_plan, uniform_plan
 from autotune.engine.layer_speed import LayerKernelTimes
+from autotune.engine.layer_zero1 import (
+    ParameterSize,
+    RankShare,
+    cut,
+    deep_parameters,
+    rank_share,
+    splice,
+)
 from autotune.engine.microstep_replay import TRACED_MICRO_STEPS, StepMarks, write_out
 from autotune.engine.runner import InProcessRunner
 from autotune.engine.training.data_parallel import EmulatedReducer, trainable_parameters
@@ -691,9 +699,15 @@ def _oom_detail(
 _DEPTH_KEY = "num_hidden_layers"
 # One rank or DDP's (its buckets laid out for the deep model, `autotune.engine.layer_buckets`),
 # and FSDP2's layouts: every decoder layer its own unit (`autotune.engine.training.sharding`).
-# Not ZeRO-1: its optimizer holds the state of a partition of the parameters that depends on
-# the depth (docs/design.md#the-layer-replay).
-_REPLAYED_SHARDINGS = (Sharding.NONE, Sharding.ZERO2, Sharding.ZERO3, Sharding.HYBRID)
+# ZeRO-1's ranks are DDP's with the optimizer's events of the deep model's partition
+# (`autotune.engine.layer_zero1`).
+_REPLAYED_SHARDINGS = (
+    Sharding.NONE,
+    Sharding.ZERO1,
+    Sharding.ZERO2,
+    Sharding.ZERO3,
+    Sharding.HYBRID,
+)
 _SIMPLE = (int, float, str, bool, type(None))
 
 
@@ -724,9 +738,9 @@ def _layer_signature(layer: nn.Module) -> tuple[Any, ...]:
 
 def replay_depth(spec: Spec) -> int | None:
     """The depth to replay `spec`'s model at, or None when its step must be traced whole: only
-    a transformers config (a factory's blocks may be anything), one rank, DDP's ranks or
-    FSDP2's sharded ranks (zero2, zero3, hybrid; not ZeRO-1's, whose optimizer's partition
-    is not modelled), deeper than the traced model plus two, and only when all of its layers
+    a transformers config (a factory's blocks may be anything), one rank, DDP's ranks (ZeRO-1's
+    too, its optimizer's partition written out for the depth), FSDP2's sharded ranks (zero2,
+    zero3, hybrid), deeper than the traced model plus two, and only when all of its layers
     are the same layer (`_layer_signature`, read from the model built on the meta device:
     per-layer settings such as `layer_types`, a first dense layer of a mixture-of-experts, or
     a sliding window on some layers make them differ)."""
@@ -857,6 +871,8 @@ class LayerReplay:
         # DDP's ranks: the deep model's buckets (`autotune.engine.layer_buckets`).
         self.reducer: EmulatedReducer | None = self.runner.step.reducer
         self.buckets: LayerBuckets | None = None
+        # ZeRO-1's ranks: the shallow and the deep rank's share of the parameters.
+        self.zero1: tuple[RankShare, RankShare] | None = None
         if self.reducer is not None:
             if any(True for layer in layers for _ in layer.buffers()):
                 # The buffers DDP flattens to broadcast would be the deep model's.
@@ -871,6 +887,8 @@ class LayerReplay:
                 traced_layers,
                 depth,
             )
+            if spec.training.sharding is Sharding.ZERO1:
+                self.zero1 = self._zero1_shares(by_parameter, spec.training.world_size)
             # The step states the buckets' bytes: the deep model's.
             step = self.runner.step
             world_size = spec.training.world_size
@@ -891,6 +909,37 @@ class LayerReplay:
             return call(*args, **kwargs)
 
         return marked
+
+    def _zero1_shares(
+        self, by_parameter: dict[int, int], world_size: int
+    ) -> tuple[RankShare, RankShare]:
+        """The shallow rank's share of the parameters (checked against its optimizer's) and
+        the deep rank's, as `ZeroRedundancyOptimizer` partitions them.
+
+        Raises:
+            NotReplayable: the optimizer's partition is not the one computed, or the
+                parameters are not one block per layer.
+        """
+        optimizer = self.runner.step.optimizer
+        groups = optimizer.param_groups
+        local_groups = getattr(optimizer, "optim", optimizer).param_groups
+        if len(groups) != 1 or len(local_groups) != 1:
+            raise NotReplayable("ZeRO-1 with several parameter groups")
+        every = list(groups[0]["params"])
+        sizes = [
+            ParameterSize(
+                p.numel(),
+                p.numel() * p.element_size(),
+                None if by_parameter.get(id(p), FIXED) < 0 else by_parameter[id(p)],
+            )
+            for p in every
+        ]
+        shallow = rank_share(sizes, world_size)
+        numbers = {id(p): number for number, p in enumerate(every)}
+        if tuple(numbers.get(id(p), -1) for p in local_groups[0]["params"]) != shallow.local:
+            raise NotReplayable("the rank's partition is not the one computed")
+        deep = rank_share(deep_parameters(sizes, self.traced_layers, self.depth), world_size)
+        return shallow, deep
 
     def model_parameters(self) -> ModelParameters:
         """The deep model's parameters as FSDP2's units hold them (one unit per layer, then the
@@ -1029,12 +1078,16 @@ class LayerReplay:
                     placement=placement,
                 )
         device = self.device
+        buckets = None if self.buckets is None else JournalBuckets(self.buckets, shallow.layouts)
+        if self.zero1 is None:
+            deep = expand(journal, plan, buckets)
+        else:
+            # The rank's optimizer events out, the rest written out, the deep rank's in.
+            shallow_share, deep_share = self.zero1
+            zero1 = cut(journal, shallow_share)
+            deep = splice(expand(zero1.journal, plan, buckets), zero1, deep_share)
         outcome = evaluate(
-            expand(
-                journal,
-                plan,
-                None if self.buckets is None else JournalBuckets(self.buckets, shallow.layouts),
-            ),
+            deep,
             micro_batch=micro_batch,
             limit_bytes=device.capacity_bytes - device.kept_free_bytes,
             allocator_config=device.allocator_config,

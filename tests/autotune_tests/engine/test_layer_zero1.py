@@ -1,0 +1,139 @@
+"""The layer replay of ZeRO-1's ranks (autotune/engine/layer_zero1.py): the deep rank's share of
+the parameters computed from a five-layer model's is torch's `ZeroRedundancyOptimizer`'s own,
+and the trials replayed with the deep rank's optimizer events are the deep model's own traced
+trials to the byte (peaks, phase peaks, out-of-memory and its detail, per-op live bytes,
+allocation trace); its speed passes are timed whole, and with its communication they are the
+whole model's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from autotune.core.schemas import Phase, Spec
+from autotune.engine.emulation.layer_journal import NotReplayable
+from autotune.engine.estimate import EstimateRunner
+from autotune.engine.layer_replay import TRACED_LAYERS, replay_depth
+from autotune.engine.layer_zero1 import ParameterSize, deep_parameters, rank_share
+from autotune.engine.training.sharding import process_group, zero1_optimizer
+from tests.autotune_tests.engine import test_layer_replay as single_rank
+from tests.autotune_tests.engine.test_layer_replay_ddp import _WIDE, _Decoder
+from tests.autotune_tests.engine.test_layer_replay_sharded import A100, RELATIVE
+
+MiB = single_rank.MiB
+
+
+def _sizes(model: _Decoder) -> list[ParameterSize]:
+    layers = {id(p): index for index, layer in enumerate(model.layers) for p in layer.parameters()}
+    return [
+        ParameterSize(p.numel(), p.numel() * p.element_size(), layers.get(id(p)))
+        for p in model.parameters()
+    ]
+
+
+@pytest.mark.parametrize(
+    ("depth", "width", "ranks"), [(7, 64, 2), (12, 96, 4), (20, 64, 8), (9, 48, 3)]
+)
+def test_the_deep_share_is_the_deep_optimizers_own(depth: int, width: int, ranks: int) -> None:
+    with torch.device("meta"):
+        # One dtype, as ZeroRedundancyOptimizer needs (fp32 master weights, or LoRA's adapters).
+        shallow, deep = _Decoder(TRACED_LAYERS, width).float(), _Decoder(depth, width).float()
+    process_group(ranks)
+    optimizer = zero1_optimizer(list(deep.parameters()), torch.optim.SGD, lr=0.1)
+    numbers = {id(p): n for n, p in enumerate(deep.parameters())}
+    local = tuple(numbers[id(p)] for p in optimizer.optim.param_groups[0]["params"])  # type: ignore[attr-defined]
+    share = rank_share(deep_parameters(_sizes(shallow), TRACED_LAYERS, depth), ranks)
+    assert share.local == local
+    assert share.parameter_count == len(numbers)
+    # The share is no repetition of the shallow model's layers: some layer's parameters the
+    # rank updates differ from another's.
+    sizes = _sizes(deep)
+    by_layer = [
+        tuple(sizes[n].nbytes for n in share.local if sizes[n].layer == layer)
+        for layer in range(depth)
+    ]
+    assert len(set(by_layer)) > 1
+
+
+def test_layers_that_differ_are_not_replayed() -> None:
+    with torch.device("meta"):
+        shallow = _Decoder(TRACED_LAYERS, 64)
+    sizes = _sizes(shallow)
+    changed = [*sizes]
+    middle = next(n for n, p in enumerate(sizes) if p.layer == 2)
+    changed[middle] = ParameterSize(1, 4, 2)
+    with pytest.raises(NotReplayable):
+        deep_parameters(changed, TRACED_LAYERS, 9)
+
+
+def _zero1(model_type: str, depth: int, ranks: int, *, lora: bool, **extra: Any) -> Spec:
+    return single_rank._spec(
+        single_rank._config(model_type, depth, **extra),
+        lora=lora,
+        world_size=ranks,
+        sharding="zero1",
+    )
+
+
+def test_zero1_ranks_are_replayed() -> None:
+    for ranks in (2, 8):
+        assert replay_depth(_zero1("qwen2", 16, ranks, lora=False)) == 16
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("model_type", "depth", "ranks", "lora", "capacity_mib"),
+    [("llama", 8, 2, True, 20), ("qwen2", 9, 4, False, 32), ("llama", 7, 4, True, 16)]
+    + [("llama", 12, 2, False, 48)],
+)
+def test_every_replayed_zero1_trial_is_the_whole_trace_to_the_byte(
+    model_type: str, depth: int, ranks: int, lora: bool, capacity_mib: int
+) -> None:
+    # Out-of-memory trials too: a ZeRO-1 rank keeps its parameters, so the detail is replayed.
+    spec = _zero1(model_type, depth, ranks, lora=lora)
+    single_rank.every_trial_of_spec_the_same(spec, capacity_mib * MiB)
+
+
+@pytest.mark.e2e
+def test_a_first_step_that_runs_out_in_the_optimizer_is_the_whole_trace_to_the_byte() -> None:
+    """At 240 MiB the warm-up (the first step) runs out making the rank's optimizer state.
+    Not compared: the trials after it, where the whole model's reducer rebuilds its buckets
+    (its synchronised backward completed) and the replay's does not, on DDP's ranks alike
+    (sharding none): a gap of the DDP replay, not of the partition."""
+    spec = _zero1("llama", 8, 2, lora=False, **_WIDE)
+    replayed = EstimateRunner(spec, capacity_bytes=240 * MiB)
+    traced = EstimateRunner(spec, capacity_bytes=240 * MiB, layer_replay=False)
+    outcome = replayed.warm_up()
+    single_rank._the_same(outcome, traced.warm_up())
+    assert outcome.oom_phase is Phase.OPTIMIZER and outcome.oom is not None
+    assert outcome.oom.optimizer_state_bytes > 0
+    assert replayed.layer_replay
+
+
+@pytest.mark.e2e
+def test_replayed_zero1_trials_of_wide_layers_are_the_whole_trace_to_the_byte() -> None:
+    # Gradient buckets that span layers and outnumber the shallow model's, and an optimizer
+    # state of some MiB per layer.
+    single_rank.every_trial_of_spec_the_same(
+        _zero1("llama", 10, 2, lora=False, **_WIDE), 640 * MiB
+    )
+
+
+@pytest.mark.e2e
+def test_zero1_speed_passes_are_timed_whole_and_its_communication_is_the_whole_models() -> None:
+    spec = _zero1("llama", 8, 4, lora=True)
+    replayed = EstimateRunner(spec, gpu=A100)
+    whole = EstimateRunner(spec, gpu=A100, layer_replay=False)
+    assert replayed.warm_up().fits and whole.warm_up().fits
+    for micro_batch, accumulation in ((1, 1), (2, 2), (3, 7)):
+        compute_s = whole.step_time_s(micro_batch, accumulation)
+        assert replayed.step_time_s(micro_batch, accumulation) == pytest.approx(
+            compute_s, rel=RELATIVE
+        )
+        assert replayed.communication(compute_s, accumulation) == whole.communication(
+            compute_s, accumulation
+        )
+    assert replayed.layer_replay and not replayed.speed_replay
+    assert replayed.device_info == whole.device_info
