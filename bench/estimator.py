@@ -879,8 +879,8 @@ SPEED_NOTES = [
     "measured configurations (1 x 64 plain and checkpointed, 4 x 16 at 25 blocks) are about "
     "half of the row: a trial of 5 micro-steps and a speed pass of 3 each, 22 of the 44.8 "
     "s; a replay of middle micro-steps as of middle layers is the next lever.",
-    "Round 8 (microstep row, 27 Nov 2026): the micro-step replay (docs/design.md#the-micro-"
-    "step-replay, autotune/engine/microstep_replay.py): on one rank a trial of 4 or 5 micro-"
+    "Round 8 (microstep row, 27 Nov 2026): the micro-step replay "
+    "(docs/design.md#the-micro-step-replay, autotune/engine/microstep_replay.py): on one rank a trial of 4 or 5 micro-"
     "steps (the tuner's measured 1 x 64 and 4 x 16 trace min(G, 5)) traces the shallow "
     "model's step of 3 micro-steps, a first, a middle and a last, and writes its journal out "
     "for 4 or 5 before the layer replay writes it out for the deep model: each unit of the "
