@@ -658,6 +658,7 @@ SPEED_LABELS = (
     "oom-replay",
     "tune-speed",
     "microstep",
+    "probe70b",
 )
 # Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
 # of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).
@@ -880,7 +881,8 @@ SPEED_NOTES = [
     "half of the row: a trial of 5 micro-steps and a speed pass of 3 each, 22 of the 44.8 "
     "s; a replay of middle micro-steps as of middle layers is the next lever.",
     "Round 8 (microstep row, 27 Nov 2026): the micro-step replay "
-    "(docs/design.md#the-micro-step-replay, autotune/engine/microstep_replay.py): on one rank a trial of 4 or 5 micro-"
+    "(docs/design.md#the-micro-step-replay, autotune/engine/microstep_replay.py): on one "
+    "rank a trial of 4 or 5 micro-"
     "steps (the tuner's measured 1 x 64 and 4 x 16 trace min(G, 5)) traces the shallow "
     "model's step of 3 micro-steps, a first, a middle and a last, and writes its journal out "
     "for 4 or 5 before the layer replay writes it out for the deep model: each unit of the "
@@ -947,6 +949,35 @@ SPEED_NOTES = [
     "    19     7.772  autotune/engine/layer_replay.py(expand)\n"
     "434610/302238  111.955  torch/_dynamo/eval_frame.py:1423(_fn)\n"
     "```",
+    "Round 8 (probe70b row, 27 Nov 2026): llama70b-lora-zero3-probe, 20.7 CPU s at load 11.0, "
+    "the same answers to the byte; run back to back with main (47cf06b) at load 11.4-11.9: "
+    "14.8 and 20.6 CPU s against 22.1 and 21.1. qwen7b-lora-probe: 12.7 CPU s at load 12.1 "
+    "(11.9 against main's 13.7 back to back at load 11), the same answers. First, main was not "
+    "slower than the oom-replay row's commit: b5083b1 and 47cf06b run back to back, twice each "
+    "at load 3.8-3.9, took 22.7 and 26.9 against 25.7 and 21.0 CPU s (the same answers), so the "
+    "spread from one run to the next on the shared cores (about 20 %) hides any difference, and "
+    "the oom-replay row's 17.8 was not reproduced by its own commit. Three cuts, each leaving "
+    "the journals and answers as they were. (1) A fitted allocation model keeps each replay (a "
+    "pure function of the micro-batch, the capacity and the settings): the probe's searches "
+    "asked for 18 replays of 4 sizes of an 80-layer trace (the prediction, the check that the "
+    "replay agrees with every trial, made twice, the dips below the answer), 4.05 CPU s at load "
+    "4.9; now 4 replays, 0.7-1.0 s. (2) expand writes a repeated layer's run out from a program "
+    "worked out once per traced layer (allocations and ops copied as blocks, only the records "
+    "naming another event renumbered): the probe's 8 write-outs of the same journals 0.53 CPU s "
+    "against 1.57-1.68, the deep journals equal, and evaluate's loop on local names (about 10 "
+    "%). (3) The estimate's fake-tensor mode leaves torch's guard against torch.compile, as the "
+    "trackers did in round 7 (some 12,000 guarded fake dispatches a traced step; none now). "
+    "What is left (the same probe timed by function at load 4.3 with cut 1 only: 19.1 CPU s): "
+    "the 8 traced steps of the 5-layer model 14.0 s, writing the deep journals out 1.5 s (now "
+    "about a third of it) and replaying them 1.1 s, the model's replays 1.0 s and live peaks "
+    "0.4 s, the build 1.2 s. The traced steps are torch's fake-tensor dispatch: its cache "
+    "answered 37,279 ops and missed 2,002, and 4,346 bypassed it, each a full dispatch "
+    "(_unsafe_view 1,433, a constant-carrying fake tensor 1,268, FSDP2's own copy ops 953, a "
+    "real tensor among the inputs 612). The 15 s goal is met in one run of four at load 11 and "
+    "not shown met: the load of the other sessions moves a run by more than what is left above "
+    "it. Not tried: skipping repeated middle layers in the allocator model's replay once its "
+    "state repeats (the forward's saved activations grow the live set layer by layer, so its "
+    "state repeats only up to a shift of addresses, which would need its own proof).",
 ]
 
 

@@ -174,6 +174,21 @@ class _TraceMode(FakeTensorMode):  # type: ignore[no-untyped-call]
     def __deepcopy__(self, memo: dict[int, Any]) -> _TraceMode:
         return self
 
+    # Out of torch's guard against torch.compile, as the trackers are
+    # (`autotune.engine.emulation.tracker.LiveBytesTracker`): torch wrapped FakeTensorMode's
+    # own dispatch in it when the class was made (four eval-frame switches for each of the
+    # some 12,000 fake dispatches of a traced step); this class takes the function it wrapped,
+    # and so is not wrapped again. No step runs compiled.
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    __torch_dispatch__ = getattr(
+        FakeTensorMode.__dict__["__torch_dispatch__"],
+        "__wrapped__",
+        FakeTensorMode.__dict__["__torch_dispatch__"],
+    )
+
 
 @dataclass(frozen=True)
 class _TrialKey:

@@ -264,7 +264,60 @@ def expand(
 
     out: list[tuple[Any, ...]] = []
     renumbered_fixed: dict[int, int] = {}
+    # Where each written-out event of a sweep went: (segment, deep layer, position) -> its
+    # place in `out`; a deep layer's run written out whole from its template's program is
+    # kept as its first place (`bases`), its events following it one by one.
     renumbered: dict[tuple[int, int, int], int] = {}
+    bases: dict[tuple[int, int], tuple[int, int]] = {}  # ... -> (first place, events)
+    programs: dict[tuple[int, int], list[tuple[Any, ...]]] = {}
+    repeated: dict[tuple[int, int], bool] = {}
+
+    def repeats(deep_layer: int, traced_layer: int) -> bool:
+        known = repeated.get((deep_layer, traced_layer))
+        if known is None:
+            known = repeated[(deep_layer, traced_layer)] = plan.repeats(deep_layer, traced_layer)
+        return known
+
+    def placed(number: int, layer: int, position: int) -> int | None:
+        written = bases.get((number, layer))
+        if written is None:
+            return renumbered.get((number, layer, position))
+        base, length = written
+        target = base + position
+        # None past the run, or not yet written out (a later event of the run being written).
+        return target if position < length and target < len(out) else None
+
+    def rewritten(
+        record: tuple[Any, ...], event: int, item: tuple[Any, ...], source: int, layer: int
+    ) -> tuple[Any, ...]:
+        """A record of deep `layer` (repeating traced `source`) that names another event
+        (its template's `item`), naming that event's place in the deep journal."""
+        if record[0] in (FREE, GRAD) and item[1] == _BUCKET:
+            assert buckets is not None
+            owner = buckets.parameters.layer_of(record[3])
+            if owner is None and source in (0, depth - 1):
+                # The first layer's backward goes on into the embeddings'.
+                deep_owner = None
+            elif owner == source:
+                deep_owner = layer
+            else:
+                raise NotReplayable(f"event {event}: another layer's gradient")
+            return _bucket_gradient(record, deep_owner, buckets, bucket_of, deep_buckets)
+        if item[1] == "fixed":
+            target = renumbered_fixed.get(item[2])
+        elif source in (0, depth - 1) and abs(item[2]) > 1:
+            # The first or last layer naming a layer further than its neighbour, alone:
+            # which of the deep model's layers that is the trace cannot say.
+            raise NotReplayable(f"event {event} names a layer {item[2]} away")
+        elif repeats(layer + item[2], source + item[2]):
+            target = placed(item[1], layer + item[2], item[3])
+        else:
+            # The deep layer it names does not repeat the traced one.
+            target = None
+        if target is None:
+            raise NotReplayable(f"event {event} names an event not yet replayed")
+        return (record[0], target, *record[2:])
+
     for number, segment in enumerate(segments):
         if not isinstance(segment, _Sweep):
             for event in range(*segment):
@@ -302,7 +355,7 @@ def expand(
                     place = location.get(record[1])
                     if place is not None and place[1] in (0, depth - 1):
                         layer = 0 if place[1] == 0 else target_depth - 1
-                        target = renumbered.get((place[0], layer, place[2]))
+                        target = placed(place[0], layer, place[2])
                     if target is None:
                         raise NotReplayable(f"event {event} names a middle layer's event")
                     record = (record[0], target, *record[2:])
@@ -315,6 +368,20 @@ def expand(
             run_start, run_end = segment.runs[source - segment.first]
             template = templates[number][source]
             fans = _fans(template, source, depth)
+            if not fans:
+                # Most deep layers repeat a middle layer's run: written out from its program.
+                key = (number, source)
+                program = programs.get(key)
+                if program is None:
+                    program = programs[key] = _program(journal, run_start, template)
+                bases[(number, layer)] = (len(out), run_end - run_start)
+                for step in program:
+                    if step[0] is None:
+                        out += step[1]
+                        continue
+                    _, event, item, record = step
+                    out.append(rewritten(record, event, item, source, layer))
+                continue
             position = 0
             while position < run_end - run_start:
                 event = run_start + position
@@ -329,7 +396,7 @@ def expand(
                     at = {target_layer: (seg, pos) for seg, target_layer, pos in fan}
                     for other in others:
                         seg, pos = at[plan.templates[other]]
-                        target = renumbered.get((seg, other, pos))
+                        target = placed(seg, other, pos)
                         if target is None:
                             raise NotReplayable(f"event {event} names an event not yet replayed")
                         out.append((record[0], target, *record[2:]))
@@ -337,33 +404,8 @@ def expand(
                         renumbered[(number, layer, position + skipped)] = len(out) - 1
                     position += len(fan)
                     continue
-                item = template[position]
-                if record[0] in (FREE, GRAD) and item[1] == _BUCKET:
-                    assert buckets is not None
-                    owner = buckets.parameters.layer_of(record[3])
-                    if owner is None and source in (0, depth - 1):
-                        # The first layer's backward goes on into the embeddings'.
-                        deep_owner = None
-                    elif owner == source:
-                        deep_owner = layer
-                    else:
-                        raise NotReplayable(f"event {event}: another layer's gradient")
-                    record = _bucket_gradient(record, deep_owner, buckets, bucket_of, deep_buckets)
-                elif record[0] in REFERENCES:
-                    if item[1] == "fixed":
-                        target = renumbered_fixed.get(item[2])
-                    elif source in (0, depth - 1) and abs(item[2]) > 1:
-                        # The first or last layer naming a layer further than its neighbour,
-                        # alone: which of the deep model's layers that is the trace cannot say.
-                        raise NotReplayable(f"event {event} names a layer {item[2]} away")
-                    elif plan.repeats(layer + item[2], source + item[2]):
-                        target = renumbered.get((item[1], layer + item[2], item[3]))
-                    else:
-                        # The deep layer it names does not repeat the traced one.
-                        target = None
-                    if target is None:
-                        raise NotReplayable(f"event {event} names an event not yet replayed")
-                    record = (record[0], target, *record[2:])
+                if record[0] in REFERENCES:
+                    record = rewritten(record, event, template[position], source, layer)
                 renumbered[(number, layer, position)] = len(out)
                 out.append(record)
                 position += 1
@@ -372,6 +414,34 @@ def expand(
 
 # A relative record's mark: a gradient that became a view of a bucket.
 _BUCKET = "bucket"
+
+
+def _program(
+    journal: Sequence[tuple[Any, ...]], start: int, template: Sequence[tuple[Any, ...]]
+) -> list[tuple[Any, ...]]:
+    """How `expand` writes out a run of the shallow journal (from `start`, its events'
+    `template`) for each deep layer that repeats it: (None, records) for records copied as they
+    are (allocations, ops, markers), (REFERENCE, event, item, record) for one naming another,
+    renumbered per deep layer. A middle layer's run is written out once per deep layer (76
+    times for a 70B model), so what does not depend on the layer is worked out once."""
+    program: list[tuple[Any, ...]] = []
+    copied: list[tuple[Any, ...]] = []
+    for position, item in enumerate(template):
+        event = start + position
+        record = journal[event]
+        if record[0] in REFERENCES:
+            if copied:
+                program.append((None, tuple(copied)))
+                copied = []
+            program.append((_REFERENCE, event, item, record))
+        else:
+            copied.append(record)
+    if copied:
+        program.append((None, tuple(copied)))
+    return program
+
+
+_REFERENCE = "reference"
 
 
 @dataclass
@@ -609,34 +679,36 @@ def evaluate(
     phase_peak_bytes: dict[Phase, int] = {}
     oom_phase: Phase | None = None
     oom: OomDetail | None = None
+    # A deep journal is some 170,000 records (an 80-layer step): the loop's names are local.
+    malloc, free = allocator.malloc, allocator.free
+    add_to_series, add_allocation = series.append, allocations.append
     for index, record in enumerate(journal):
         kind = record[0]
-        if kind == ALLOC:
+        if kind == OP:
+            if record[4] and live_bytes > phase_peak_bytes.get(record[3], -1):
+                phase_peak_bytes[record[3]] = live_bytes
+            add_to_series(live_bytes)
+        elif kind == ALLOC:
             nbytes = record[1]
             try:
-                block = placed.pop() if placed else allocator.malloc(nbytes)
+                block = placed.pop() if placed else malloc(nbytes)
             except AllocatorOutOfMemory as error:
                 oom_phase = record[4]
                 oom = _oom_detail(journal, index, error, blocks, gradients, registered)
                 break
-            counted = _rounded(nbytes, block_bytes)
+            counted = -(-nbytes // block_bytes) * block_bytes  # `_rounded`
             blocks[index] = (block, counted, record[5])
             live_bytes += counted
             position[index] = len(allocations)
-            allocations.append(nbytes)
+            add_allocation(nbytes)
         elif kind == FREE:
             block, counted, _ = blocks.pop(record[1])
             gradients.discard(record[1])
-            allocator.free(block)
+            free(block)
             live_bytes -= counted
-            allocations.append(-(position[record[1]] + 1))
+            add_allocation(-(position[record[1]] + 1))
         elif kind == MARK:
             continue
-        elif kind == OP:
-            phase = record[3]
-            if record[4] and live_bytes > phase_peak_bytes.get(phase, -1):
-                phase_peak_bytes[phase] = live_bytes
-            series.append(live_bytes)
         elif kind == GRAD:
             gradients.add(record[1])
         elif kind == UNGRAD:
