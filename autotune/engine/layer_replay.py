@@ -1202,6 +1202,9 @@ class LayerReplay:
         runner = self.runner
         step = runner.step
         optimizer = getattr(step.optimizer, "optim", step.optimizer)
+        # DDP's reducer rebuilds due buckets between steps, as the runner's trial would first
+        # (`InProcessRunner._run`): the buckets this step starts with are those.
+        step.settle()
         self._tags, self._categories, _ = parameter_tags(self.layers, step.model, optimizer.state)
         layouts: list[BucketLayout] = []
         resident_buckets = self._bucket_layout()

@@ -329,6 +329,12 @@ class InProcessRunner:
         return replace(measured[0], peak_bytes=check.peak_bytes)
 
     def _run(self, work: Callable[[], object], micro_batch: int, *, track: bool) -> StepOutcome:
+        # A step that completed its synchronised backward but ran out in the optimizer (a
+        # failed warm-up's) leaves DDP's reducer due to rebuild its buckets before the next
+        # forward: done here, between steps, as `settle` does after a warm-up. Inside the step
+        # the resident list below would keep the old buckets alive beside the new ones, which
+        # a rank's reducer frees before it makes them (docs/design.md#data-parallel).
+        self.step.settle()
         outcome = self.device.run_trial(
             work,
             micro_batch=micro_batch,

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from autotune.core.memory.gradient_buckets import BucketTensor
-from autotune.core.schemas import Spec
+from autotune.core.schemas import Phase, Spec, StepOutcome
 from autotune.engine.emulation.layer_journal import NotReplayable
 from autotune.engine.estimate import EstimateRunner
 from autotune.engine.layer_buckets import LayerBuckets
@@ -189,9 +189,9 @@ def test_every_replayed_ddp_speed_pass_and_communication_is_the_whole_models(
 
 @pytest.mark.e2e
 def test_a_speed_pass_before_the_warm_up_then_trials_that_rebuild_the_buckets() -> None:
-    """A synchronised step that is no warm-up records the ready order, and the next trial's
-    first forward rebuilds the buckets while the old ones are still resident: two groups of
-    buckets in one journal, each laid out for the deep model."""
+    """A synchronised step that is no warm-up records the ready order, and the buckets are
+    rebuilt before the next trial, between the steps (`InProcessRunner._run`): its journal's
+    residents are the rebuilt buckets, laid out for the deep model."""
     spec = _ddp("qwen2", 10, "none", 4, lora=False, **_WIDE)
     replayed = EstimateRunner(spec, gpu=A100)
     whole = EstimateRunner(spec, gpu=A100, layer_replay=False)
@@ -213,4 +213,42 @@ def test_partial_checkpointing_of_a_ddp_rank_replayed_is_the_whole_trace_to_the_
     single_rank._the_same(replayed.warm_up(checkpointing=True), traced.warm_up(checkpointing=True))
     single_rank.every_partial_trial_the_same(
         replayed, traced, (1, 6, 9), [(1, 1), (2, 2), (32, 1)]
+    )
+
+
+def every_trial_after_an_optimizer_out_of_memory_the_same(
+    spec: Spec, capacity_bytes: int
+) -> StepOutcome:
+    """A first step (the warm-up) that runs out in the optimizer has completed its
+    synchronised backward, so DDP's reducer is due to rebuild its buckets before the next
+    forward; between steps, so no trial holds the old buckets beside the new ones (the whole
+    model's trial after it then ran out making the new ones in the forward, 25 MiB, while the
+    replay's fell back to a fresh whole model that ran out in the optimizer). Every trial after
+    it, replayed from the rebuilt buckets, is the whole trace to the byte. Returns the
+    warm-up's outcome."""
+    replayed = EstimateRunner(spec, capacity_bytes=capacity_bytes)
+    traced = EstimateRunner(spec, capacity_bytes=capacity_bytes, layer_replay=False)
+    warm = replayed.warm_up()
+    single_rank._the_same(warm, traced.warm_up())
+    assert warm.oom_phase is Phase.OPTIMIZER
+    # Out in the optimizer again (the rebuilt buckets are the old ones' bytes), in the
+    # backward with accumulation, in the forward at a larger micro-batch, and after them.
+    trials = [(1, 1, False), (1, 2, False), (2, 1, False), (1, 1, True), (1, 1, False)]
+    outcomes = []
+    for micro_batch, accumulation, checkpointing in trials:
+        outcome = replayed.trial(micro_batch, accumulation, checkpointing=checkpointing)
+        single_rank._the_same(
+            outcome, traced.trial(micro_batch, accumulation, checkpointing=checkpointing)
+        )
+        outcomes.append(outcome)
+    assert outcomes[0].oom_phase is Phase.OPTIMIZER
+    assert {o.oom_phase for o in outcomes} >= {Phase.OPTIMIZER, Phase.FORWARD, Phase.BACKWARD}
+    assert replayed.layer_replay
+    return warm
+
+
+@pytest.mark.e2e
+def test_trials_after_a_warm_up_that_runs_out_in_the_optimizer_are_the_whole_trace() -> None:
+    every_trial_after_an_optimizer_out_of_memory_the_same(
+        _ddp("llama", 8, "none", 2, lora=False, **_WIDE), 240 * MiB
     )

@@ -12,14 +12,18 @@ from typing import Any
 import pytest
 import torch
 
-from autotune.core.schemas import Phase, Spec
+from autotune.core.schemas import Spec
 from autotune.engine.emulation.layer_journal import NotReplayable
 from autotune.engine.estimate import EstimateRunner
 from autotune.engine.layer_replay import TRACED_LAYERS, replay_depth
 from autotune.engine.layer_zero1 import ParameterSize, deep_parameters, rank_share
 from autotune.engine.training.sharding import process_group, zero1_optimizer
 from tests.autotune_tests.engine import test_layer_replay as single_rank
-from tests.autotune_tests.engine.test_layer_replay_ddp import _WIDE, _Decoder
+from tests.autotune_tests.engine.test_layer_replay_ddp import (
+    _WIDE,
+    _Decoder,
+    every_trial_after_an_optimizer_out_of_memory_the_same,
+)
 from tests.autotune_tests.engine.test_layer_replay_sharded import A100, RELATIVE
 
 MiB = single_rank.MiB
@@ -98,18 +102,11 @@ def test_every_replayed_zero1_trial_is_the_whole_trace_to_the_byte(
 
 @pytest.mark.e2e
 def test_a_first_step_that_runs_out_in_the_optimizer_is_the_whole_trace_to_the_byte() -> None:
-    """At 240 MiB the warm-up (the first step) runs out making the rank's optimizer state.
-    Not compared: the trials after it, where the whole model's reducer rebuilds its buckets
-    (its synchronised backward completed) and the replay's does not, on DDP's ranks alike
-    (sharding none): a gap of the DDP replay, not of the partition."""
+    """At 240 MiB the warm-up (the first step) runs out making the rank's optimizer state;
+    the trials after it start from the buckets DDP's reducer rebuilt between the steps."""
     spec = _zero1("llama", 8, 2, lora=False, **_WIDE)
-    replayed = EstimateRunner(spec, capacity_bytes=240 * MiB)
-    traced = EstimateRunner(spec, capacity_bytes=240 * MiB, layer_replay=False)
-    outcome = replayed.warm_up()
-    single_rank._the_same(outcome, traced.warm_up())
-    assert outcome.oom_phase is Phase.OPTIMIZER and outcome.oom is not None
-    assert outcome.oom.optimizer_state_bytes > 0
-    assert replayed.layer_replay
+    outcome = every_trial_after_an_optimizer_out_of_memory_the_same(spec, 240 * MiB)
+    assert outcome.oom is not None and outcome.oom.optimizer_state_bytes > 0
 
 
 @pytest.mark.e2e

@@ -274,6 +274,32 @@ def test_a_rank_holds_the_buckets_from_the_first_op_and_no_more_in_the_optimizer
     assert ranked.phase_peak_bytes[Phase.OPTIMIZER] == single.phase_peak_bytes[Phase.OPTIMIZER]
 
 
+def test_after_a_step_that_runs_out_in_the_optimizer_the_buckets_are_rebuilt_between_steps() -> (
+    None
+):
+    """The warm-up's synchronised backward completed before its optimizer step ran out, so the
+    reducer is due to rebuild before the next forward. It frees the old buckets before it
+    makes the new ones: the runner rebuilds between the steps, so the next trial holds the
+    rebuilt buckets only (inside it, the trial's list of residents would keep the old ones
+    alive beside them)."""
+    runner = InProcessRunner(_mlp_spec(2), EmulatedDevice(32 * 2**20))
+    reducer = runner.step.reducer
+    assert reducer is not None
+    made = reducer.bucket_sizes_bytes()
+    warm = runner.warm_up()
+    assert warm.oom_phase is Phase.OPTIMIZER and not reducer.rebuilt
+    after = runner.trial(1)
+    assert reducer.rebuilt
+    rebuilt = reducer.bucket_sizes_bytes()
+    assert len(rebuilt) > len(made) and sum(rebuilt) == sum(made)
+    # The same step from the same state but the buckets' layout: out in the optimizer again,
+    # its peak before it ran out the warm-up's with the rebuilt buckets for the old ones.
+    assert after.oom_phase is Phase.OPTIMIZER
+    assert after.peak_allocated_bytes == warm.peak_allocated_bytes - sum(
+        map(_rounded, made)
+    ) + sum(map(_rounded, rebuilt))
+
+
 def test_results_state_the_data_parallel_assumption() -> None:
     device = EmulatedDevice(HUGE_BYTES)
     assert InProcessRunner(_mlp_spec(1), device).device_info.assumptions == []
