@@ -438,6 +438,18 @@ def expandable_column() -> int:
     return 0
 
 
+PLACEMENT_NOTE = (
+    "Every row of the table above was rerun on 27 Nov 2026 with the residents placed where the "
+    "warm-up left them (docs/design.md#the-caching-allocator-on-the-emulated-gpu); the rows "
+    "before it packed them first, as do the large models' and the published figure's rows "
+    "below (not rerun). mlp, gpt2-tiny and llama-tiny show one capacity three times: with the "
+    "residents placed, their steps at micro-batch 2 and 8 reserve the same bytes, so "
+    "`capacities` (which spaces the three by the reserved bytes per sample between 2 and 8) "
+    "steps by 1 byte. Spacing them by allocated bytes instead would give three capacities "
+    "again and change every row; not done in this rerun."
+)
+
+
 def _write(
     rows: list[dict[str, Any]],
     large: list[dict[str, Any]],
@@ -509,6 +521,8 @@ def _write(
     estimate_s = [row["estimate_s_per_mode"] for row in rows]
     expandable = expandable_summary(rows)
     lines += [
+        "",
+        PLACEMENT_NOTE,
         "",
         f"Estimate equal to the emulated probe on {exact} of {len(rows)} rows; the emulated "
         f"probe with a traced fit equal to it on {agrees} of {len(rows)}.",
