@@ -673,6 +673,7 @@ SPEED_LABELS = (
     "tune-speed",
     "microstep",
     "probe70b",
+    "quiet",
 )
 # Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
 # of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).
@@ -992,6 +993,19 @@ SPEED_NOTES = [
     "it. Not tried: skipping repeated middle layers in the allocator model's replay once its "
     "state repeats (the forward's saved activations grow the live set layer by layer, so its "
     "state repeats only up to a shift of addresses, which would need its own proof).",
+    "Quiet rows (27 Nov 2026, main ada725c, the first minutes of a session with nothing else on "
+    "the 2 cores, load 0.9-1.0): the same code's figures without the other sessions' load. "
+    "llama70b-lora-zero3-probe: 16.8 CPU s (goal 15; 14.8-20.7 at load 11 in round 8): the 2 "
+    "warm-ups 3.8 s, the 6 trials 10.9 s (1.2 to 2.6 each), the build 0.6 s, the rest (the "
+    "search's replays of the 80-layer traces) about 1.5 s. llama8b-lora-tune: 41.0 CPU s (goal "
+    "30; 53.8 at load 11.2 in round 8): the warm-up 1.1 s, 11 trials 18.3 s (the two measured "
+    "configurations' trials of 4-5 micro-steps 3.9 and 3.7), 2 speed passes 4.6 s, 6 partial "
+    "checkpointing trials 9.5 s (the first, 4.5 s, builds the 8-layer model), its speed pass "
+    "3.1 s, the tuner's own about 4 s. Both peaks at the answer moved from the earlier rows' by "
+    "the residents' placement where the warm-up left them (issue 24, landed after round 8): "
+    "the 70B probe's checkpointed 4 needs 79,721,136,128 B (81,124,130,816 before), the 8B "
+    "tune's 1 x 64 57,520,685,056 B (55,444,504,576); the maxima and the recommendation are "
+    "the same.",
 ]
 
 
