@@ -86,6 +86,13 @@ def run_cell(name: str, trials: int | None, storage_url: str) -> dict[str, Any]:
 
     def on_layout(sharding: Sharding, index: int, count: int) -> None:
         layout_started.append((sharding.value, time.process_time()))
+        # A 70B cell's layouts take minutes each: say which one is running.
+        print(  # noqa: T201 (a script's progress)
+            f"  layout {index + 1} of {count}: {sharding.value}"
+            f" ({time.process_time() - cpu_started:.0f} CPU s so far)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     result: TuneResult = tune_layouts(
         spec, open_layout, storage_url=storage_url, n_trials=trials, on_layout=on_layout
