@@ -147,7 +147,8 @@ def test_a_measurement_times_the_step_its_trial_traces(
             assert measured.step_time_s == pytest.approx(
                 apart.step_time_s(micro_batch, accumulation, **settings), rel=RELATIVE
             )
-        assert along.speed_replay and along.partial_speed_replay
+        # (A warm-up after the partial model's may find its warm-up differs: it stops.)
+        assert along.speed_replay and (blocks is None or along.partial_speed_replay)
 
 
 @pytest.mark.e2e
