@@ -674,6 +674,7 @@ SPEED_LABELS = (
     "microstep",
     "probe70b",
     "quiet",
+    "trace-share",
 )
 # Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
 # of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).
@@ -1006,6 +1007,33 @@ SPEED_NOTES = [
     "the 70B probe's checkpointed 4 needs 79,721,136,128 B (81,124,130,816 before), the 8B "
     "tune's 1 x 64 57,520,685,056 B (55,444,504,576); the maxima and the recommendation are "
     "the same.",
+    "Round 9 (trace-share row, 27 Nov 2026): a measurement traces its trial's shallow step and "
+    "its speed pass once (docs/design.md#the-layer-replay, item 4; LayerReplay.timed_along): a "
+    "trial of G >= 3 micro-steps traces the shallow step of 3 the speed pass traces, so the "
+    "speed pass's modes run around the trial's. The kernel times now hold no tensor of the "
+    "step (a tag goes as its storage dies, a foreach kernel is kept as its arithmetic), which "
+    "is what kept the round 8 attempt from the trial's bytes; a step whose attention the "
+    "speed pass would change (dropout, the fused kernel's emulation without grouped-query "
+    "attention) is timed by its own pass. Tests compare a measurement with the trial and the "
+    "speed pass traced apart (peaks and allocation traces to the byte, times to 1e-12 "
+    "relative), plain, checkpointed and partial, LoRA and full "
+    "(tests/autotune_tests/engine/test_layer_speed.py). llama8b-lora-tune: 15 traced steps "
+    "and 25 micro-steps against 18 and 34, every speed pass answered from its trial's trace "
+    "(step_time_s 0.0 s each); the same answers to the byte (maxima, 1 x 64 without "
+    "checkpointing, samples/s 0.7019982546327984, peak 57,520,685,056 B). CPU s, run back to "
+    "back with main (df0062d) on the same 2 cores shared with other sessions: this code 50.5 "
+    "at load 9.1 and 62.2 at load 10.9 (the row), main 65.4 at load 11.2; the load moves a "
+    "run by more than the lever (main's three speed passes were 12.3 CPU s of its 65.4 here, "
+    "4.6 + 3.1 of the quiet row's 41.0), so the 30 s goal is not shown met: a quiet rerun "
+    "would say. Left as it was: the tuner's own seconds are mostly optuna's RDB storage (a "
+    "new SQLite study: 2.1 CPU s at load 11, 0.15 once its modules are imported) and the "
+    "search's fit-point replays of the deep traces; the partial model's build and warm-up "
+    "(its first trial) checks its warm-up against the 5-layer one's and was not cut. "
+    "qwen0.5b-accumulation: 5.8 CPU s at load 10.5 against main's 7.3 at load 10.6 run beside "
+    "it, 3 traced steps and 5 micro-steps against 5 and 9 (G = 1's and G = 8's trials trace "
+    "their speed passes: 1.0 and 3.2 s against 0.9 + 0.7 and 2.5 + 1.5); step times and peaks "
+    "main's to the byte (the peaks 115,343,360 B under the microstep row's: the residents' "
+    "placement of issue 24, main's too).",
 ]
 
 

@@ -716,12 +716,14 @@ class EstimateRunner:
         """The estimated throughput of one configuration, with its traced peak; None when it
         does not fit. `target_seconds` is unused: nothing is timed."""
         del target_seconds
-        check = self.trial(
-            micro_batch,
-            accumulation_steps,
-            checkpointing=checkpointing,
-            checkpointed_blocks=checkpointed_blocks,
-        )
+        blocks = checkpointed_blocks
+        with self._timed_along(micro_batch, accumulation_steps, checkpointing, blocks):
+            check = self.trial(
+                micro_batch,
+                accumulation_steps,
+                checkpointing=checkpointing,
+                checkpointed_blocks=checkpointed_blocks,
+            )
         if not check.fits:
             return None
         return self.roofline_measurement(
@@ -731,6 +733,53 @@ class EstimateRunner:
             peak_bytes=check.peak_bytes,
             checkpointed_blocks=checkpointed_blocks,
         )
+
+    @contextmanager
+    def _timed_along(
+        self,
+        micro_batch: int,
+        accumulation_steps: int,
+        checkpointing: bool,
+        checkpointed_blocks: int | None,
+    ) -> Iterator[None]:
+        """A measurement's trial, tracing its step's speed pass along where it can: the trial
+        of a step of 3 micro-steps or more traces the shallow step of 3 its speed pass traces
+        (`autotune.engine.microstep_replay`), fewer the same few, so one trace serves both
+        (`LayerReplay.timed_along`). Only once warm, where a speed pass is kept, and when
+        neither was traced before (the trial's journal may be known: the pass then traces
+        its own)."""
+        key = _trial_key(micro_batch, accumulation_steps, checkpointing, checkpointed_blocks)
+        timed = replace(key, accumulation_steps=min(accumulation_steps, _TIMED_ACCUMULATION))
+        traced = replace(key, accumulation_steps=min(accumulation_steps, _TRACED_ACCUMULATION))
+        if (
+            self.gpu is None
+            or not self._warm
+            or traced in self._outcomes
+            or timed in self._step_times
+        ):
+            yield
+            return
+        replay = self._replay_of(key.checkpointed_blocks)
+        partial = replay is not None and replay is self._partial
+        if replay is None or not (self._partial_speed_replay if partial else self._speed_replay):
+            yield
+            return
+        try:
+            _, shallow_blocks = replay.plan(key.checkpointed_blocks)
+        except NotReplayable:
+            yield
+            return
+        shallow_key = replace(timed, checkpointed_blocks=shallow_blocks)
+        if (replay.traced_layers, shallow_key) in self._layered:
+            yield
+            return
+        shallow = (micro_batch, shallow_key.accumulation_steps, checkpointing, shallow_blocks)
+        tf32 = bool(self.spec.training.tf32)
+        with replay.timed_along(self.gpu, self.assumptions, tf32, shallow) as along:
+            yield
+        still = self._partial if partial else self._replay
+        if along.times is not None and still is replay and self._warm:
+            self._layered[(replay.traced_layers, shallow_key)] = along.times
 
     def roofline_measurement(
         self,

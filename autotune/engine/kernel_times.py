@@ -183,11 +183,17 @@ class SpeedPass(TorchFunctionMode):
     Dropout sends the CPU's attention down the math path (s x s matrices the GPU's kernels
     never write); the fused kernels apply it on chip, so the speed pass runs without it. The step
     calls `torch.autograd.backward` once per micro-batch: `times` is told as each returns, the
-    kernels between two ends being one micro-step's forward and backward."""
+    kernels between two ends being one micro-step's forward and backward.
 
-    def __init__(self, times: KernelTimes) -> None:
+    `alters=False` leaves dropout as it is, for a step traced for its memory too (whose trial
+    keeps what the step's own attention keeps): `altered` then says whether a call had dropout
+    the speed pass would have taken out, which makes the times not the speed pass's."""
+
+    def __init__(self, times: KernelTimes, *, alters: bool = True) -> None:
         super().__init__()
         self.times = times
+        self.alters = alters
+        self.altered = False
         self.micro_steps = 0
 
     def __torch_function__(
@@ -199,9 +205,13 @@ class SpeedPass(TorchFunctionMode):
     ) -> Any:
         kwargs = dict(kwargs or {})
         if func is F.scaled_dot_product_attention:
-            kwargs["dropout_p"] = 0.0
-            if len(args) > 4:
-                args = (*args[:4], 0.0, *args[5:])
+            if not self.alters:
+                dropout_p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+                self.altered = self.altered or dropout_p != 0.0
+            else:
+                kwargs["dropout_p"] = 0.0
+                if len(args) > 4:
+                    args = (*args[:4], 0.0, *args[5:])
         out = func(*args, **kwargs)
         if func is torch.autograd.backward:
             self.micro_steps += 1

@@ -35,6 +35,7 @@ Anything else raises `NotReplayable`, and the estimate traces the deep model its
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
@@ -56,6 +57,7 @@ from autotune.core.memory.resident_placement import ResidentPlacement, TrialStar
 from autotune.core.parallel.layouts import ModelParameters
 from autotune.core.schemas import OOM_OP_MAX, OomDetail, Phase, Sharding, Spec, StepOutcome
 from autotune.engine.devices.device import EmulatedDevice
+from autotune.engine.emulation.attention import fused_calls
 from autotune.engine.emulation.layer_journal import (
     ALLOC,
     BUCKET,
@@ -76,6 +78,7 @@ from autotune.engine.emulation.layer_journal import (
     parameter_tags,
     storage_key,
 )
+from autotune.engine.kernel_times import SpeedPass
 from autotune.engine.layer_buckets import BucketLayout, JournalBuckets, LayerBuckets
 from autotune.engine.layer_plan import LayerPlan, partial_plan, uniform_plan
 from autotune.engine.layer_speed import LayerKernelTimes
@@ -910,6 +913,10 @@ class LayerReplay:
         # Who hears of each completed gradient: the journal's tracker in a trial, the kernel
         # times in a speed pass.
         self._gradients: _GradientRecorder | None = None
+        # A speed pass asked for along with the next trial's shallow step (`timed_along`),
+        # and its kernel times while that step runs.
+        self._along: TimedAlong | None = None
+        self._timed: LayerKernelTimes | None = None
         self._tags: dict[int, int] = {}
         self._categories: dict[int, int] = {}
         # Once warm, the shallow journals by the shallow step: partial checkpointing of many
@@ -1044,6 +1051,8 @@ class LayerReplay:
     def _gradient(self, tag: int, number: int, parameter: torch.Tensor) -> None:
         if self._gradients is not None:
             self._gradients.record_gradient(parameter, tag, number)
+        if self._timed is not None:
+            self._timed.record_gradient(parameter, tag, number)
 
     def _bucket_layout(self) -> BucketLayout | None:
         """The deep model's buckets as the reducer's are now: made with the model, or rebuilt
@@ -1077,6 +1086,28 @@ class LayerReplay:
             raise
         finally:
             self._gradients = None
+
+    @contextmanager
+    def timed_along(
+        self,
+        budget: GpuBudget,
+        assumptions: RooflineAssumptions,
+        tf32: bool,
+        shallow: tuple[int, int, bool, int | None],
+    ) -> Iterator[TimedAlong]:
+        """The speed pass of the shallow step `shallow` (micro-batch, micro-steps,
+        checkpointing, checkpointed shallow layers), timed from the trace a trial inside the
+        block makes of that step, if one does: the same step, traced once for both
+        (docs/design.md#the-layer-replay). `TimedAlong.times` is then the kernel times
+        `speed_pass` would have, else None (the step's journal was known, or the step ran
+        attention the speed pass times otherwise: `_journal`). The kernel times hold none of
+        the step's tensors, so the trial is the one traced alone."""
+        along = TimedAlong(budget, assumptions, tf32, shallow)
+        self._along = along
+        try:
+            yield along
+        finally:
+            self._along = None
 
     def plan(self, checkpointed_blocks: int | None) -> tuple[LayerPlan, int | None]:
         """The plan of a step that checkpoints the deep model's first `checkpointed_blocks`
@@ -1217,15 +1248,50 @@ class LayerReplay:
                     self._categories[key] = BUCKET
         starts: tuple[list[int], ...] = tuple([] for _ in _UNIT_CALLS)
         self._unit_starts = starts
+        along = self._along
+        if along is not None and along.shallow != (
+            micro_batch,
+            accumulation_steps,
+            checkpointing,
+            shallow_blocks,
+        ):
+            along = None
+        ends: SpeedPass | None = None
+        fused_before = fused_calls()
         try:
-            shallow = runner.trial(
-                micro_batch,
-                accumulation_steps,
-                checkpointing=checkpointing,
-                checkpointed_blocks=shallow_blocks,
-            )
+            with contextlib.ExitStack() as timing:
+                if along is not None:
+                    # The speed pass's modes around the trial's, as around its own step
+                    # (`autotune.engine.estimate`), from the same state: the tags of now.
+                    tags, _, _ = parameter_tags(self.layers, step.model, optimizer.state)
+                    self._timed = LayerKernelTimes(
+                        along.budget,
+                        along.assumptions,
+                        along.tf32,
+                        contexts=self.contexts,
+                        tags=tags,
+                        depth=self.traced_layers,
+                    )
+                    ends = timing.enter_context(SpeedPass(self._timed, alters=False))
+                    timing.enter_context(self._timed)
+                shallow = runner.trial(
+                    micro_batch,
+                    accumulation_steps,
+                    checkpointing=checkpointing,
+                    checkpointed_blocks=shallow_blocks,
+                )
         finally:
             self._unit_starts = None
+            timed, self._timed = self._timed, None
+        if along is not None and ends is not None and shallow.fits:
+            # The speed pass takes dropout out of attention and times the CPU's kernel where
+            # the trial's emulates a GPU's fused one: a step that did either is not its step.
+            if (
+                ends.micro_steps == accumulation_steps
+                and not ends.altered
+                and fused_calls() == fused_before
+            ):
+                along.times = timed
         tracker = self._tracker
         self._tracker = None
         self._gradients = None
@@ -1281,6 +1347,18 @@ _UNBOUNDED_BYTES = 1 << 62
 _UNIT_CALLS = ("make_batch", "num_items", "loss_sum")
 # A shallow step: micro-batch, accumulation steps, checkpointing, checkpointed shallow layers.
 _ShallowKey = tuple[int, int, bool, int | None]
+
+
+@dataclass
+class TimedAlong:
+    """A speed pass asked for along with a trial (`LayerReplay.timed_along`): for the GPU
+    `budget` under `assumptions`, of the shallow step `shallow`; `times` once traced."""
+
+    budget: GpuBudget
+    assumptions: RooflineAssumptions
+    tf32: bool
+    shallow: tuple[int, int, bool, int | None]
+    times: LayerKernelTimes | None = None
 
 
 @dataclass(frozen=True)

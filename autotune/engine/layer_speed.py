@@ -19,6 +19,8 @@ plain middle layer, each counted for its own kind's layers.
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,7 +56,12 @@ class LayerKernelTimes(KernelTimes):  # type: ignore[no-untyped-call]
     each kernel under the layer it belongs to (module docstring); `deep_times_s` times the deep
     model's step from them. `tags` maps the storages of the parameters, gradients and
     optimizer state to their layer (FIXED: none's) and is extended as the step makes tensors
-    of one layer outside the layers; `record_gradient` tags a gradient once complete."""
+    of one layer outside the layers; `record_gradient` tags a gradient once complete.
+
+    They hold no tensor of the step: a storage tagged here loses its tag as it dies, before a
+    new storage can take its id, and a kernel spanning layers is kept as its arithmetic. So
+    they change nothing a tracker counts, and can time the step a trial traces
+    (`autotune.engine.layer_replay`)."""
 
     def __init__(
         self,
@@ -83,9 +90,10 @@ class LayerKernelTimes(KernelTimes):  # type: ignore[no-untyped-call]
         self._spanning: list[_Spanning] = []
         # What each layer launched, in order, to check that the middle layers are one layer.
         self._launched: list[list[tuple[Any, ...]]] = [[] for _ in range(depth)]
-        # The storages tagged here, kept for the pass: a key is a storage's id, which a new
-        # storage could take once the old one is freed, and inherit its tag.
-        self._kept: list[object] = []
+        # The storages tagged here, by key: a key is a storage's id, which a new storage could
+        # take once the old one is freed, and inherit its tag; each tag goes as its storage
+        # dies (`_forget`).
+        self._watched: dict[int, weakref.ref[Any]] = {}
 
     def end_micro_step(self) -> None:
         super().end_micro_step()
@@ -105,7 +113,21 @@ class LayerKernelTimes(KernelTimes):  # type: ignore[no-untyped-call]
                 self.tags[key] = tag
             else:
                 self.views[view] = tag
-            self._kept.append(local_tensor(grad).untyped_storage())
+            self._watch(key, grad)
+
+    def _watch(self, key: int, tensor: torch.Tensor) -> None:
+        """Forget what is tagged of `tensor`'s storage (key `key`) once it dies."""
+        if key not in self._watched:
+            storage = local_tensor(tensor).untyped_storage()
+            self._watched[key] = weakref.ref(storage, functools.partial(self._forget, key))
+
+    def _forget(self, key: int, ref: weakref.ref[Any]) -> None:
+        # Runs as the storage dies: its id is free for a new storage, which has no tag.
+        if self._watched.get(key) is ref:
+            del self._watched[key]
+            self.tags.pop(key, None)
+            for view in [view for view in self.views if view[0] == key]:
+                del self.views[view]
 
     def _context(self) -> int:
         backward = _current_graph_task_id() != -1
@@ -137,7 +159,7 @@ class LayerKernelTimes(KernelTimes):  # type: ignore[no-untyped-call]
             key = storage_key(item)
             if key is not None and key not in self.tags:
                 self.tags[key] = item_tag
-                self._kept.append(local_tensor(item).untyped_storage())
+                self._watch(key, item)
         owner = tag if tag >= 0 else (None if tag == FIXED else self._sticky)
         self._sticky = owner
         if kernel is None:
@@ -163,8 +185,10 @@ class LayerKernelTimes(KernelTimes):  # type: ignore[no-untyped-call]
             self._file(layers[0], func, kernel)  # one layer's kernel (a per-parameter op)
             return
         if func.__name__.startswith("_foreach_") and kernel.flops == 0:
-            # One launch over every layer's tensors: timed once, with the deep model's bytes.
-            self._spanning.append((self._micro_step, kernel, fixed_bytes, layer_bytes))
+            # One launch over every layer's tensors: timed once, with the deep model's bytes
+            # (kept without its tensors, which are the step's).
+            arithmetic = Kernel(kernel.flops, [], [], kernel.dtype)
+            self._spanning.append((self._micro_step, arithmetic, fixed_bytes, layer_bytes))
             return
         raise NotReplayable(f"{func} reads tensors of layers {layers}")
 

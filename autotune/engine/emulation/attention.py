@@ -43,6 +43,17 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from autotune.core.memory.kernel_scratch import AttentionShape, attention_backward_scratch_bytes
 
+# How many calls ran as `_FusedAttention`, in any thread: a speed pass traced along with a trial
+# is the speed pass's only if none did (the speed pass times the CPU's kernel there, whose
+# kernels the fused one hides; `autotune.engine.layer_replay`).
+_fused_calls = 0
+
+
+def fused_calls() -> int:
+    """How many attention calls ran as the fused kernel's emulation so far."""
+    return _fused_calls
+
+
 # Head sizes the fused CUDA kernels take (flash: <= 256; memory-efficient: multiples of 8).
 MAX_FUSED_HEAD_DIM = 256
 FUSED_HEAD_DIM_MULTIPLE = 8
@@ -212,6 +223,8 @@ def fused_attention(
             scale=scale,
             enable_gqa=enable_gqa,
         )
+    global _fused_calls
+    _fused_calls += 1
     mask = None if attn_mask is None else _additive(attn_mask, query.dtype)
     softmax_scale = scale if scale is not None else query.shape[-1] ** -0.5
     output: torch.Tensor = _FusedAttention.apply(  # type: ignore[no-untyped-call]
@@ -268,4 +281,4 @@ def gpu_attention() -> TorchFunctionMode:
     return _GpuAttention()
 
 
-__all__ = ["fused_attention", "gpu_attention"]
+__all__ = ["fused_attention", "fused_calls", "gpu_attention"]

@@ -1,16 +1,22 @@
 """The layer replay's speed pass (autotune/engine/layer_speed.py): a deep decoder's roofline
 step time from a five-layer model's kernels (an eight-layer one's under partial checkpointing)
 equals the whole model's speed pass to rounding (a sum in another order: 1e-12 relative), the
-optimizer's foreach kernels, which span every layer, included."""
+optimizer's foreach kernels, which span every layer, included; and a measurement that times its
+trial's traced step (one trace for both) finds the peaks and times of the two traced apart."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
 from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.gpus.cuda_reserve import budget_for
 from autotune.engine.estimate import EstimateRunner
-from tests.autotune_tests.engine.test_layer_replay import _config, _spec
+from tests.autotune_tests.engine.test_layer_replay import _config, _spec, _the_same
+
+# The fixture counting the traced steps' micro-steps.
+from tests.autotune_tests.engine.test_microstep_replay import traced_micro_steps  # noqa: F401
 
 pytest.importorskip("transformers")
 
@@ -96,3 +102,72 @@ def test_every_partial_checkpointing_speed_pass_replayed_is_the_whole_models(
                 )
     # Every pass was replayed, from the eight-layer model, none timed whole.
     assert replayed.partial_speed_replay and replayed.speed_replay
+
+
+# (micro-batch, accumulation): one micro-step, two, and more written out from three.
+MEASURED = ((1, 1), (2, 2), (3, 7))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("model_type", "depth", "lora", "optimizer"),
+    [("llama", 10, True, "adamw"), ("qwen2", 9, False, "sgd")],
+)
+def test_a_measurement_times_the_step_its_trial_traces(
+    model_type: str,
+    depth: int,
+    lora: bool,
+    optimizer: str,
+    traced_micro_steps: list[int],  # noqa: F811
+) -> None:
+    # One runner measures (its trial's shallow step timed as it is traced), the other traces
+    # the trial and the speed pass apart: the same peaks to the byte, the same times. Partial
+    # checkpointing first: its model is built right after the first warm-up.
+    spec = _spec(_config(model_type, depth), lora=lora, optimizer=optimizer)
+    along = EstimateRunner(spec, gpu=A100)
+    apart = EstimateRunner(spec, gpu=A100)
+    for checkpointing, blocks in ((True, 4), (False, None), (True, None)):
+        assert along.warm_up(checkpointing=checkpointing) == apart.warm_up(
+            checkpointing=checkpointing
+        )
+        for micro_batch, accumulation in MEASURED:
+            settings: dict[str, Any] = {
+                "checkpointing": checkpointing,
+                "checkpointed_blocks": blocks,
+            }
+            traced_micro_steps.clear()
+            measured = along.measure(micro_batch, accumulation, target_seconds=1.0, **settings)
+            # One traced step for both (the partial model's first trial builds it and warms
+            # it up first).
+            warming = [1] if blocks is not None and (micro_batch, accumulation) == (1, 1) else []
+            assert traced_micro_steps == [*warming, min(accumulation, 3)]
+            trial = apart.trial(micro_batch, accumulation, **settings)
+            _the_same(along.trial(micro_batch, accumulation, **settings), trial)
+            assert measured is not None and measured.peak_bytes == trial.peak_bytes
+            assert measured.step_time_s == pytest.approx(
+                apart.step_time_s(micro_batch, accumulation, **settings), rel=RELATIVE
+            )
+        # (A warm-up after the partial model's may find its warm-up differs: it stops.)
+        assert along.speed_replay and (blocks is None or along.partial_speed_replay)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("extra", [{"num_key_value_heads": 4}, {"attention_dropout": 0.1}])
+def test_a_step_whose_attention_the_speed_pass_changes_is_timed_apart(
+    extra: dict[str, Any],
+    traced_micro_steps: list[int],  # noqa: F811
+) -> None:
+    # Without grouped-query attention the trial runs the GPU's fused kernel's emulation (its
+    # kernels out of sight), with dropout the speed pass leaves dropout out: its own trace.
+    spec = _spec(_config("llama", 7, **extra), lora=True, optimizer="adamw")
+    along = EstimateRunner(spec, gpu=A100)
+    apart = EstimateRunner(spec, gpu=A100)
+    assert along.warm_up() == apart.warm_up()
+    traced_micro_steps.clear()
+    measured = along.measure(2, 5, checkpointing=False, target_seconds=1.0)
+    assert traced_micro_steps == [3, 3]
+    trial = apart.trial(2, 5, checkpointing=False)
+    assert measured is not None and measured.peak_bytes == trial.peak_bytes
+    assert measured.step_time_s == pytest.approx(
+        apart.step_time_s(2, 5, checkpointing=False), rel=RELATIVE
+    )
