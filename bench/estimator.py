@@ -675,6 +675,7 @@ SPEED_LABELS = (
     "probe70b",
     "quiet",
     "trace-share",
+    "fake-cache",
 )
 # Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
 # of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).
@@ -1034,6 +1035,38 @@ SPEED_NOTES = [
     "their speed passes: 1.0 and 3.2 s against 0.9 + 0.7 and 2.5 + 1.5); step times and peaks "
     "main's to the byte (the peaks 115,343,360 B under the microstep row's: the residents' "
     "placement of issue 24, main's too).",
+    "fake-cache (27 Nov 2026, issue 27 section 0): two cuts, the answers of both cases equal "
+    "to main's (df0062d) to the byte. Run back to back with main at load 10-11 (the other "
+    "sessions' benchmarks and tests on the 2 cores): llama70b-lora-zero3-probe 24.8 CPU s "
+    "against 25.1 (trials 14.2 against 15.9, warm-ups 7.4 against 6.0: the load's noise is "
+    "larger than the cut), qwen7b-lora-probe 11.3 against 13.9; a second pair at load "
+    "7.1-11.1: the 70B 21.2 against 26.7, the 7B 12.4 against 15.8 (ours at the lower load "
+    "in both). The 15 s goal is not shown met: no "
+    "quiet cores this session. "
+    "Where the 70B probe's time goes (main, timed by function at load 3-4, 20-22 CPU s): the "
+    "8 traced steps 15.5 s, of which torch's fake-tensor dispatch 10.9 s (39,000 cache hits "
+    "about 5.6 s, 1,900 misses 1.4, 2,900 bypasses 0.9), the deep journals' write-out 1.3 s, "
+    "their replay (evaluate) 2.0, the allocation model's replays 1.3, the build 0.8-1.2; "
+    "cProfile's top by own time (88 profiled s): _prep_args_for_hash 4.6 (16.9 with callees), "
+    "isinstance 3.3, the allocator's _alloc_found_block 3.2, _flatten_into 2.7, "
+    "_get_free_block 2.1, malloc 2.0, free 2.0, evaluate 1.9, the cache entry's output 1.8, "
+    "FakeTensor.__new__ 1.7; by cumulative time ResidentPlacement.place 11.8 of 88 (10 "
+    "calls, 395,180 of the 676,086 mallocs). (1) ResidentPlacement.place replayed the "
+    "warm-up's 40,000 events into every fresh allocator (the trials' tracker, each deep "
+    "journal's replay, each allocation-model replay): the state they leave is a function of "
+    "the warm-up and the allocator's settings, so it is now replayed once per settings and "
+    "restored (CachingAllocator.clone) after: the 10 placements 1.67 -> 0.66 CPU s at load "
+    "3-5. (2) torch's fake-tensor cache never answers aten._unsafe_view (not marked a view), "
+    "1,433 uncached dispatches of the probe; below autograd it is view's kernel, which the "
+    "cache answers, so the estimate's fake mode calls view for it (the bypasses 4,346 -> "
+    "2,913, the hits as before: each bypass had made a cached view inside). What is left of "
+    "the bypasses is not ours to cut: the constant-carrying tensors are Adam's step counts "
+    "(its .item() needs the constant: 1,120 reads, 0.1 s), the non-fake inputs FSDP2's "
+    "DTensors, which a mode sees before their own dispatch unwraps them (Adam's state init "
+    "and foreach ops, 612), the non-builtin ops FSDP2's own copy-in/copy-out (953). The "
+    "cache hits are the bulk and are torch's key and output work per op; the ops are the "
+    "model's, FSDP2's (a view(uint8) and its detach per parameter at each all-gather's "
+    "copy-in and copy-out, 7,360) and autograd's.",
 ]
 
 

@@ -20,7 +20,7 @@ import contextlib
 import importlib
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -183,11 +183,30 @@ class _TraceMode(FakeTensorMode):  # type: ignore[no-untyped-call]
     def _should_skip_dynamo(cls) -> bool:
         return False
 
-    __torch_dispatch__ = getattr(
-        FakeTensorMode.__dict__["__torch_dispatch__"],
-        "__wrapped__",
-        FakeTensorMode.__dict__["__torch_dispatch__"],
-    )
+    def __torch_dispatch__(  # one kernel's dispatch, as FakeTensorMode's
+        self,
+        func: Any,
+        types: Sequence[type],
+        args: Sequence[object] = (),
+        kwargs: Mapping[str, object] | None = None,
+    ) -> object:
+        # torch's fake-tensor cache answers `view` but never `_unsafe_view` (not marked a view,
+        # its cached output would get a storage of its own), and an uncached fake dispatch
+        # costs some three cached ones (a 70B probe makes 1,433). Below autograd, where this
+        # mode runs, the two are one kernel: aten's `view_impl`, the same sizes, strides,
+        # storage and errors. The modes above this one see `_unsafe_view` as before.
+        if func is _UNSAFE_VIEW:
+            func = _VIEW
+        return _fake_dispatch(self, func, types, args, kwargs)
+
+
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+_VIEW = torch.ops.aten.view.default
+_fake_dispatch: Callable[..., Any] = getattr(
+    FakeTensorMode.__dict__["__torch_dispatch__"],
+    "__wrapped__",
+    FakeTensorMode.__dict__["__torch_dispatch__"],
+)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ pools either: they need recordStream or capture, which the step does not use.
 
 from __future__ import annotations
 
+import copy
 from bisect import bisect_left
 from dataclasses import dataclass
 from typing import NewType
@@ -238,6 +239,59 @@ class CachingAllocator:
         if neighbour is not None and not neighbour.allocated:
             self._try_merge_blocks(block, neighbour, pool)
         pool.insert(block)
+
+    @property
+    def untouched(self) -> bool:
+        """Nothing was asked of it yet: its state is a new allocator's of its capacity, device,
+        limit and config."""
+        return (
+            self._next_id == 1
+            and self._next_address == SMALL_BUFFER_BYTES
+            and self._num_ooms == 0
+            and self._num_alloc_retries == 0
+        )
+
+    def clone(self) -> CachingAllocator:
+        """An independent allocator in this one's state: the same mallocs and frees give both
+        the same blocks, ids, segments and figures."""
+        twin = copy.copy(self)
+        twin._sizes = dict(self._sizes)
+        # Every block: the live ones, the cached and unmapped ones, and their neighbours.
+        originals: dict[int, Block] = {}
+        pending = [*self._live.values()]
+        for pool in (self._small, self._large):
+            pending += pool.blocks.values()
+            pending += pool.unmapped.values()
+        while pending:
+            block = pending.pop()
+            if id(block) in originals:
+                continue
+            originals[id(block)] = block
+            pending += [n for n in (block.prev, block.next) if n is not None]
+        segments: dict[int, Segment] = {}
+        twins: dict[int, Block] = {}
+        for key, block in originals.items():
+            segment = segments.get(id(block.segment))
+            if segment is None:
+                segment = Segment(block.segment.base, block.segment.page_bytes)
+                segments[id(block.segment)] = segment
+            copied = Block(block.address, block.size, block.small, segment, block.mapped)
+            copied.requested = block.requested
+            copied.allocated = block.allocated
+            copied.gc_base = block.gc_base
+            twins[key] = copied
+        for key, block in originals.items():
+            copied = twins[key]
+            copied.prev = None if block.prev is None else twins[id(block.prev)]
+            copied.next = None if block.next is None else twins[id(block.next)]
+        twin._live = {block_id: twins[id(block)] for block_id, block in self._live.items()}
+        twin._small = _twin_pool(self._small, twins)
+        twin._large = _twin_pool(self._large, twins)
+        return twin
+
+    def restore(self, saved: CachingAllocator) -> None:
+        """Put this allocator in `saved`'s state (a clone of it: `saved` stays as it is)."""
+        self.__dict__.update(saved.clone().__dict__)
 
     def empty_cache(self) -> None:
         """`emptyCache` (`release_cached_blocks`): return every unsplit cached segment, and
@@ -585,3 +639,14 @@ class CachingAllocator:
     def _reserve(self, size: int) -> None:
         self._reserved += size
         self._peak_reserved = max(self._peak_reserved, self._reserved)
+
+
+def _twin_pool(pool: Pool, twins: dict[int, Block]) -> Pool:
+    """`pool` with each block replaced by its twin (`CachingAllocator.clone`)."""
+    twin = Pool(pool.small)
+    twin.keys = list(pool.keys)
+    twin.blocks = {address: twins[id(block)] for address, block in pool.blocks.items()}
+    twin.unmapped_addresses = list(pool.unmapped_addresses)
+    twin.unmapped = {address: twins[id(block)] for address, block in pool.unmapped.items()}
+    twin.free_block_calls = pool.free_block_calls
+    return twin

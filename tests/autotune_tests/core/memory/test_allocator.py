@@ -413,9 +413,14 @@ OPERATIONS = st.lists(
 )
 
 
-def run(allocator: CachingAllocator, operations: list[tuple[str, int]]) -> list[BlockId]:
-    """Run the operations, checking every invariant after each; return what is still live."""
-    live: list[BlockId] = []
+def run(
+    allocator: CachingAllocator,
+    operations: list[tuple[str, int]],
+    live: list[BlockId] | None = None,
+) -> list[BlockId]:
+    """Run the operations, checking every invariant after each; return what is still live
+    (`live`, what was live before them, updated)."""
+    live = [] if live is None else live
     for kind, value in operations:
         if kind == "alloc":
             before = allocator.stats
@@ -472,3 +477,53 @@ def test_reserved_never_exceeds_the_capacity_when_the_device_fills_up(
     run(allocator, operations * 3)
     target(float(allocator.stats.num_ooms), label="out of memory")
     assert allocator.stats.peak_reserved_bytes <= capacity_mib * MIB
+
+
+def _observe(
+    allocator: CachingAllocator, live: list[BlockId], operations: list[tuple[str, int]]
+) -> list[object]:
+    """The blocks live, the figures and the segments after each operation."""
+    seen: list[object] = []
+    for operation in operations:
+        run(allocator, [operation], live)
+        seen.append((list(live), allocator.stats, allocator.snapshot()))
+    return seen
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    settings_text=st.sampled_from(CONFIGS),
+    capacity_mib=st.integers(40, 400),
+    before=OPERATIONS,
+    after=OPERATIONS,
+)
+def test_a_clone_and_a_restored_allocator_go_on_as_the_original_and_apart_from_it(
+    settings_text: str,
+    capacity_mib: int,
+    before: list[tuple[str, int]],
+    after: list[tuple[str, int]],
+) -> None:
+    config = parse_alloc_conf(settings_text)
+    original = CachingAllocator(capacity_mib * MIB, config)
+    live = run(original, before)
+    clone = original.clone()
+    restored = CachingAllocator(capacity_mib * MIB, config)
+    restored.malloc(MIB)  # state of its own, which restore replaces
+    restored.restore(original)
+    # The clone and the restored allocator run first: had they shared a block, a pool or a
+    # segment with the original, its own run would then differ.
+    from_clone = _observe(clone, list(live), after)
+    from_restored = _observe(restored, list(live), after)
+    assert _observe(original, list(live), after) == from_clone == from_restored
+
+
+def test_an_allocator_is_untouched_until_it_mallocs_or_runs_out() -> None:
+    allocator = CachingAllocator(64 * MIB)
+    allocator.malloc(0)
+    assert allocator.untouched
+    allocator.free(allocator.malloc(MIB))
+    assert not allocator.untouched
+    full = CachingAllocator(64 * MIB)
+    with pytest.raises(AllocatorOutOfMemory):
+        full.malloc(100 * MIB)
+    assert not full.untouched

@@ -4,7 +4,8 @@ residents' blocks handed to the next trial, the rest freed and the cache emptied
 from __future__ import annotations
 
 from autotune.core.memory.allocation_trace import replay_encoded
-from autotune.core.memory.allocator import CachingAllocator
+from autotune.core.memory.allocator import BlockId, CachingAllocator
+from autotune.core.memory.allocator_config import parse_alloc_conf
 from autotune.core.memory.resident_placement import ResidentPlacement, TrialStart
 
 MiB = 2**20
@@ -77,3 +78,39 @@ def test_a_trace_replayed_from_its_start_is_the_trial_it_was_recorded_in() -> No
     assert allocator.stats.peak_reserved_bytes == from_start.stats.peak_reserved_bytes
     # A device too small for the warm-up: the replay runs out at the residents.
     assert replay_encoded(trace, 10 * MiB, start=TrialStart(placement, 2)).failed_event == 0
+
+
+def _goes_on(allocator: CachingAllocator, blocks: list[BlockId]) -> list[object]:
+    """The figures and segments of `allocator`, then of the mallocs and frees of a trial."""
+    seen: list[object] = [allocator.stats, allocator.snapshot()]
+    activations = [allocator.malloc(size * MiB) for size in (6, 6, 30, 1)]
+    for block in [activations[1], blocks[0], activations[2]]:
+        allocator.free(block)
+    seen += [activations, allocator.malloc(12 * MiB), allocator.stats, allocator.snapshot()]
+    return seen
+
+
+def test_a_placement_restored_from_the_first_is_the_placement_replayed() -> None:
+    # Three warm-ups whose states are kept: retries, a segment freed and a hole.
+    warm_up = (8 * MiB, 8 * MiB, -1, -2, 30 * MiB, 3 * MiB, 4 * MiB, -6, 2 * MiB)
+    residents = [30 * MiB, 2 * MiB, 4 * MiB, MiB]
+    config = parse_alloc_conf("garbage_collection_threshold:0.5,per_process_memory_fraction:0.9")
+    for settings in ({}, {"config": config}, {"device_total_bytes": 130 * MiB}):
+        replayed = []
+        for _ in range(3):
+            # A new placement each time replays; the same placement restores after its first.
+            for placement in (ResidentPlacement(warm_up), PLACEMENT):
+                allocator = CachingAllocator(120 * MiB, **settings)  # type: ignore[arg-type]
+                blocks = placement.place(allocator, residents)
+                replayed.append([blocks, *_goes_on(allocator, blocks)])
+        assert all(seen == replayed[0] for seen in replayed)
+    # An allocator that ran something already gets the warm-up replayed on top of it.
+    touched, fresh = CachingAllocator(120 * MiB), CachingAllocator(120 * MiB)
+    for allocator in (touched, fresh):
+        allocator.free(allocator.malloc(50 * MiB))
+    kept = PLACEMENT.place(touched, residents)  # a state is saved for these settings
+    new = ResidentPlacement(warm_up).place(fresh, residents)
+    assert [kept, *_goes_on(touched, kept)] == [new, *_goes_on(fresh, new)]
+
+
+PLACEMENT = ResidentPlacement((8 * MiB, 8 * MiB, -1, -2, 30 * MiB, 3 * MiB, 4 * MiB, -6, 2 * MiB))
