@@ -81,6 +81,7 @@ from autotune.engine.layer_plan import LayerPlan, partial_plan, uniform_plan
 from autotune.engine.layer_speed import LayerKernelTimes
 from autotune.engine.layer_zero1 import (
     ParameterSize,
+    PartitionBytes,
     RankShare,
     cut,
     deep_parameters,
@@ -1066,8 +1067,16 @@ class LayerReplay:
         step = self.runner.step
         optimizer = getattr(step.optimizer, "optim", step.optimizer)
         tags, _, _ = parameter_tags(self.layers, step.model, optimizer.state)
+        # A ZeRO-1 rank's optimizer runs over its partition: the deep rank's.
+        partition = None if self.zero1 is None else PartitionBytes(*self.zero1, self.depth)
         times = LayerKernelTimes(
-            budget, assumptions, tf32, contexts=self.contexts, tags=tags, depth=self.traced_layers
+            budget,
+            assumptions,
+            tf32,
+            contexts=self.contexts,
+            tags=tags,
+            depth=self.traced_layers,
+            partition=partition,
         )
         self._gradients = times
         try:
