@@ -1055,11 +1055,11 @@ class LayerReplay:
         shallow = self._journals.get(key)
         if shallow is None:
             shallow = self._journal(micro_batch, traced_steps, checkpointing, shallow_blocks)
-            if self._warm and self.reducer is None and placement is _Placed.DEVICES:
+            if self._warm and placement is _Placed.DEVICES:
                 # After the warm-up a step starts from the same state whatever ran before
                 # (the estimate's own answers from earlier traces rest on it), so the same
-                # shallow step journals the same events. Not on DDP's ranks: the first step
-                # after the warm-up rebuilds the buckets, the later ones do not.
+                # shallow step journals the same events: a DDP rank's too, from the buckets
+                # its reducer rebuilt after the warm-up, between the steps.
                 self._journals[key] = shallow
         journal = shallow.journal
         if written_out:
