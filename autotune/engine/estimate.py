@@ -45,7 +45,6 @@ from autotune.core.schemas import (
     DeviceKind,
     OptimizerName,
     Precision,
-    Sharding,
     Spec,
     SpeedSource,
     StepOutcome,
@@ -377,11 +376,10 @@ class EstimateRunner:
         # checkpointing's counts mostly share one shallow step (`LayerReplay.plan`), each timed
         # from its kernels by its own plan.
         self._layered: dict[tuple[int, _TrialKey], LayerKernelTimes] = {}
-        # Speed passes by the layer replay while they can be (`autotune.engine.layer_speed`);
-        # `layer_replay=False` times the whole model too. Not ZeRO-1's: its optimizer's foreach
-        # kernels read the deep rank's share of the parameters, which no traced layer's bytes
-        # give (its trials are replayed, `autotune.engine.layer_zero1`).
-        self._speed_replay = spec.training.sharding is not Sharding.ZERO1
+        # Speed passes by the layer replay while they can be (`autotune.engine.layer_speed`;
+        # ZeRO-1's optimizer kernels with the deep rank's partition); `layer_replay=False`
+        # times the whole model too.
+        self._speed_replay = True
         self._partial_speed_replay = True
 
     def _build_full(self) -> InProcessRunner:

@@ -167,12 +167,10 @@ class LayerBuckets:
 @dataclass(frozen=True)
 class JournalBuckets:
     """A trial's buckets for `autotune.engine.layer_replay.expand`: the deep model's layout of
-    each group of bucket allocations in the shallow journal, in order (the resident buckets;
-    then the rebuilt ones when the reducer rebuilt them inside the trial), and the
-    parameters."""
+    the resident buckets the shallow journal allocates, and the parameters."""
 
     parameters: LayerBuckets
-    layouts: tuple[BucketLayout, ...]
+    layout: BucketLayout
 
 
 __all__ = ["BucketLayout", "JournalBuckets", "LayerBuckets"]

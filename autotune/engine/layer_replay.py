@@ -84,6 +84,7 @@ from autotune.engine.layer_plan import LayerPlan, partial_plan, uniform_plan
 from autotune.engine.layer_speed import LayerKernelTimes
 from autotune.engine.layer_zero1 import (
     ParameterSize,
+    PartitionBytes,
     RankShare,
     cut,
     deep_parameters,
@@ -175,7 +176,7 @@ def expand(
     each deep layer repeating its template's run (module docstring,
     `autotune.engine.layer_plan`). Records keep their shape; a free's or gradient's reference
     is renumbered. DDP's buckets (`buckets`; allocations of category BUCKET) are the deep
-    model's: each group of them in the shallow journal is replaced by its deep layout, and a
+    model's: the shallow journal's resident buckets are replaced by their deep layout, and a
     gradient that becomes a view of one names its deep parameter's bucket
     (`autotune.engine.layer_buckets`).
 
@@ -185,8 +186,8 @@ def expand(
     depth = plan.traced_layers
     target_depth = plan.depth
     owner_of = owners(journal)
-    bucket_of, views = _bucket_groups(journal, buckets)
-    deep_buckets: dict[int, list[int]] = {}  # group -> the deep buckets' places in the output
+    bucket_events = _bucket_allocations(journal, buckets)
+    deep_buckets: list[int] = []  # the deep buckets' places in the output
     # Runs of one owner, then segments: a run outside the layers, or a sweep.
     runs: list[tuple[int | None, int, int]] = []
     start = 0
@@ -225,7 +226,7 @@ def expand(
         segments.append(sweep)
         index += len(sweep.runs)
 
-    if any(event in location for event in (*bucket_of, *views.skipped)):
+    if any(event in location for event in bucket_events):
         raise NotReplayable("a bucket allocated in a sweep over the layers")
 
     def relative(event: int, layer: int) -> tuple[Any, ...]:
@@ -237,7 +238,7 @@ def expand(
             return (OP, record[3], record[4], record[5])
         if kind == MARK:
             return (MARK,)
-        if record[1] in bucket_of:
+        if record[1] in bucket_events:
             if kind == FREE or buckets is None:
                 raise NotReplayable(f"event {event} frees a bucket")
             return (kind, _BUCKET, buckets.parameters.slot(record[3]))
@@ -305,7 +306,7 @@ def expand(
                 deep_owner = layer
             else:
                 raise NotReplayable(f"event {event}: another layer's gradient")
-            return _bucket_gradient(record, deep_owner, buckets, bucket_of, deep_buckets)
+            return _bucket_gradient(record, deep_owner, buckets, deep_buckets)
         if item[1] == "fixed":
             target = renumbered_fixed.get(item[2])
         elif source in (0, depth - 1) and abs(item[2]) > 1:
@@ -325,32 +326,18 @@ def expand(
         if not isinstance(segment, _Sweep):
             for event in range(*segment):
                 record = journal[event]
-                group = bucket_of.get(event)
-                if group is not None:
-                    if group not in deep_buckets:
+                if event in bucket_events:
+                    # The first of the resident buckets' allocations stands for all of them:
+                    # the deep buckets' in their place.
+                    if not deep_buckets:
                         assert buckets is not None
-                        deep_buckets[group] = []
-                        layout = buckets.layouts[group]
-                        members = [0] * len(layout.sizes_bytes)
-                        for bucket in layout.bucket_of:
-                            members[bucket] += 1
-                        made = views.made.get(group)
-                        view = views.records.get(group)
-                        for nbytes, count in zip(layout.sizes_bytes, members, strict=True):
-                            deep_buckets[group].append(len(out))
+                        for nbytes in buckets.layout.sizes_bytes:
+                            deep_buckets.append(len(out))
                             out.append((record[0], nbytes, *record[2:]))
-                            if made is not None:
-                                # A rebuild: the op that made the bucket, and its views of
-                                # its parameters.
-                                out.append(made)
-                            if view is not None:
-                                out += [view] * (count * views.per_parameter[group])
                     continue
-                if event in views.skipped:
-                    continue
-                if record[0] in (FREE, GRAD) and record[1] in bucket_of:
+                if record[0] in (FREE, GRAD) and record[1] in bucket_events:
                     owner = _end_layer(buckets, record, event, depth, target_depth)
-                    out.append(_bucket_gradient(record, owner, buckets, bucket_of, deep_buckets))
+                    out.append(_bucket_gradient(record, owner, buckets, deep_buckets))
                     renumbered_fixed[event] = len(out) - 1
                     continue
                 if record[0] in REFERENCES:
@@ -447,85 +434,22 @@ def _program(
 _REFERENCE = "reference"
 
 
-@dataclass
-class _BucketViews:
-    """What a rebuild does after each bucket's allocation (`EmulatedReducer._build`): the op
-    that made it, then a view op per parameter. The events, per group the two records and the
-    view ops per parameter."""
-
-    skipped: set[int]
-    made: dict[int, tuple[Any, ...]]
-    records: dict[int, tuple[Any, ...]]
-    per_parameter: dict[int, int]
-
-
-# The op a rebuild allocates a bucket with, and those it makes its views with.
-_MADE_OP = "aten.empty."
-_VIEW_OPS = ("aten.as_strided.", "aten.narrow.", "aten.view.")
-
-
-def _bucket_groups(
+def _bucket_allocations(
     journal: Sequence[tuple[Any, ...]], buckets: JournalBuckets | None
-) -> tuple[dict[int, int], _BucketViews]:
-    """Each bucket allocation's group, in order: the resident buckets' allocations, one after
-    the other, then (when the step rebuilds them) the rebuilt ones, each followed by the op
-    that made it and the views of its parameters.
+) -> set[int]:
+    """The resident buckets' allocations: back to back, before the step (DDP's reducer
+    rebuilds due buckets between steps, so a step allocates none).
 
     Raises:
-        NotReplayable: groups other than `buckets.layouts`' (or buckets without them), or
-            a rebuild of another shape.
+        NotReplayable: buckets without `buckets`, none with them, or allocations other than
+            one run of them.
     """
-    group_of: dict[int, int] = {}
-    views = _BucketViews(set(), {}, {}, {})
     allocations = [i for i, r in enumerate(journal) if r[0] == ALLOC and r[5] == BUCKET]
-    expected = 0 if buckets is None else len(buckets.layouts)
-    groups = 0
-    at = 0
-    while at < len(allocations):
-        group = groups
-        groups += 1
-        if group == 0:
-            # The residents: allocations back to back.
-            index = allocations[at]
-            while at < len(allocations) and allocations[at] == index:
-                group_of[index] = group
-                at += 1
-                index += 1
-            continue
-        views.per_parameter[group] = 0
-        while at < len(allocations):
-            index = allocations[at]
-            group_of[index] = group
-            made = journal[index + 1] if index + 1 < len(journal) else (None,)
-            if made[0] != OP or not str(made[5]).startswith(_MADE_OP):
-                raise NotReplayable("a bucket rebuilt otherwise")
-            if views.made.setdefault(group, made) != made:
-                raise NotReplayable("buckets rebuilt by different ops")
-            views.skipped.add(index + 1)
-            index += 2
-            while index < len(journal) and journal[index][0] == OP:
-                record = journal[index]
-                # The views are one op per parameter; what differs comes after them (the
-                # buffers flattened to broadcast).
-                if not str(record[5]).startswith(_VIEW_OPS):
-                    break
-                if views.records.setdefault(group, record) != record:
-                    break
-                views.skipped.add(index)
-                views.per_parameter[group] += 1
-                index += 1
-            at += 1
-            if at < len(allocations) and allocations[at] != index:
-                break
-    if groups != expected:
-        raise NotReplayable(f"{groups} groups of buckets in the journal")
-    if buckets is not None:
-        count = buckets.parameters.count
-        for group, ops in views.per_parameter.items():
-            if ops % count:
-                raise NotReplayable("a rebuild's views are not so many per parameter")
-            views.per_parameter[group] = ops // count
-    return group_of, views
+    if (buckets is None) != (not allocations):
+        raise NotReplayable("the journal's buckets are not the reducer's")
+    if allocations and allocations[-1] - allocations[0] != len(allocations) - 1:
+        raise NotReplayable("buckets allocated apart from the residents'")
+    return set(allocations)
 
 
 def _end_layer(
@@ -552,18 +476,15 @@ def _bucket_gradient(
     record: tuple[Any, ...],
     deep_layer: int | None,
     buckets: JournalBuckets | None,
-    bucket_of: dict[int, int],
-    deep_buckets: dict[int, list[int]],
+    deep_buckets: list[int],
 ) -> tuple[Any, ...]:
     """A gradient record naming a shallow bucket, renamed to the deep bucket of the deep
     parameter it stands for in `deep_layer`."""
     assert buckets is not None
-    group = bucket_of[record[1]]
-    placed = deep_buckets.get(group)
-    if placed is None:
+    if not deep_buckets:
         raise NotReplayable("a gradient names a bucket not yet allocated")
     parameter = buckets.parameters.deep_parameter(record[3], deep_layer)
-    return (record[0], placed[buckets.layouts[group].bucket_of[parameter]], *record[2:])
+    return (record[0], deep_buckets[buckets.layout.bucket_of[parameter]], *record[2:])
 
 
 def _check_one_run(
@@ -1075,8 +996,16 @@ class LayerReplay:
         step = self.runner.step
         optimizer = getattr(step.optimizer, "optim", step.optimizer)
         tags, _, _ = parameter_tags(self.layers, step.model, optimizer.state)
+        # A ZeRO-1 rank's optimizer runs over its partition: the deep rank's.
+        partition = None if self.zero1 is None else PartitionBytes(*self.zero1, self.depth)
         times = LayerKernelTimes(
-            budget, assumptions, tf32, contexts=self.contexts, tags=tags, depth=self.traced_layers
+            budget,
+            assumptions,
+            tf32,
+            contexts=self.contexts,
+            tags=tags,
+            depth=self.traced_layers,
+            partition=partition,
         )
         self._gradients = times
         try:
@@ -1157,11 +1086,11 @@ class LayerReplay:
         shallow = self._journals.get(key)
         if shallow is None:
             shallow = self._journal(micro_batch, traced_steps, checkpointing, shallow_blocks)
-            if self._warm and self.reducer is None and placement is _Placed.DEVICES:
+            if self._warm and placement is _Placed.DEVICES:
                 # After the warm-up a step starts from the same state whatever ran before
                 # (the estimate's own answers from earlier traces rest on it), so the same
-                # shallow step journals the same events. Not on DDP's ranks: the first step
-                # after the warm-up rebuilds the buckets, the later ones do not.
+                # shallow step journals the same events: a DDP rank's too, from the buckets
+                # its reducer rebuilt after the warm-up, between the steps.
                 self._journals[key] = shallow
         journal = shallow.journal
         if written_out:
@@ -1181,7 +1110,11 @@ class LayerReplay:
                     placement=placement,
                 )
         device = self.device
-        buckets = None if self.buckets is None else JournalBuckets(self.buckets, shallow.layouts)
+        buckets = (
+            None
+            if self.buckets is None or shallow.buckets is None
+            else JournalBuckets(self.buckets, shallow.buckets)
+        )
         if self.zero1 is None:
             deep = expand(journal, plan, buckets)
         else:
@@ -1199,10 +1132,6 @@ class LayerReplay:
             placement=start,
         )
         if not outcome.fits:
-            if shallow.rebuilt_buckets:
-                # The deep reducer may have run out rebuilding its buckets, which leaves it
-                # half built: the whole model says what it does.
-                raise NotReplayable("a step that rebuilt DDP's buckets ran out")
             if self.reducer is not None and outcome.oom_phase is not Phase.OPTIMIZER:
                 # The deep model's synchronised backward did not complete: no ready order.
                 self.reducer.forget_ready_order()
@@ -1225,7 +1154,8 @@ class LayerReplay:
         checkpointing: bool,
         shallow_blocks: int | None,
     ) -> _ShallowJournal:
-        """The shallow model's journal of one step, traced, with DDP's bucket layouts.
+        """The shallow model's journal of one step, traced, with the deep layout of DDP's
+        buckets.
 
         Raises:
             NotReplayable: the shallow step did not complete.
@@ -1237,11 +1167,8 @@ class LayerReplay:
         # (`InProcessRunner._run`): the buckets this step starts with are those.
         step.settle()
         self._tags, self._categories, _ = parameter_tags(self.layers, step.model, optimizer.state)
-        layouts: list[BucketLayout] = []
         resident_buckets = self._bucket_layout()
-        was_rebuilt = self.reducer is not None and self.reducer.rebuilt
         if self.reducer is not None and resident_buckets is not None:
-            layouts.append(resident_buckets)
             for bucket in self.reducer.buckets:
                 key = storage_key(bucket)
                 if key is not None:
@@ -1308,20 +1235,8 @@ class LayerReplay:
                     index = tracker._journal_index[ref.event]
                     record = journal[index]
                     journal[index] = (*record[:5], OPTIMIZER_STATE)
-        rebuilt = self._bucket_layout()
-        rebuilt_here = self.reducer is not None and self.reducer.rebuilt and not was_rebuilt
-        if self.reducer is not None and rebuilt is not None and rebuilt_here:
-            # The reducer rebuilt its buckets inside the step (the first step after a
-            # synchronised one that was no warm-up): their allocations are buckets too.
-            layouts.append(rebuilt)
-            for bucket in self.reducer.buckets:
-                key = storage_key(bucket)
-                ref = tracker._storages.get(key) if key is not None else None
-                if ref is not None and ref.event >= 0:
-                    index = tracker._journal_index[ref.event]
-                    journal[index] = (*journal[index][:5], BUCKET)
         marks = StepMarks(tuple(tuple(unit) for unit in starts))
-        return _ShallowJournal(journal, tuple(layouts), rebuilt_here, marks)
+        return _ShallowJournal(journal, resident_buckets, marks)
 
     def warm_up(
         self,
@@ -1363,11 +1278,10 @@ class TimedAlong:
 
 @dataclass(frozen=True)
 class _ShallowJournal:
-    """One shallow step's journal, with DDP's bucket layouts in it (none: no DDP) and whether
-    the step rebuilt them."""
+    """One shallow step's journal, with the deep layout of DDP's buckets it starts with (None:
+    no DDP; a step rebuilds none, the reducer rebuilds them between steps)."""
 
     journal: list[tuple[Any, ...]]
-    layouts: tuple[BucketLayout, ...]
-    rebuilt_buckets: bool
+    buckets: BucketLayout | None
     # Where each unit of the step starts (`autotune.engine.microstep_replay`).
     marks: StepMarks | None = None

@@ -7,7 +7,9 @@ the kernels that span layers do not add up that way: the optimizer's foreach ker
 every layer's parameters, gradients and state in one launch, and a roofline time is the
 longer of arithmetic and traffic plus one launch, not a sum over layers. For those,
 `LayerKernelTimes` keeps the bytes each layer's tensors contribute and times the kernel once
-with the deep model's bytes: what the deep model's own launch moves.
+with the deep model's bytes: what the deep model's own launch moves. On a ZeRO-1 rank the local
+optimizer's foreach kernels read the rank's partition of the parameters, which no layer's bytes
+give: they are timed with the deep rank's partition's (`autotune.engine.layer_zero1`).
 
 Which layer a kernel belongs to is the journal's rule (`autotune.engine.emulation.layer_journal`):
 the layer whose forward or backward runs (`LayerContexts`), else the layer of the tensors it
@@ -45,6 +47,7 @@ from autotune.engine.emulation.layer_journal import (
 from autotune.engine.emulation.tracker import _current_graph_task_id, local_tensor
 from autotune.engine.kernel_times import Kernel, KernelTimes
 from autotune.engine.layer_plan import LayerPlan
+from autotune.engine.layer_zero1 import PartitionBytes
 
 # A kernel that spans layers: (micro-step, its kernel, bytes of no layer's tensors, bytes of
 # each layer's).
@@ -56,7 +59,8 @@ class LayerKernelTimes(KernelTimes):  # type: ignore[no-untyped-call]
     each kernel under the layer it belongs to (module docstring); `deep_times_s` times the deep
     model's step from them. `tags` maps the storages of the parameters, gradients and
     optimizer state to their layer (FIXED: none's) and is extended as the step makes tensors
-    of one layer outside the layers; `record_gradient` tags a gradient once complete.
+    of one layer outside the layers; `record_gradient` tags a gradient once complete. On a
+    ZeRO-1 rank, `partition` gives the deep rank's bytes of its optimizer's foreach kernels.
 
     They hold no tensor of the step: a storage tagged here loses its tag as it dies, before a
     new storage can take its id, and a kernel spanning layers is kept as its arithmetic. So
@@ -72,6 +76,7 @@ class LayerKernelTimes(KernelTimes):  # type: ignore[no-untyped-call]
         contexts: LayerContexts,
         tags: dict[int, int],
         depth: int,
+        partition: PartitionBytes | None = None,
     ) -> None:
         super().__init__(budget, assumptions, tf32)
         self.contexts = contexts
@@ -88,6 +93,10 @@ class LayerKernelTimes(KernelTimes):  # type: ignore[no-untyped-call]
         self._fixed_s: list[float] = [0.0]
         self._layer_s: list[list[float]] = [[0.0] * depth]
         self._spanning: list[_Spanning] = []
+        self.partition = partition
+        # ZeRO-1's foreach kernels over the rank's partition: (micro-step, kernel, the deep
+        # rank's bytes).
+        self._partitioned: list[tuple[int, Kernel, int]] = []
         # What each layer launched, in order, to check that the middle layers are one layer.
         self._launched: list[list[tuple[Any, ...]]] = [[] for _ in range(depth)]
         # The storages tagged here, by key: a key is a storage's id, which a new storage could
@@ -164,6 +173,13 @@ class LayerKernelTimes(KernelTimes):  # type: ignore[no-untyped-call]
         self._sticky = owner
         if kernel is None:
             return
+        if self.partition is not None and func.__name__.startswith("_foreach_"):
+            deep_bytes = self.partition.deep_bytes(args, kwargs, out)
+            if deep_bytes is not None and kernel.flops == 0:
+                # Kept as its arithmetic, as a spanning kernel is: its tensors are the step's.
+                arithmetic = Kernel(kernel.flops, [], [], kernel.dtype)
+                self._partitioned.append((self._micro_step, arithmetic, deep_bytes))
+                return
         layer_bytes = [0] * self.depth
         fixed_bytes = 0
         for tensor in (*kernel.inputs, *kernel.outputs):
@@ -231,6 +247,10 @@ class LayerKernelTimes(KernelTimes):  # type: ignore[no-untyped-call]
             deep_bytes = fixed_bytes + sum(
                 weight * nbytes for weight, nbytes in zip(weights, layer_bytes, strict=True)
             )
+            times[micro_step] += self.kernel_time_s(kernel, deep_bytes)
+        if self._partitioned and (self.partition is None or self.partition.depth != plan.depth):
+            raise NotReplayable(f"a ZeRO-1 partition of other than {plan.depth} layers")
+        for micro_step, kernel, deep_bytes in self._partitioned:
             times[micro_step] += self.kernel_time_s(kernel, deep_bytes)
         return times
 

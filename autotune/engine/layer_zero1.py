@@ -15,7 +15,8 @@ repeated per layer. `Zero1Partition` computes the deep model's partition as torc
 resident optimizer state (per local parameter, in its order) and the optimizer step (its state
 made in the first step, its foreach ops' per-parameter outputs, their release, the
 broadcasts), each a run of one unit of events per parameter whose bytes are the parameter's,
-written out for the deep partition (docs/design.md#the-layer-replay).
+written out for the deep partition (docs/design.md#the-layer-replay). Its speed pass likewise:
+the local optimizer's foreach kernels move the deep rank's partition (`PartitionBytes`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
 
 from autotune.core.memory.gradient_buckets import BucketTensor
 from autotune.core.schemas import Phase
@@ -53,10 +57,12 @@ class ParameterSize:
 @dataclass(frozen=True)
 class RankShare:
     """The emulated rank's share: its parameters (numbers in the optimizer's order) in its local
-    optimizer's order, and every rank's parameters (the broadcasts after the step)."""
+    optimizer's order with their bytes and elements, and every rank's parameters (the
+    broadcasts after the step)."""
 
     local: tuple[int, ...]
     local_nbytes: tuple[int, ...]
+    local_numel: tuple[int, ...]
     parameter_count: int
 
 
@@ -74,7 +80,12 @@ def rank_share(parameters: Sequence[ParameterSize], world_size: int) -> RankShar
     partition_bytes = [sum(parameters[n].nbytes for n in numbers) for numbers in ranks]
     heaviest = partition_bytes.index(max(partition_bytes))
     local = tuple(ranks[heaviest])
-    return RankShare(local, tuple(parameters[n].nbytes for n in local), len(parameters))
+    return RankShare(
+        local,
+        tuple(parameters[n].nbytes for n in local),
+        tuple(parameters[n].numel for n in local),
+        len(parameters),
+    )
 
 
 def deep_parameters(
@@ -319,6 +330,42 @@ def _write(elements: Sequence[_Element], share: RankShare, offset: int) -> list[
 
 
 @dataclass(frozen=True)
+class PartitionBytes:
+    """The bytes a foreach kernel of the rank's local optimizer moves on the deep rank, from
+    the shallow rank's launch (`shallow`'s partition; `deep`'s of `depth` layers): one launch
+    over a list of one tensor per local parameter, each of its parameter's elements, moves
+    that list's dtype's bytes of every element of the deep rank's parameters."""
+
+    shallow: RankShare
+    deep: RankShare
+    depth: int
+
+    def deep_bytes(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: object) -> int | None:
+        """The deep launch's bytes read and written, `args` and `kwargs` the shallow launch's
+        and `out` its outputs: each list over the partition scaled to the deep one, any other
+        tensor as it is. None when no argument or output is such a list."""
+        numel = list(self.shallow.local_numel)
+        deep_numel = sum(self.deep.local_numel)
+        nbytes = 0
+        partition_lists = 0
+        for item in (*args, *kwargs.values(), out):
+            if (
+                isinstance(item, (list, tuple))
+                and len(item) == len(numel)
+                and all(isinstance(t, torch.Tensor) for t in item)
+                and [t.numel() for t in item] == numel
+                and len({t.element_size() for t in item}) == 1
+            ):
+                nbytes += item[0].element_size() * deep_numel
+                partition_lists += 1
+                continue
+            for leaf in pytree.tree_leaves(item):
+                if isinstance(leaf, torch.Tensor):
+                    nbytes += leaf.numel() * leaf.element_size()
+        return nbytes if partition_lists else None
+
+
+@dataclass(frozen=True)
 class Zero1Cut:
     """A shallow journal without its rank's optimizer events, and those events parsed: the
     resident optimizer state's (None: none resident) and the step's."""
@@ -419,6 +466,7 @@ def splice(
 
 __all__ = [
     "ParameterSize",
+    "PartitionBytes",
     "RankShare",
     "Zero1Cut",
     "cut",

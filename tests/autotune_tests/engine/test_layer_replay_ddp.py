@@ -216,6 +216,28 @@ def test_partial_checkpointing_of_a_ddp_rank_replayed_is_the_whole_trace_to_the_
     )
 
 
+@pytest.mark.e2e
+@pytest.mark.parametrize("sharding", ["none", "zero1"])
+def test_counts_of_partial_checkpointing_written_out_from_one_kept_journal(sharding: str) -> None:
+    """After the warm-up a DDP rank's step starts from the rebuilt buckets whatever ran before
+    (the reducer rebuilds them between steps), so its shallow journals are kept as one rank's
+    are: 5 and 6 of 12 blocks are one shallow step, traced once and written out twice, each
+    the whole trace to the byte."""
+    spec = _ddp("llama", 12, sharding, 2, lora=False)
+    replayed = EstimateRunner(spec, capacity_bytes=48 * MiB)
+    traced = EstimateRunner(spec, capacity_bytes=48 * MiB, layer_replay=False)
+    single_rank._the_same(replayed.warm_up(checkpointing=True), traced.warm_up(checkpointing=True))
+    trials = [(1, 1), (2, 2), (32, 1)]
+    single_rank.every_partial_trial_the_same(replayed, traced, (5,), trials)
+    assert replayed._partial is not None
+    kept = dict(replayed._partial._journals)
+    assert len(kept) == len(trials)
+    single_rank.every_partial_trial_the_same(replayed, traced, (6,), trials)
+    # No step traced again: the same journals, the same objects.
+    journals = replayed._partial._journals
+    assert journals.keys() == kept.keys() and all(journals[k] is kept[k] for k in kept)
+
+
 def every_trial_after_an_optimizer_out_of_memory_the_same(
     spec: Spec, capacity_bytes: int
 ) -> StepOutcome:

@@ -2,8 +2,8 @@
 the parameters computed from a five-layer model's is torch's `ZeroRedundancyOptimizer`'s own,
 and the trials replayed with the deep rank's optimizer events are the deep model's own traced
 trials to the byte (peaks, phase peaks, out-of-memory and its detail, per-op live bytes,
-allocation trace); its speed passes are timed whole, and with its communication they are the
-whole model's."""
+allocation trace); its speed passes, timed from the five-layer model's kernels with the rank's
+optimizer's over the deep partition, and its communication are the whole model's."""
 
 from __future__ import annotations
 
@@ -16,7 +16,12 @@ from autotune.core.schemas import Spec
 from autotune.engine.emulation.layer_journal import NotReplayable
 from autotune.engine.estimate import EstimateRunner
 from autotune.engine.layer_replay import TRACED_LAYERS, replay_depth
-from autotune.engine.layer_zero1 import ParameterSize, deep_parameters, rank_share
+from autotune.engine.layer_zero1 import (
+    ParameterSize,
+    PartitionBytes,
+    deep_parameters,
+    rank_share,
+)
 from autotune.engine.training.sharding import process_group, zero1_optimizer
 from tests.autotune_tests.engine import test_layer_replay as single_rank
 from tests.autotune_tests.engine.test_layer_replay_ddp import (
@@ -24,7 +29,11 @@ from tests.autotune_tests.engine.test_layer_replay_ddp import (
     _Decoder,
     every_trial_after_an_optimizer_out_of_memory_the_same,
 )
-from tests.autotune_tests.engine.test_layer_replay_sharded import A100, RELATIVE
+from tests.autotune_tests.engine.test_layer_replay_sharded import (
+    A100,
+    every_speed_pass_and_communication_the_same,
+)
+from tests.autotune_tests.engine.test_layer_speed import every_partial_speed_pass_the_same
 
 MiB = single_rank.MiB
 
@@ -118,19 +127,52 @@ def test_replayed_zero1_trials_of_wide_layers_are_the_whole_trace_to_the_byte() 
     )
 
 
+def test_a_foreach_kernel_over_the_partition_moves_the_deep_partitions_bytes() -> None:
+    sizes = [ParameterSize(n, 4 * n, None) for n in (48, 16, 32, 16, 8)]
+    shallow = rank_share(sizes[:2], 1)
+    assert shallow.local_numel == (48, 16)
+    partition = PartitionBytes(shallow, rank_share(sizes, 1), 9)  # 120 elements
+    same = PartitionBytes(shallow, shallow, 5)
+    with torch.device("meta"):
+        states = [torch.empty(48), torch.empty(16)]
+        halves = [torch.empty(48, dtype=torch.bfloat16), torch.empty(16, dtype=torch.bfloat16)]
+        scalar = torch.empty(())
+        swapped = [torch.empty(16), torch.empty(48)]
+        mixed = [torch.empty(48), torch.empty(16, dtype=torch.bfloat16)]
+    # Each list over the partition (its dtype's bytes) scaled to the deep partition, any other
+    # tensor as it is.
+    assert partition.deep_bytes((states, scalar), {"other": halves}, states) == (
+        4 * 120 + 4 + 2 * 120 + 4 * 120
+    )
+    assert same.deep_bytes((states, scalar), {"other": halves}, states) == (
+        4 * 64 + 4 + 2 * 64 + 4 * 64
+    )
+    # No list over the partition: another length, other elements in its order, two dtypes.
+    for other in (states[:1], swapped, mixed):
+        assert partition.deep_bytes((other, scalar), {}, other) is None
+
+
 @pytest.mark.e2e
-def test_zero1_speed_passes_are_timed_whole_and_its_communication_is_the_whole_models() -> None:
-    spec = _zero1("llama", 8, 4, lora=True)
+@pytest.mark.parametrize(
+    ("model_type", "depth", "ranks", "lora", "extra"),
+    [("llama", 8, 4, True, {}), ("qwen2", 9, 2, False, {}), ("llama", 10, 8, False, _WIDE)],
+)
+def test_every_replayed_zero1_speed_pass_and_communication_is_the_whole_models(
+    model_type: str, depth: int, ranks: int, lora: bool, extra: dict[str, int]
+) -> None:
+    """The rank's optimizer kernels timed with the deep partition's bytes (which no traced
+    layer's give: the deep share is no repetition of the shallow one's layers)."""
+    every_speed_pass_and_communication_the_same(
+        _zero1(model_type, depth, ranks, lora=lora, **extra)
+    )
+
+
+@pytest.mark.e2e
+def test_partial_checkpointing_zero1_speed_passes_replayed_are_the_whole_models() -> None:
+    # The eight-layer model's own shares.
+    spec = _zero1("llama", 10, 4, lora=True)
     replayed = EstimateRunner(spec, gpu=A100)
     whole = EstimateRunner(spec, gpu=A100, layer_replay=False)
-    assert replayed.warm_up().fits and whole.warm_up().fits
-    for micro_batch, accumulation in ((1, 1), (2, 2), (3, 7)):
-        compute_s = whole.step_time_s(micro_batch, accumulation)
-        assert replayed.step_time_s(micro_batch, accumulation) == pytest.approx(
-            compute_s, rel=RELATIVE
-        )
-        assert replayed.communication(compute_s, accumulation) == whole.communication(
-            compute_s, accumulation
-        )
-    assert replayed.layer_replay and not replayed.speed_replay
-    assert replayed.device_info == whole.device_info
+    assert replayed.warm_up(checkpointing=True).fits and whole.warm_up(checkpointing=True).fits
+    every_partial_speed_pass_the_same(replayed, whole, (1, 6), [(1, 1), (3, 7)])
+    assert replayed._full is None
