@@ -624,6 +624,22 @@ SPEED_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], str, str]] = {
         "H100 80GB",
         "probe",
     ),
+    "llama70b-lora-zero3-tune": (
+        "Llama-3-70B, LoRA r 16 alpha 32 all linear, bf16 weights, ZeRO-3 on 8 ranks, seq 4096, "
+        "target 512 samples, search cap 16, 2 measurements: a whole `tune --estimate` (the "
+        "zero3 layout of bench/layouts.py's Llama-3-70B/lora/1x8 with --trials 2)",
+        LARGE_MODELS["Llama-3-70B"],
+        {
+            "weights": "bf16",
+            "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear"},
+            "sharding": "zero3",
+            "world_size": 8,
+            "target_global_batch": 512,
+            "max_micro_batch": 16,
+        },
+        "H100 80GB",
+        "tune",
+    ),
     "llama8b-lora-tune": (
         "Llama-3-8B, LoRA r 64 all linear, bf16 weights, seq 4096, target 64 samples: a whole "
         "`tune --estimate`",
@@ -658,6 +674,8 @@ SPEED_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], str, str]] = {
         "tune",
     ),
 }
+# A tune's measurement budget where a case sets one (else the tuner's default).
+TUNE_TRIALS = {"llama70b-lora-zero3-tune": 2}
 ACCUMULATIONS = (1, 8, 64, 2**20)
 # Rows by round: before and after the reuse of traces, after the layer replay, and after its
 # speed passes (round 3).
@@ -674,6 +692,7 @@ SPEED_LABELS = (
     "microstep",
     "probe70b",
     "quiet",
+    "tune70b",
 )
 # Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
 # of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).
@@ -1082,7 +1101,11 @@ def speed_case(name: str, profile: bool) -> dict[str, Any]:
         answers["trials"] = sum(len(m.attempts) for m in result.modes)
     elif kind == "tune":
         with tempfile.TemporaryDirectory() as directory:
-            tuned = tune_session(runner, storage_url=f"sqlite:///{directory}/optuna.db")
+            tuned = tune_session(
+                runner,
+                storage_url=f"sqlite:///{directory}/optuna.db",
+                n_trials=TUNE_TRIALS.get(name),
+            )
         recommendation = tuned.recommendation
         answers["max"] = {
             str(m.checkpointing).lower(): m.max_micro_batch for m in tuned.probe.modes
