@@ -1025,6 +1025,29 @@ SPEED_NOTES = [
     "the 70B probe's checkpointed 4 needs 79,721,136,128 B (81,124,130,816 before), the 8B "
     "tune's 1 x 64 57,520,685,056 B (55,444,504,576); the maxima and the recommendation are "
     "the same.",
+    "Round 9 (tune70b row, 27 Nov 2026): llama70b-lora-zero3-tune, the zero3 layout of "
+    "bench/layouts.py's Llama-3-70B/lora/1x8 (809.6 CPU s in the lead's layouts run), as a "
+    "whole tune here. Where the seconds went: at 80 layers the plain warm-up runs out (1 x 1 "
+    "does not fit plain; checkpointed fits 4), and partial checkpointing's 8-layer traced "
+    "model, built at the first partial trial and warmed up checkpointed only, failed its check "
+    "against the replay's warm-up ('the two traced models' warm-ups differ'): the same "
+    "allocations and peaks, but 7,372 more entries in the deep per-op series, FSDP2's lazy "
+    "initialisation (some 23 view and detach ops a layer, no allocation) in the new model's "
+    "first step, which the 5-layer model had run in its own first step, the plain warm-up that "
+    "ran out. So every partial trial and speed pass was traced whole on 80 layers: timed by "
+    "call (the same code, instrumented, at load 7-9), the probe and the G = 2 probe took 59.5 "
+    "CPU s in all, then the fewest-blocks search of one candidate (2 x 32) 384 CPU s: 99.8 (the "
+    "80-layer model's build and warm-up with its first trial), 9.2, 36.2, 65.0, 58.9, 60.3 and "
+    "60.1, the run stopped there. A 20-layer stand-in (its plain warm-up fits) replays them all: "
+    "98.1 CPU s at load 6.9, its profile torch's fake-tensor dispatch (17 traced steps, 34 "
+    "micro-steps), the allocator model's replays and the write-outs not among the top entries. "
+    "The cut: the 8-layer model runs every warm-up the replay ran, in order, each from where "
+    "the residents were as the replay's started and each outcome checked against the replay's "
+    "(`EstimateRunner._warm_partial`), so it is in the 5-layer model's state; the check is as "
+    "strict as before. Test: test_layer_replay_sharded.py's "
+    "test_partial_checkpointing_after_a_plain_warm_up_that_ran_out_is_replayed (a zero3 LoRA "
+    "rank at 5 MiB: plain warm-up out, checkpointed fits, partial trials the whole trace's to "
+    "the byte, and replayed).",
 ]
 
 
