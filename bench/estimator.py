@@ -1025,7 +1025,7 @@ SPEED_NOTES = [
     "the 70B probe's checkpointed 4 needs 79,721,136,128 B (81,124,130,816 before), the 8B "
     "tune's 1 x 64 57,520,685,056 B (55,444,504,576); the maxima and the recommendation are "
     "the same.",
-    "Round 9 (tune70b row, 27 Nov 2026): llama70b-lora-zero3-tune, the zero3 layout of "
+    "Round 9 (tune70b, 27 Nov 2026): llama70b-lora-zero3-tune, the zero3 layout of "
     "bench/layouts.py's Llama-3-70B/lora/1x8 (809.6 CPU s in the lead's layouts run), as a "
     "whole tune here. Where the seconds went: at 80 layers the plain warm-up runs out (1 x 1 "
     "does not fit plain; checkpointed fits 4), and partial checkpointing's 8-layer traced "
@@ -1041,13 +1041,15 @@ SPEED_NOTES = [
     "60.1, the run stopped there. A 20-layer stand-in (its plain warm-up fits) replays them all: "
     "98.1 CPU s at load 6.9, its profile torch's fake-tensor dispatch (17 traced steps, 34 "
     "micro-steps), the allocator model's replays and the write-outs not among the top entries. "
-    "The cut: the 8-layer model runs every warm-up the replay ran, in order, each from where "
-    "the residents were as the replay's started and each outcome checked against the replay's "
-    "(`EstimateRunner._warm_partial`), so it is in the 5-layer model's state; the check is as "
-    "strict as before. Test: test_layer_replay_sharded.py's "
-    "test_partial_checkpointing_after_a_plain_warm_up_that_ran_out_is_replayed (a zero3 LoRA "
-    "rank at 5 MiB: plain warm-up out, checkpointed fits, partial trials the whole trace's to "
-    "the byte, and replayed).",
+    "The cut tried (not committed): the 8-layer model runs every warm-up the replay ran, in "
+    "order, each from where the residents were as the replay's started and each outcome "
+    "checked against the replay's (`EstimateRunner._warm_partial`); at 80 layers its partial "
+    "replay then holds. Not committed because its test failed one step earlier: on a 10-layer "
+    "zero3 LoRA rank at 5 MiB (plain warm-up out, checkpointed fits), the replay's own "
+    "checkpointed warm-up after the plain one that ran out is not the whole trace's (peaks "
+    "equal, the outcomes not): the 5-layer model completes the step the deep one runs out in, "
+    "so what the replay starts its next step from is not proven, and a partial replay made to "
+    "agree with it is not either. No row: the tune without the cut runs some 800 CPU s.",
 ]
 
 

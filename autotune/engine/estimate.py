@@ -209,16 +209,6 @@ def _trial_key(
 
 
 @dataclass(frozen=True)
-class _WarmUp:
-    """A warm-up of the layer replay: its mode, where the residents were as it started (None:
-    before the first placed them) and its outcome."""
-
-    checkpointing: bool
-    placement: ResidentPlacement | None
-    outcome: StepOutcome
-
-
-@dataclass(frozen=True)
 class _StepTimes:
     """A traced step's roofline time, and that of its middle micro-step (0 with fewer than
     three)."""
@@ -359,9 +349,9 @@ class EstimateRunner:
         # for many again (the probe's sizes, the G = 2 probe's, its measurements of them).
         self._warm = False
         self._warm_checkpointing = False
-        # The replay's warm-ups, in order: partial checkpointing's traced model, built later,
-        # runs them all (`_warm_partial`).
-        self._warm_ups: list[_WarmUp] = []
+        # Where the residents were as the last warm-up started (None: before the first).
+        self._warm_placement: ResidentPlacement | None = None
+        self._warm_outcome: StepOutcome | None = None
         self._outcomes: dict[_TrialKey, StepOutcome] = {}
         self._step_times: dict[_TrialKey, _StepTimes] = {}
         # Once warm, the traced models' speed passes by traced depth and shallow step: partial
@@ -440,31 +430,24 @@ class EstimateRunner:
                         allowed_factory_prefixes=self._allowed_factory_prefixes,
                     )
                 self._partial = partial
-                self._warm_partial(self._warm_ups)
+                self._warm_partial()
             except NotReplayable as reason:
                 self._stop_partial_replay(reason)
         return self._partial
 
-    def _warm_partial(self, warm_ups: list[_WarmUp]) -> None:
-        """Warms partial checkpointing's replay up as the replay was: `warm_ups`, each from
-        where the residents were as the replay's started, each outcome checked against the
-        replay's. All of them when it is built, not the last alone: the traced model's state
-        depends on the steps before (FSDP2's lazy initialisation runs in a rank's first
-        forward, a few hundred ops that allocate nothing: after a warm-up that ran out, the
-        replay's next warm-up is its traced model's second step, which a new model's first
-        step is not).
+    def _warm_partial(self) -> None:
+        """Warms partial checkpointing's replay up as the replay was.
 
         Raises:
-            NotReplayable: a warm-up is not the replay's.
+            NotReplayable: its warm-up is not the replay's.
         """
         assert self._partial is not None
-        for warm_up in warm_ups:
-            with self._mode, _sequences_not_packed(), self._checked():
-                outcome = self._partial.warm_up(
-                    checkpointing=warm_up.checkpointing, placement=warm_up.placement
-                )
-            if outcome != warm_up.outcome:
-                raise NotReplayable("the two traced models' warm-ups differ")
+        with self._mode, _sequences_not_packed(), self._checked():
+            outcome = self._partial.warm_up(
+                checkpointing=self._warm_checkpointing, placement=self._warm_placement
+            )
+        if outcome != self._warm_outcome:
+            raise NotReplayable("the two traced models' warm-ups differ")
 
     @property
     def layer_replay(self) -> bool:
@@ -553,13 +536,12 @@ class EstimateRunner:
         self._step_times.clear()
         self._layered.clear()
         self._warm_checkpointing = checkpointing
-        placement = self._device.placement  # where the residents were as it started
+        self._warm_placement = self._device.placement
         with self._mode, _sequences_not_packed(), self._checked():
             outcome = None
             if self._replay is not None:
                 try:
                     outcome = self._replay.warm_up(checkpointing=checkpointing)
-                    self._warm_ups.append(_WarmUp(checkpointing, placement, outcome))
                 except NotReplayable as reason:
                     self._stop_replay(reason)
                 # A whole model built before (a trial the replay could not vouch for) warms
@@ -569,9 +551,10 @@ class EstimateRunner:
             if outcome is None:
                 outcome = self._runner.warm_up(checkpointing=checkpointing)
         self._warm = outcome.fits
+        self._warm_outcome = outcome
         if self._partial is not None and self._replay is not None:
             try:
-                self._warm_partial(self._warm_ups[-1:])
+                self._warm_partial()
             except NotReplayable as reason:
                 self._stop_partial_replay(reason)
         return outcome
