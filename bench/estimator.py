@@ -1047,9 +1047,14 @@ SPEED_NOTES = [
     "replay then holds. Not committed because its test failed one step earlier: on a 10-layer "
     "zero3 LoRA rank at 5 MiB (plain warm-up out, checkpointed fits), the replay's own "
     "checkpointed warm-up after the plain one that ran out is not the whole trace's (peaks "
-    "equal, the outcomes not): the 5-layer model completes the step the deep one runs out in, "
+    "equal, allocations equal, the per-op series not: 10,011 entries against the whole "
+    "trace's 10,080, apart from entry 2,716): the 5-layer model completes the step the deep one "
+    "runs out in, "
     "so what the replay starts its next step from is not proven, and a partial replay made to "
-    "agree with it is not either. No row: the tune without the cut runs some 800 CPU s.",
+    "agree with it is not either. With the cut (commit 671902a, run apart): 106.2 CPU s at "
+    "load 5.2 (357.9 s wall), the lead's answers (max 0 / 4, 1 x 64 with the first 58 of 80 "
+    "blocks checkpointed, 78,070,677,504 B = 72.71 GiB), 19 traced steps (36 micro-steps), "
+    "partial trials 0.4-16.1 CPU s each. No row: the tune without the cut runs some 800 CPU s.",
 ]
 
 
