@@ -624,6 +624,22 @@ SPEED_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], str, str]] = {
         "H100 80GB",
         "probe",
     ),
+    "llama70b-lora-zero3-tune": (
+        "Llama-3-70B, LoRA r 16 alpha 32 all linear, bf16 weights, ZeRO-3 on 8 ranks, seq 4096, "
+        "target 512 samples, search cap 16, 2 measurements: a whole `tune --estimate` (the "
+        "zero3 layout of bench/layouts.py's Llama-3-70B/lora/1x8 with --trials 2)",
+        LARGE_MODELS["Llama-3-70B"],
+        {
+            "weights": "bf16",
+            "lora": {"r": 16, "alpha": 32, "target_modules": "all-linear"},
+            "sharding": "zero3",
+            "world_size": 8,
+            "target_global_batch": 512,
+            "max_micro_batch": 16,
+        },
+        "H100 80GB",
+        "tune",
+    ),
     "llama8b-lora-tune": (
         "Llama-3-8B, LoRA r 64 all linear, bf16 weights, seq 4096, target 64 samples: a whole "
         "`tune --estimate`",
@@ -658,6 +674,8 @@ SPEED_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], str, str]] = {
         "tune",
     ),
 }
+# A tune's measurement budget where a case sets one (else the tuner's default).
+TUNE_TRIALS = {"llama70b-lora-zero3-tune": 2}
 ACCUMULATIONS = (1, 8, 64, 2**20)
 # Rows by round: before and after the reuse of traces, after the layer replay, and after its
 # speed passes (round 3).
@@ -676,6 +694,7 @@ SPEED_LABELS = (
     "quiet",
     "trace-share",
     "fake-cache",
+    "tune70b",
 )
 # Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
 # of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).
@@ -1067,6 +1086,36 @@ SPEED_NOTES = [
     "cache hits are the bulk and are torch's key and output work per op; the ops are the "
     "model's, FSDP2's (a view(uint8) and its detach per parameter at each all-gather's "
     "copy-in and copy-out, 7,360) and autograd's.",
+    "Round 9 (tune70b, 27 Nov 2026): llama70b-lora-zero3-tune, the zero3 layout of "
+    "bench/layouts.py's Llama-3-70B/lora/1x8 (809.6 CPU s in the lead's layouts run), as a "
+    "whole tune here. Where the seconds went: at 80 layers the plain warm-up runs out (1 x 1 "
+    "does not fit plain; checkpointed fits 4), and partial checkpointing's 8-layer traced "
+    "model, built at the first partial trial and warmed up checkpointed only, failed its check "
+    "against the replay's warm-up ('the two traced models' warm-ups differ'): the same "
+    "allocations and peaks, but 7,372 more entries in the deep per-op series, FSDP2's lazy "
+    "initialisation (some 23 view and detach ops a layer, no allocation) in the new model's "
+    "first step, which the 5-layer model had run in its own first step, the plain warm-up that "
+    "ran out. So every partial trial and speed pass was traced whole on 80 layers: timed by "
+    "call (the same code, instrumented, at load 7-9), the probe and the G = 2 probe took 59.5 "
+    "CPU s in all, then the fewest-blocks search of one candidate (2 x 32) 384 CPU s: 99.8 (the "
+    "80-layer model's build and warm-up with its first trial), 9.2, 36.2, 65.0, 58.9, 60.3 and "
+    "60.1, the run stopped there. A 20-layer stand-in (its plain warm-up fits) replays them all: "
+    "98.1 CPU s at load 6.9, its profile torch's fake-tensor dispatch (17 traced steps, 34 "
+    "micro-steps), the allocator model's replays and the write-outs not among the top entries. "
+    "The cut tried (not committed): the 8-layer model runs every warm-up the replay ran, in "
+    "order, each from where the residents were as the replay's started and each outcome "
+    "checked against the replay's (`EstimateRunner._warm_partial`); at 80 layers its partial "
+    "replay then holds. Not committed because its test failed one step earlier: on a 10-layer "
+    "zero3 LoRA rank at 5 MiB (plain warm-up out, checkpointed fits), the replay's own "
+    "checkpointed warm-up after the plain one that ran out is not the whole trace's (peaks "
+    "equal, allocations equal, the per-op series not: 10,011 entries against the whole "
+    "trace's 10,080, apart from entry 2,716): the 5-layer model completes the step the deep one "
+    "runs out in, "
+    "so what the replay starts its next step from is not proven, and a partial replay made to "
+    "agree with it is not either. With the cut (commit 671902a, run apart): 106.2 CPU s at "
+    "load 5.2 (357.9 s wall), the lead's answers (max 0 / 4, 1 x 64 with the first 58 of 80 "
+    "blocks checkpointed, 78,070,677,504 B = 72.71 GiB), 19 traced steps (36 micro-steps), "
+    "partial trials 0.4-16.1 CPU s each. No row: the tune without the cut runs some 800 CPU s.",
 ]
 
 
@@ -1143,7 +1192,11 @@ def speed_case(name: str, profile: bool) -> dict[str, Any]:
         answers["trials"] = sum(len(m.attempts) for m in result.modes)
     elif kind == "tune":
         with tempfile.TemporaryDirectory() as directory:
-            tuned = tune_session(runner, storage_url=f"sqlite:///{directory}/optuna.db")
+            tuned = tune_session(
+                runner,
+                storage_url=f"sqlite:///{directory}/optuna.db",
+                n_trials=TUNE_TRIALS.get(name),
+            )
         recommendation = tuned.recommendation
         answers["max"] = {
             str(m.checkpointing).lower(): m.max_micro_batch for m in tuned.probe.modes
