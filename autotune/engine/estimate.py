@@ -53,8 +53,8 @@ from autotune.core.throughput import Measurement
 from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.emulation.layer_journal import NotReplayable
 from autotune.engine.kernel_times import KernelTimes, SpeedPass
-from autotune.engine.layer_replay import PARTIAL_TRACED_LAYERS, LayerReplay, replay_depth
-from autotune.engine.layer_speed import LayerKernelTimes, step_times_s
+from autotune.engine.replay.layer_replay import PARTIAL_TRACED_LAYERS, LayerReplay, replay_depth
+from autotune.engine.replay.layer_speed import LayerKernelTimes, step_times_s
 from autotune.engine.runner import InProcessRunner
 from autotune.engine.training.sharding import model_parameters
 
@@ -328,7 +328,8 @@ class EstimateRunner:
         self.assumptions = assumptions or RooflineAssumptions()
         self._allowed_factory_prefixes = allowed_factory_prefixes
         # A decoder of identical layers is traced at a few layers and replayed at its depth
-        # (`autotune.engine.layer_replay`); anything else, or `layer_replay=False`, is traced
+        # (`autotune.engine.replay.layer_replay`); anything else, or `layer_replay=False`, is
+        # traced
         # whole. Read on the meta device, outside the fake mode.
         depth = replay_depth(spec) if layer_replay else None
         self._replay: LayerReplay | None = None
@@ -376,7 +377,7 @@ class EstimateRunner:
         # checkpointing's counts mostly share one shallow step (`LayerReplay.plan`), each timed
         # from its kernels by its own plan.
         self._layered: dict[tuple[int, _TrialKey], LayerKernelTimes] = {}
-        # Speed passes by the layer replay while they can be (`autotune.engine.layer_speed`;
+        # Speed passes by the layer replay while they can be (`autotune.engine.replay.layer_speed`;
         # ZeRO-1's optimizer kernels with the deep rank's partition); `layer_replay=False`
         # times the whole model too.
         self._speed_replay = True
@@ -427,7 +428,8 @@ class EstimateRunner:
     def _replay_of(self, blocks: int | None) -> LayerReplay | None:
         """The layer replay of a step that checkpoints the first `blocks` layers (None: all, or
         no checkpointing), or None when it is traced whole. Partial checkpointing's replay
-        traces `PARTIAL_TRACED_LAYERS` layers (`autotune.engine.layer_plan.partial_plan`); it
+        traces `PARTIAL_TRACED_LAYERS` layers
+        (`autotune.engine.replay.layer_plan.partial_plan`); it
         is built when first needed and warmed up as the replay was (its warm-up must find
         what the replay's did), and only once the estimate is warm: a cold step starts from
         whatever the steps before it left, which the other traced model ran."""
@@ -473,7 +475,8 @@ class EstimateRunner:
 
     @property
     def speed_replay(self) -> bool:
-        """Whether speed passes are timed from a shallow one (`autotune.engine.layer_speed`)."""
+        """Whether speed passes are timed from a shallow one "
+        "(`autotune.engine.replay.layer_speed`)."""
         return self._replay is not None and self._speed_replay
 
     @property
@@ -761,7 +764,7 @@ class EstimateRunner:
     ) -> Iterator[None]:
         """A measurement's trial, tracing its step's speed pass along where it can: the trial
         of a step of 3 micro-steps or more traces the shallow step of 3 its speed pass traces
-        (`autotune.engine.microstep_replay`), fewer the same few, so one trace serves both
+        (`autotune.engine.replay.microstep_replay`), fewer the same few, so one trace serves both
         (`LayerReplay.timed_along`). Only once warm, where a speed pass is kept, and when
         neither was traced before (the trial's journal may be known: the pass then traces
         its own)."""

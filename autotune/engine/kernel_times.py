@@ -7,7 +7,7 @@ allocations launch no kernel. `SpeedPass` is the step's view from above the disp
 attention as the GPU's fused kernel, and where each micro-step ends. The estimate times its
 speed passes with both (`autotune.engine.estimate`); the layer replay times a shallow model's
 step with a `KernelTimes` that also says which layer each kernel belongs to
-(`autotune.engine.layer_speed`).
+(`autotune.engine.replay.layer_speed`).
 """
 
 from __future__ import annotations

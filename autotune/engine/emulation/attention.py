@@ -45,7 +45,7 @@ from autotune.core.memory.kernel_scratch import AttentionShape, attention_backwa
 
 # How many calls ran as `_FusedAttention`, in any thread: a speed pass traced along with a trial
 # is the speed pass's only if none did (the speed pass times the CPU's kernel there, whose
-# kernels the fused one hides; `autotune.engine.layer_replay`).
+# kernels the fused one hides; `autotune.engine.replay.layer_replay`).
 _fused_calls = 0
 
 

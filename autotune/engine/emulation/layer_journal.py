@@ -1,6 +1,6 @@
 """A traced step's journal: every allocation, free and op of the live-byte tracker, in order,
 with the decoder layer each belongs to. It is what the estimate's layer replay reads to build a
-deep model's step from a shallow one's (`autotune.engine.layer_replay`).
+deep model's step from a shallow one's (`autotune.engine.replay.layer_replay`).
 
 Which layer an event belongs to:
 
@@ -75,7 +75,7 @@ FIXED = -1  # a tag: no layer's, or several layers'
 STICKY = -2  # a tag: no tagged input; the event goes with the one before it
 # Categories of an allocation, for an out-of-memory's detail (`autotune.core.schemas.OomDetail`),
 # and DDP's gradient buckets, which the replay lays out for the deep model
-# (`autotune.engine.layer_buckets`); a bucket is no weight nor state.
+# (`autotune.engine.replay.layer_buckets`); a bucket is no weight nor state.
 OTHER, WEIGHT, OPTIMIZER_STATE, BUCKET = 0, 1, 2, 3
 
 
@@ -208,7 +208,7 @@ class JournalTracker(LiveBytesTracker):  # type: ignore[no-untyped-call]
     """A `LiveBytesTracker` that also writes `journal` (module docstring). `tags` maps the
     storages of the parameters, gradients and optimizer state to their layer (FIXED outside
     the layers), `categories` the weights' and optimizer state's storages to theirs; both are
-    the caller's, made before the step (`autotune.engine.layer_replay`)."""
+    the caller's, made before the step (`autotune.engine.replay.layer_replay`)."""
 
     def __init__(
         self,
@@ -243,7 +243,7 @@ class JournalTracker(LiveBytesTracker):  # type: ignore[no-untyped-call]
     ) -> None:
         super().add_resident(tensors, placement)
         # The residents' allocations end here: a replay places them as the tracker did
-        # (`autotune.engine.layer_replay.evaluate`).
+        # (`autotune.engine.replay.layer_replay.evaluate`).
         self.journal.append((MARK, NO_LAYER))
 
     def _count_deferred(self, backward: bool) -> None:

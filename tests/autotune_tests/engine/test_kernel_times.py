@@ -45,7 +45,7 @@ def test_a_zero3_micro_step_pays_for_the_copies_around_its_second_gathers() -> N
     from autotune.core.parallel.layouts import gathers_in_16_bits
     from autotune.engine.estimate import EstimateRunner
     from autotune.engine.training.sharding import model_parameters
-    from tests.autotune_tests.engine.test_layer_replay import _config, _spec
+    from tests.autotune_tests.engine.replay.test_layer_replay import _config, _spec
 
     ranks = 4
     times_s = {}

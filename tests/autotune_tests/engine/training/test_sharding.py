@@ -19,8 +19,8 @@ from autotune.engine.emulation.tracker import local_tensor
 from autotune.engine.estimate import EstimateRunner
 from autotune.engine.runner import InProcessRunner
 from autotune.engine.training.sharding import blocks
-from tests.autotune_tests.engine.test_layer_replay import _config as replay_config
-from tests.autotune_tests.engine.test_layer_replay import _spec as replay_spec
+from tests.autotune_tests.engine.replay.test_layer_replay import _config as replay_config
+from tests.autotune_tests.engine.replay.test_layer_replay import _spec as replay_spec
 from tests.autotune_tests.factories import TINY_LLAMA_CONFIG
 from tests.autotune_tests.gloo import run_gloo_rank
 

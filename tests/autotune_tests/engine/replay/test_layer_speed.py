@@ -1,4 +1,4 @@
-"""The layer replay's speed pass (autotune/engine/layer_speed.py): a deep decoder's roofline
+"""The layer replay's speed pass (autotune/engine/replay/layer_speed.py): a deep decoder's roofline
 step time from a five-layer model's kernels (an eight-layer one's under partial checkpointing)
 equals the whole model's speed pass to rounding (a sum in another order: 1e-12 relative), the
 optimizer's foreach kernels, which span every layer, included; and a measurement that times its
@@ -14,10 +14,10 @@ import pytest
 from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.gpus.cuda_reserve import budget_for
 from autotune.engine.estimate import EstimateRunner
-from tests.autotune_tests.engine.test_layer_replay import _config, _spec, _the_same
+from tests.autotune_tests.engine.replay.test_layer_replay import _config, _spec, _the_same
 
 # The fixture counting the traced steps' micro-steps.
-from tests.autotune_tests.engine.test_microstep_replay import traced_micro_steps  # noqa: F401
+from tests.autotune_tests.engine.replay.test_microstep_replay import traced_micro_steps  # noqa: F401
 
 pytest.importorskip("transformers")
 

@@ -1,4 +1,5 @@
-"""The layer replay of ZeRO-1's ranks (autotune/engine/layer_zero1.py): the deep rank's share of
+"""The layer replay of ZeRO-1's ranks (autotune/engine/replay/layer_zero1.py): the deep rank's
+share of
 the parameters computed from a five-layer model's is torch's `ZeroRedundancyOptimizer`'s own,
 and the trials replayed with the deep rank's optimizer events are the deep model's own traced
 trials to the byte (peaks, phase peaks, out-of-memory and its detail, per-op live bytes,
@@ -15,25 +16,25 @@ import torch
 from autotune.core.schemas import Spec
 from autotune.engine.emulation.layer_journal import NotReplayable
 from autotune.engine.estimate import EstimateRunner
-from autotune.engine.layer_replay import TRACED_LAYERS, replay_depth
-from autotune.engine.layer_zero1 import (
+from autotune.engine.replay.layer_replay import TRACED_LAYERS, replay_depth
+from autotune.engine.replay.layer_zero1 import (
     ParameterSize,
     PartitionBytes,
     deep_parameters,
     rank_share,
 )
 from autotune.engine.training.sharding import process_group, zero1_optimizer
-from tests.autotune_tests.engine import test_layer_replay as single_rank
-from tests.autotune_tests.engine.test_layer_replay_ddp import (
+from tests.autotune_tests.engine.replay import test_layer_replay as single_rank
+from tests.autotune_tests.engine.replay.test_layer_replay_ddp import (
     _WIDE,
     _Decoder,
     every_trial_after_an_optimizer_out_of_memory_the_same,
 )
-from tests.autotune_tests.engine.test_layer_replay_sharded import (
+from tests.autotune_tests.engine.replay.test_layer_replay_sharded import (
     A100,
     every_speed_pass_and_communication_the_same,
 )
-from tests.autotune_tests.engine.test_layer_speed import every_partial_speed_pass_the_same
+from tests.autotune_tests.engine.replay.test_layer_speed import every_partial_speed_pass_the_same
 
 MiB = single_rank.MiB
 

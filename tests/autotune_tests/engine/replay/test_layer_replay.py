@@ -1,4 +1,5 @@
-"""The estimate's layer replay (autotune/engine/layer_replay.py): a deep decoder's trials built
+"""The estimate's layer replay (autotune/engine/replay/layer_replay.py): a deep decoder's
+trials built
 from a five-layer model's journal (an eight-layer one's under partial checkpointing) are the
 deep model's own traced trials to the byte (peaks, out-of-memory and its detail, per-op live
 bytes, allocation trace), and whatever the replay cannot vouch for is traced whole."""
@@ -12,8 +13,8 @@ import pytest
 
 from autotune.core.schemas import Spec, StepOutcome
 from autotune.engine.estimate import EstimateRunner
-from autotune.engine.layer_replay import TRACED_LAYERS, replay_depth
 from autotune.engine.probe import probe_session
+from autotune.engine.replay.layer_replay import TRACED_LAYERS, replay_depth
 
 pytest.importorskip("transformers")
 
@@ -206,7 +207,7 @@ def test_layers_that_differ_are_not_replayed() -> None:
 def test_only_deep_transformers_configs_are_replayed() -> None:
     assert replay_depth(_spec(_config("llama", TRACED_LAYERS + 1), lora=True)) is None
     assert replay_depth(_spec(_config("llama", TRACED_LAYERS + 2), lora=True)) == 7
-    # Several ranks: tests/autotune_tests/engine/test_layer_replay_ddp.py,
+    # Several ranks: tests/autotune_tests/engine/replay/test_layer_replay_ddp.py,
     # test_layer_replay_sharded.py, test_layer_zero1.py.
     preset = Spec.model_validate({"model": {"preset": "llama-tiny"}, "training": {"seq_len": 16}})
     assert replay_depth(preset) is None

@@ -1,4 +1,5 @@
-"""The layer replay of a sharded rank (autotune/engine/layer_replay.py): FSDP2's zero2, zero3 and
+"""The layer replay of a sharded rank (autotune/engine/replay/layer_replay.py): FSDP2's zero2,
+zero3 and
 hybrid ranks on fake process groups, where every decoder layer is its own unit, replayed from a
 five-layer model's journal are the deep model's own traced trials to the byte (peaks, phase
 peaks, out-of-memory and its detail, per-op live bytes, allocation trace), and its speed passes
@@ -14,8 +15,8 @@ from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.gpus.cuda_reserve import budget_for
 from autotune.core.schemas import Phase, Spec
 from autotune.engine.estimate import EstimateRunner
-from autotune.engine.layer_replay import replay_depth
-from tests.autotune_tests.engine.test_layer_replay import (
+from autotune.engine.replay.layer_replay import replay_depth
+from tests.autotune_tests.engine.replay.test_layer_replay import (
     MiB,
     _config,
     _spec,
@@ -113,7 +114,7 @@ def every_speed_pass_and_communication_the_same(spec: Spec) -> None:
 
 
 def test_fsdp2_ranks_are_replayed() -> None:
-    # DDP's and ZeRO-1's: tests/autotune_tests/engine/test_layer_replay_ddp.py.
+    # DDP's and ZeRO-1's: tests/autotune_tests/engine/replay/test_layer_replay_ddp.py.
     for sharding in ("zero2", "zero3", "hybrid"):
         assert replay_depth(_sharded("llama", 16, sharding, 4, lora=True)) == 16
 

@@ -9,13 +9,14 @@ longer of arithmetic and traffic plus one launch, not a sum over layers. For tho
 `LayerKernelTimes` keeps the bytes each layer's tensors contribute and times the kernel once
 with the deep model's bytes: what the deep model's own launch moves. On a ZeRO-1 rank the local
 optimizer's foreach kernels read the rank's partition of the parameters, which no layer's bytes
-give: they are timed with the deep rank's partition's (`autotune.engine.layer_zero1`).
+give: they are timed with the deep rank's partition's (`autotune.engine.replay.layer_zero1`).
 
 Which layer a kernel belongs to is the journal's rule (`autotune.engine.emulation.layer_journal`):
 the layer whose forward or backward runs (`LayerContexts`), else the layer of the tensors it
 reads, tagged from the parameters, their gradients and optimizer state on, a foreach kernel's
 i-th tensors being the i-th parameter's. Which traced layer each deep layer repeats is the
-replay's plan (`autotune.engine.layer_plan`): under partial checkpointing a checkpointed and a
+replay's plan (`autotune.engine.replay.layer_plan`): under partial checkpointing a checkpointed
+and a
 plain middle layer, each counted for its own kind's layers.
 """
 
@@ -46,8 +47,8 @@ from autotune.engine.emulation.layer_journal import (
 )
 from autotune.engine.emulation.tracker import _current_graph_task_id, local_tensor
 from autotune.engine.kernel_times import Kernel, KernelTimes
-from autotune.engine.layer_plan import LayerPlan
-from autotune.engine.layer_zero1 import PartitionBytes
+from autotune.engine.replay.layer_plan import LayerPlan
+from autotune.engine.replay.layer_zero1 import PartitionBytes
 
 # A kernel that spans layers: (micro-step, its kernel, bytes of no layer's tensors, bytes of
 # each layer's).
@@ -65,7 +66,7 @@ class LayerKernelTimes(KernelTimes):  # type: ignore[no-untyped-call]
     They hold no tensor of the step: a storage tagged here loses its tag as it dies, before a
     new storage can take its id, and a kernel spanning layers is kept as its arithmetic. So
     they change nothing a tracker counts, and can time the step a trial traces
-    (`autotune.engine.layer_replay`)."""
+    (`autotune.engine.replay.layer_replay`)."""
 
     def __init__(
         self,
@@ -230,7 +231,7 @@ class LayerKernelTimes(KernelTimes):  # type: ignore[no-untyped-call]
             if any(self._launched[layer] != self._launched[pure] for layer in run):
                 raise NotReplayable("the middle layers launched different kernels")
         # The deep model's layers take the traced layers as `expand`'s templates
-        # (`autotune.engine.layer_replay`).
+        # (`autotune.engine.replay.layer_replay`).
         weights = plan.weights()
         times = [
             fixed + sum(weight * s for weight, s in zip(weights, layer_s, strict=True))

@@ -11,8 +11,10 @@ the other kind), its second, the *pure* one (between two of its kind), once for 
 between, and its last layer; a run traced at its full length is the deep run itself. So every
 deep layer repeats a traced layer whose neighbours are of the same kinds as its own.
 
-`LayerPlan` is that mapping; `autotune.engine.layer_replay.expand` writes the deep journal by
-it and `autotune.engine.layer_speed` weighs each traced layer's kernels by it. Both check the
+`LayerPlan` is that mapping; `autotune.engine.replay.layer_replay.expand` writes the deep
+journal by
+it and `autotune.engine.replay.layer_speed` weighs each traced layer's kernels by it. Both
+check the
 traced step against it first: a repeated run's layers must be one layer (the same events, each
 naming its neighbours alike), and an event of the deep step may name a layer only where that
 layer repeats the traced layer the template named, or one identical to it.

@@ -9,7 +9,8 @@ depth. They are a pure function of the parameters' sizes and ready order, though
 decoder's parameters are the parameters outside the layers and one layer's, once per layer, as
 its ready order is those outside the layers read last layer first and each layer's in one
 order. `LayerBuckets` writes the deep model's parameters and ready order out from the shallow
-model's and lays out the deep buckets as the reducer does; `autotune.engine.layer_replay.expand`
+model's and lays out the deep buckets as the reducer does;
+`autotune.engine.replay.layer_replay.expand`
 puts them in place of the shallow buckets in the journal, and sends each gradient that
 becomes a view of a bucket to its deep parameter's bucket (docs/design.md#the-layer-replay).
 """
@@ -166,7 +167,8 @@ class LayerBuckets:
 
 @dataclass(frozen=True)
 class JournalBuckets:
-    """A trial's buckets for `autotune.engine.layer_replay.expand`: the deep model's layout of
+    """A trial's buckets for `autotune.engine.replay.layer_replay.expand`: the deep model's
+    layout of
     the resident buckets the shallow journal allocates, and the parameters."""
 
     parameters: LayerBuckets

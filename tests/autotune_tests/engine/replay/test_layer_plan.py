@@ -1,5 +1,6 @@
-"""The layer replay's plan (autotune/engine/layer_plan.py) and the rule that writes a deep
-journal by it (autotune/engine/layer_replay.py, `expand`): which traced layer each deep layer
+"""The layer replay's plan (autotune/engine/replay/layer_plan.py) and the rule that writes a deep
+journal by it (autotune/engine/replay/layer_replay.py, `expand`): which traced layer each deep
+layer
 repeats, under partial checkpointing too (a checkpointed and a plain run of middle layers), and
 a journal written out by the plan is the deep step's own journal, event for event; a journal of
 another shape raises NotReplayable."""
@@ -22,8 +23,8 @@ from autotune.engine.emulation.layer_journal import (
     STICKY,
     NotReplayable,
 )
-from autotune.engine.layer_plan import partial_plan, uniform_plan
-from autotune.engine.layer_replay import PARTIAL_TRACED_LAYERS, TRACED_LAYERS, expand
+from autotune.engine.replay.layer_plan import partial_plan, uniform_plan
+from autotune.engine.replay.layer_replay import PARTIAL_TRACED_LAYERS, TRACED_LAYERS, expand
 
 TRACED = PARTIAL_TRACED_LAYERS
 
@@ -166,7 +167,7 @@ def _step(
 
 
 def _replayed(journal: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """What the replay reads of each record (`autotune.engine.layer_replay.evaluate`): an
+    """What the replay reads of each record (`autotune.engine.replay.layer_replay.evaluate`): an
     allocation's bytes, phase and category, the event a free or gradient names, an op's phase,
     peak check and name; not the layer each was traced in, which only the rule reads."""
     read = {ALLOC: (1, 4, 5), FREE: (1,), OP: (3, 4, 5), MARK: ()}

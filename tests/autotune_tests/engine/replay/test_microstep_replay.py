@@ -1,4 +1,5 @@
-"""The estimate's micro-step replay (autotune/engine/microstep_replay.py): a step of 4 or more
+"""The estimate's micro-step replay (autotune/engine/replay/microstep_replay.py): a step of 4
+or more
 micro-steps written out from a traced step of 3 is the journal of the step traced whole, record
 for record, and the trials replayed from it are the whole model's traced trials to the byte;
 what the rule cannot vouch for raises NotReplayable, and several ranks trace their steps."""
@@ -13,10 +14,10 @@ import pytest
 from autotune.core.schemas import Spec
 from autotune.engine.emulation.layer_journal import ALLOC, FREE, GRAD, OP, NotReplayable
 from autotune.engine.estimate import EstimateRunner
-from autotune.engine.microstep_replay import TRACED_MICRO_STEPS, StepMarks, write_out
+from autotune.engine.replay.microstep_replay import TRACED_MICRO_STEPS, StepMarks, write_out
 from autotune.engine.training.step import TrainingStep
-from tests.autotune_tests.engine.test_layer_replay import _config, _the_same
-from tests.autotune_tests.engine.test_layer_replay import _spec as layer_replay_spec
+from tests.autotune_tests.engine.replay.test_layer_replay import _config, _the_same
+from tests.autotune_tests.engine.replay.test_layer_replay import _spec as layer_replay_spec
 
 pytest.importorskip("transformers")
 

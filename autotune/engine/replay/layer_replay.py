@@ -11,7 +11,7 @@ trace as the deep model's own trace, at the cost of a five-layer trace
 (docs/design.md#the-layer-replay). Under partial checkpointing (the first k layers
 checkpointed, the others plain) the middle layers are of two kinds, and a model of
 `PARTIAL_TRACED_LAYERS` layers is traced with its first few checkpointed
-(`autotune.engine.layer_plan`).
+(`autotune.engine.replay.layer_plan`).
 
 The rule `expand` applies, and what it checks before it trusts it:
 
@@ -79,10 +79,10 @@ from autotune.engine.emulation.layer_journal import (
     storage_key,
 )
 from autotune.engine.kernel_times import SpeedPass
-from autotune.engine.layer_buckets import BucketLayout, JournalBuckets, LayerBuckets
-from autotune.engine.layer_plan import LayerPlan, partial_plan, uniform_plan
-from autotune.engine.layer_speed import LayerKernelTimes
-from autotune.engine.layer_zero1 import (
+from autotune.engine.replay.layer_buckets import BucketLayout, JournalBuckets, LayerBuckets
+from autotune.engine.replay.layer_plan import LayerPlan, partial_plan, uniform_plan
+from autotune.engine.replay.layer_speed import LayerKernelTimes
+from autotune.engine.replay.layer_zero1 import (
     ParameterSize,
     PartitionBytes,
     RankShare,
@@ -91,7 +91,7 @@ from autotune.engine.layer_zero1 import (
     rank_share,
     splice,
 )
-from autotune.engine.microstep_replay import TRACED_MICRO_STEPS, StepMarks, write_out
+from autotune.engine.replay.microstep_replay import TRACED_MICRO_STEPS, StepMarks, write_out
 from autotune.engine.runner import InProcessRunner
 from autotune.engine.training.data_parallel import EmulatedReducer, trainable_parameters
 from autotune.engine.training.sharding import model_parameters
@@ -104,7 +104,7 @@ logger = logging.getLogger(__name__)
 TRACED_LAYERS = 5
 # The depth of the model traced for partial checkpointing: two ends and two runs of middle
 # layers (checkpointed, plain) of three layers each, or one run traced whole and the other
-# shortened (`autotune.engine.layer_plan.partial_plan`).
+# shortened (`autotune.engine.replay.layer_plan.partial_plan`).
 PARTIAL_TRACED_LAYERS = 8
 
 
@@ -174,11 +174,12 @@ def expand(
 ) -> list[tuple[Any, ...]]:
     """The journal of the same step with `plan.depth` layers instead of `plan.traced_layers`,
     each deep layer repeating its template's run (module docstring,
-    `autotune.engine.layer_plan`). Records keep their shape; a free's or gradient's reference
+    `autotune.engine.replay.layer_plan`). Records keep their shape; a free's or gradient's
+    reference
     is renumbered. DDP's buckets (`buckets`; allocations of category BUCKET) are the deep
     model's: the shallow journal's resident buckets are replaced by their deep layout, and a
     gradient that becomes a view of one names its deep parameter's bucket
-    (`autotune.engine.layer_buckets`).
+    (`autotune.engine.replay.layer_buckets`).
 
     Raises:
         NotReplayable: the journal does not have the structure the rule needs.
@@ -693,10 +694,11 @@ def _oom_detail(
 # The shallow model's trace, and when a spec may be replayed at all.
 
 _DEPTH_KEY = "num_hidden_layers"
-# One rank or DDP's (its buckets laid out for the deep model, `autotune.engine.layer_buckets`),
+# One rank or DDP's (its buckets laid out for the deep model,
+# `autotune.engine.replay.layer_buckets`),
 # and FSDP2's layouts: every decoder layer its own unit (`autotune.engine.training.sharding`).
 # ZeRO-1's ranks are DDP's with the optimizer's events of the deep model's partition
-# (`autotune.engine.layer_zero1`).
+# (`autotune.engine.replay.layer_zero1`).
 _REPLAYED_SHARDINGS = (
     Sharding.NONE,
     Sharding.ZERO1,
@@ -846,7 +848,8 @@ class LayerReplay:
         self._warm = False
         self._journals: dict[_ShallowKey, _ShallowJournal] = {}
         # A step of more micro-steps than `TRACED_MICRO_STEPS` is written out from one of that
-        # many (`autotune.engine.microstep_replay`) on one rank; DDP's and FSDP2's ranks trace
+        # many (`autotune.engine.replay.microstep_replay`) on one rank; DDP's and FSDP2's ranks
+        # trace
         # theirs (their last micro-step synchronises, or each reduces its gradients). Where
         # each unit of the traced step starts: a batch's making, its count, a micro-step.
         self._microstep_replay = (
@@ -868,7 +871,7 @@ class LayerReplay:
                     numbers.get(id(parameter), -1),
                 )
                 parameter.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
-        # DDP's ranks: the deep model's buckets (`autotune.engine.layer_buckets`).
+        # DDP's ranks: the deep model's buckets (`autotune.engine.replay.layer_buckets`).
         self.reducer: EmulatedReducer | None = self.runner.step.reducer
         self.buckets: LayerBuckets | None = None
         # ZeRO-1's ranks: the shallow and the deep rank's share of the parameters.
@@ -989,7 +992,8 @@ class LayerReplay:
     def speed_pass(
         self, budget: GpuBudget, assumptions: RooflineAssumptions, tf32: bool
     ) -> Iterator[LayerKernelTimes]:
-        """Kernel times for a speed pass of the shallow model (`autotune.engine.layer_speed`):
+        """Kernel times for a speed pass of the shallow model
+        (`autotune.engine.replay.layer_speed`):
         the caller runs the shallow step under them, then asks them for the deep model's
         times. The step leaves the shallow model as the whole model's speed pass leaves the
         whole model (an optimizer state it made included)."""
@@ -1258,7 +1262,7 @@ class LayerReplay:
 
 _UNBOUNDED_BYTES = 1 << 62
 # The workload's calls a step makes once per micro-step, in the step's order: each starts a
-# unit of the step (`autotune.engine.microstep_replay`).
+# unit of the step (`autotune.engine.replay.microstep_replay`).
 _UNIT_CALLS = ("make_batch", "num_items", "loss_sum")
 # A shallow step: micro-batch, accumulation steps, checkpointing, checkpointed shallow layers.
 _ShallowKey = tuple[int, int, bool, int | None]
@@ -1283,5 +1287,5 @@ class _ShallowJournal:
 
     journal: list[tuple[Any, ...]]
     buckets: BucketLayout | None
-    # Where each unit of the step starts (`autotune.engine.microstep_replay`).
+    # Where each unit of the step starts (`autotune.engine.replay.microstep_replay`).
     marks: StepMarks | None = None

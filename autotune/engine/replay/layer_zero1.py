@@ -11,7 +11,7 @@ repetition of a shallow model's layers. The partition is a pure function of the 
 sizes, though, and a decoder's parameters are those outside the layers around one layer's
 repeated per layer. `Zero1Partition` computes the deep model's partition as torch does, and
 `cut` / `splice` take the rank's optimizer events out of the shallow journal before
-`autotune.engine.layer_replay.expand` writes the rest out, then put the deep rank's in: the
+`autotune.engine.replay.layer_replay.expand` writes the rest out, then put the deep rank's in: the
 resident optimizer state (per local parameter, in its order) and the optimizer step (its state
 made in the first step, its foreach ops' per-parameter outputs, their release, the
 broadcasts), each a run of one unit of events per parameter whose bytes are the parameter's,
@@ -41,7 +41,7 @@ from autotune.engine.emulation.layer_journal import (
     REFERENCES,
     NotReplayable,
 )
-from autotune.engine.layer_buckets import LayerBuckets
+from autotune.engine.replay.layer_buckets import LayerBuckets
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The layer replay of DDP's ranks (autotune/engine/layer_replay.py, layer_buckets.py): a deep
+"""The layer replay of DDP's ranks (autotune/engine/replay/layer_replay.py, layer_buckets.py):
+a deep
 decoder's gradient buckets laid out from a five-layer model's parameters and ready order are the
 deep reducer's own, and its trials replayed from the five-layer journal with those buckets are
 the deep model's own traced trials to the byte (peaks, phase peaks, out-of-memory and its
@@ -17,11 +18,11 @@ from autotune.core.memory.gradient_buckets import BucketTensor
 from autotune.core.schemas import Phase, Spec, StepOutcome
 from autotune.engine.emulation.layer_journal import NotReplayable
 from autotune.engine.estimate import EstimateRunner
-from autotune.engine.layer_buckets import LayerBuckets
-from autotune.engine.layer_replay import TRACED_LAYERS, replay_depth
+from autotune.engine.replay.layer_buckets import LayerBuckets
+from autotune.engine.replay.layer_replay import TRACED_LAYERS, replay_depth
 from autotune.engine.training.data_parallel import EmulatedReducer, trainable_parameters
-from tests.autotune_tests.engine import test_layer_replay as single_rank
-from tests.autotune_tests.engine.test_layer_replay_sharded import (
+from tests.autotune_tests.engine.replay import test_layer_replay as single_rank
+from tests.autotune_tests.engine.replay.test_layer_replay_sharded import (
     A100,
     RELATIVE,
     every_speed_pass_and_communication_the_same,
@@ -139,7 +140,7 @@ def _ddp(
 
 
 def test_ddp_ranks_are_replayed() -> None:
-    # ZeRO-1's ranks: tests/autotune_tests/engine/test_layer_zero1.py.
+    # ZeRO-1's ranks: tests/autotune_tests/engine/replay/test_layer_zero1.py.
     for ranks in (2, 8):
         assert replay_depth(_ddp("llama", 16, "none", ranks, lora=True)) == 16
 
