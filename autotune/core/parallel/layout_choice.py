@@ -164,14 +164,16 @@ def _slower_reason(run: LayoutRun, chosen: LayoutRun) -> str:
     assert rec is not None and best is not None
     trial, best_trial = run.trial(), chosen.trial()
     share = 1.0 - rec.samples_per_s / best.samples_per_s
-    if share < 0.005 or (
-        trial is not None and best_trial is not None and ties_with(trial, best_trial)
-    ):
+    tied = trial is not None and best_trial is not None and ties_with(trial, best_trial)
+    if tied and LAYOUT_ORDER.index(chosen.sharding) < LAYOUT_ORDER.index(run.sharding):
         return (
             f"fits, as fast as {chosen.sharding.value} within the measured noise "
             f"({_per_gpu_and_job(rec)}); {chosen.sharding.value} is simpler"
         )
-    head = f"fits but {share * 100:.0f} % slower ({_per_gpu_and_job(rec)})"
+    # Not tied: the chosen layout is measurably faster, however little (an estimate's step
+    # times have no noise), and need not be the simpler one.
+    digits = 1 if share < 0.01 else 0
+    head = f"fits but {share * 100:.{digits}f} % slower ({_per_gpu_and_job(rec)})"
     parts = (trial, best_trial)
     if any(
         t is None or t.compute_time_s is None or t.exposed_communication_s is None for t in parts
