@@ -696,6 +696,7 @@ SPEED_LABELS = (
     "fake-cache",
     "tune70b",
     "merged",
+    "quiet2",
 )
 # Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
 # of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).
@@ -1126,6 +1127,15 @@ SPEED_NOTES = [
     "row), both speed passes answered from their trials' traces, the same answers to the byte. "
     "llama70b-lora-zero3-probe: 22.9 CPU s, the same answers to the byte. A quiet rerun at a "
     "session's start is what says whether the goals (30 s and 15 s) are met.",
+    "Quiet2 row (27 Nov 2026, main 1f9c662, the first thing on a fresh machine, load 1.0): "
+    "llama70b-lora-zero3-probe 18.3 CPU s, llama8b-lora-tune 45.9, the answers the quiet row's "
+    "to the byte. This machine is slower than the quiet row's: the quiet row's own commit "
+    "ada725c, run on it straight after (not a row, same load), took 20.1 and 50.5 CPU s against "
+    "the quiet row's 16.8 and 41.0. So the merges since ada725c cut both cases by 9 % on the "
+    "same machine; neither goal (15 s and 30 s) is met. In the 8B tune the two speed passes "
+    "cost 0.0 s (answered from their trials' traces; 4.8 s at ada725c) and the trials 1.1-5.3 s "
+    "each (1.2-4.5 at ada725c): timing a trial's kernels as it is traced costs about what the "
+    "separate passes saved.",
 ]
 
 
