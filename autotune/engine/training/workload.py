@@ -423,14 +423,20 @@ class _HfCheckpointing:
         return list(self._layers)
 
     def __call__(self, enabled: bool) -> None:
-        self._enabled = enabled
-        if enabled:
+        # Turned on while on, the switch stays as it is: transformers' enable hooks the input
+        # embeddings again each time, and keeps only the newest hooks to remove, so the one
+        # before stayed for good (a step turns checkpointing on for each trial, and a tune's
+        # checkpointed trials and speed passes run one after another): every later plain step
+        # computed the first layer's input gradient, and its time depended on its history.
+        if enabled and not self._enabled:
             getattr(self._model, f"{self._prefix}_checkpointing_enable")({"use_reentrant": False})
-            self._apply_limit()
-        else:
+        elif not enabled:
             getattr(self._model, f"{self._prefix}_checkpointing_disable")()
             if not self._owner_hooks_inputs:
                 self._model.disable_input_require_grads()
+        self._enabled = enabled
+        if enabled:
+            self._apply_limit()
 
     def limit(self, count: int | None) -> None:
         self._count = count

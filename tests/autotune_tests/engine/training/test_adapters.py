@@ -147,7 +147,8 @@ def test_a_plain_step_after_a_checkpointed_one_is_the_plain_step() -> None:
     # transformers hooks the input embeddings when checkpointing is enabled (so that gradients
     # reach the first checkpointed layer of a frozen base) and leaves the hook when it is
     # disabled on a model peft wrapped from outside: every later plain step then also computed
-    # the first layer's input gradient.
+    # the first layer's input gradient. Turned on while on (a trial after a checkpointed one),
+    # it hooked them again and kept only the newest hooks to remove.
     runner = _hf_lora_runner()
     inputs_carry_gradients: list[bool] = []
 
@@ -159,6 +160,7 @@ def test_a_plain_step_after_a_checkpointed_one_is_the_plain_step() -> None:
     first_layer.register_forward_pre_hook(first_layer_input, with_kwargs=True)
     before = runner.trial(2)
     assert runner.trial(2, checkpointing=True).fits
+    assert runner.trial(2, checkpointing=True).fits
     after = runner.trial(2)
-    assert inputs_carry_gradients == [False, True, False]
+    assert inputs_carry_gradients == [False, True, True, False]
     assert after.peak_bytes == before.peak_bytes
