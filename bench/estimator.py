@@ -697,6 +697,7 @@ SPEED_LABELS = (
     "tune70b",
     "merged",
     "quiet2",
+    "warm-init",
 )
 # Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
 # of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).
@@ -1136,6 +1137,22 @@ SPEED_NOTES = [
     "cost 0.0 s (answered from their trials' traces; 4.8 s at ada725c) and the trials 1.1-5.3 s "
     "each (1.2-4.5 at ada725c): timing a trial's kernels as it is traced costs about what the "
     "separate passes saved.",
+    "Warm-init row (27 Nov 2026, branch warm): llama70b-lora-zero3-tune, 117.6 CPU s at load "
+    "5.9 (285.8 s wall), against some 800 before (Round 9's note: every partial trial traced "
+    "whole on 80 layers). The cause was FSDP2's lazy initialisation: a unit makes its "
+    "gathered-parameter buffers at its first all-gather, so after the plain warm-up that ran out "
+    "the deep model's next step initialised the blocks it had not reached, the 5-layer model's "
+    "(whose step completed) none, and the 8-layer model's first step all of its own. Now an "
+    "estimated rank runs the initialisation before its first step, outside any tracker "
+    "(`sharding.initialise`), every step runs the same ops whatever ran before, and the "
+    "8-layer model's warm-up is the replay's: all 15 partial trials replayed (0.4-17.5 CPU s, "
+    "three of them 13-17.5 s, the first with the 8-layer model's build and warm-up), 18 "
+    "traced steps, 35 micro-steps. The answers are Round 9's with the cut: max 0 / 4, 1 x 64 "
+    "with the first 58 of 80 blocks checkpointed, 0.1861599548205073 samples/s per GPU, "
+    "78,070,677,504 B. The test (test_layer_replay_sharded.py, a 10-layer zero3 LoRA rank at "
+    "5 MiB) failed before in the replay's checkpointed warm-up itself (10,011 ops against the "
+    "whole trace's 10,080: 23 `empty` and 46 view ops of the one block the plain warm-up had not "
+    "reached).",
 ]
 
 

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.fsdp import FSDPModule
 from torch.utils._python_dispatch import _disable_current_modes
 
 from autotune.core.parallel.layouts import (
@@ -132,6 +133,28 @@ def shard_model(model: nn.Module, training: TrainingSpec, device: torch.device) 
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def initialise(model: nn.Module) -> None:
+    """Runs FSDP2's lazy initialisation of `model` (wrapped by `shard_model`) now, as its first
+    forward would: the root's state, and each unit's gathered-parameter buffers, made by one
+    unshard and freed by a reshard.
+
+    Why before the first step, on an emulated or estimated rank: FSDP2 makes a unit's buffers
+    at its first all-gather (one `empty` per parameter, and views of them), later ones resize
+    the same buffers' storage back. The bytes and their order are the same either way, but
+    the ops are not, so a step's per-op series would depend on how far the steps before it
+    ran: after a warm-up that ran out in block k's forward, the next step would initialise the
+    blocks after k and no others. A rank whose every unit is initialised before its first step
+    runs the same ops in every step, whatever ran before, at any depth
+    (docs/design.md#the-layer-replay). Outside any tracker the buffers are counted nowhere; on
+    a real GPU they would stay in the caching allocator's cache, so it is not done there."""
+    state = model._get_fsdp_state()  # type: ignore[operator]
+    state._lazy_init()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.unshard()
+            module.reshard()
 
 
 def mixed_precision(training: TrainingSpec) -> Any:

@@ -31,6 +31,7 @@ from autotune.engine.training.adamw_8bit import AdamW8bit, assumption
 from autotune.engine.training.adapters import adapter_parameter_ids, apply_lora
 from autotune.engine.training.data_parallel import EmulatedReducer
 from autotune.engine.training.sharding import assumption as sharding_assumption
+from autotune.engine.training.sharding import initialise as initialise_fsdp
 from autotune.engine.training.sharding import process_group, shard_model, zero1_optimizer
 from autotune.engine.training.workload import Batch, Workload, cast_weights, fp32_on
 
@@ -123,6 +124,8 @@ class TrainingStep:
         sharded = training.sharding in FSDP2_SHARDINGS
         if sharded:
             self.model = shard_model(self.model, training, device)
+            if device.type != "cuda":
+                initialise_fsdp(self.model)
         elif training.sharding is Sharding.ZERO1:
             process_group(training.world_size)
         self.optimizer = _build_optimizer(self.model, training.optimizer, training.sharding)

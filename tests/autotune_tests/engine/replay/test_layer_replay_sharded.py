@@ -217,3 +217,20 @@ def test_a_sharded_rank_that_runs_out_is_replayed_with_its_detail_to_the_byte(
     # Every trial replayed (partial checkpointing's by its own traced model), none traced whole.
     assert replayed.layer_replay and replayed._full is None
     assert replayed.partial_replay == any(blocks is not None for *_, blocks in trials)
+
+
+@pytest.mark.e2e
+def test_partial_checkpointing_after_a_plain_warm_up_that_ran_out_is_replayed() -> None:
+    """A zero3 rank whose plain warm-up runs out and whose checkpointed one fits (the 70B LoRA
+    rank's sequence): partial checkpointing's 8-layer model runs both warm-ups as the replay
+    did, so its trials are replayed, and each is the whole trace's to the byte. From its
+    checkpointed warm-up alone, its model's first step (FSDP2's lazy initialisation in it) was
+    not the replay's second one, and every partial trial was traced whole."""
+    spec = _sharded("llama", 10, "zero3", 4, lora=True)
+    replayed = EstimateRunner(spec, capacity_bytes=5 * MiB)
+    traced = EstimateRunner(spec, capacity_bytes=5 * MiB, layer_replay=False)
+    for checkpointing, fits in ((False, False), (True, True)):
+        warm = replayed.warm_up(checkpointing=checkpointing)
+        _the_same(warm, traced.warm_up(checkpointing=checkpointing))
+        assert warm.fits is fits
+    every_partial_trial_the_same(replayed, traced, (2, 8), [(1, 1), (2, 2)])
