@@ -200,8 +200,11 @@ class LayerKernelTimes(KernelTimes):  # type: ignore[no-untyped-call]
             else:  # it goes with the layer's kernels before it (AdamW's step counters)
                 self._file(owner, func, kernel)
             return
-        if len(layers) == 1 and not is_multi_tensor(func):
-            self._file(layers[0], func, kernel)  # one layer's kernel (a per-parameter op)
+        if len(layers) == 1:
+            # One layer's kernel: a per-parameter op, or a foreach kernel over one layer's
+            # tensors (FSDP2's cast of a unit's shards before its gather, when the root's
+            # backward prefetches the last layer outside the layers).
+            self._file(layers[0], func, kernel)
             return
         if is_multi_tensor(func) and kernel.flops == 0:
             # One launch over every layer's tensors: timed once, with the deep model's bytes
