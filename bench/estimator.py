@@ -698,6 +698,7 @@ SPEED_LABELS = (
     "merged",
     "quiet2",
     "warm-init",
+    "foreach",
 )
 # Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
 # of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).
@@ -1153,6 +1154,17 @@ SPEED_NOTES = [
     "5 MiB) failed before in the replay's checkpointed warm-up itself (10,011 ops against the "
     "whole trace's 10,080: 23 `empty` and 46 view ops of the one block the plain warm-up had not "
     "reached).",
+    "Foreach row (27 Nov 2026, 6e87857): the speed model now times aten's in-place foreach "
+    "kernels and fused optimizers (docs/design.md, Speed), which return nothing and were not "
+    "timed: a kernel's outputs are what it returns plus the arguments its schema marks "
+    "written. AdamW's foreach step moves 21 fp32 copies of its parameters instead of the 2 of "
+    "`_foreach_sqrt` alone. llama8b-lora-tune: the same maxima, configuration (1 x 64 plain) "
+    "and peak; samples/s 0.7019292042998818 against 0.7019982546327984 (-0.0098 %), the 1 x 64 "
+    "step 91.1773 s against 91.1683 s: +8.97 ms, what 19 more fp32 copies of the 167,772,160 "
+    "adapter parameters take at 70 % of an A100's 2.039 TB/s (8.93 ms) plus 8 launches of 5 "
+    "us. A full fine-tune's step moves 19 copies of all its parameters more, and with little "
+    "accumulation the optimizer is a larger share of the step. 53.4 CPU s at load 5.1 (45.9 "
+    "at load 1.0 in the quiet2 row: the load, not the change; the same 15 traced steps).",
 ]
 
 

@@ -2,12 +2,13 @@
 
 `KernelTimes` is a dispatch mode that sees each aten op of a step on fake tensors and adds up
 its kernel's roofline time (`autotune.core.gpus.roofline.op_time_s`): FLOPs from torch's
-formulas (`torch.utils.flop_counter`), bytes read and written from the shapes. Views and
-allocations launch no kernel. `SpeedPass` is the step's view from above the dispatcher:
-attention as the GPU's fused kernel, and where each micro-step ends. The estimate times its
-speed passes with both (`autotune.engine.estimate`); the layer replay times a shallow model's
-step with a `KernelTimes` that also says which layer each kernel belongs to
-(`autotune.engine.replay.layer_speed`).
+formulas (`torch.utils.flop_counter`), bytes read and written from the shapes: what it reads,
+what it returns and what it writes in place (`written_arguments`: an in-place foreach kernel or
+a fused optimizer returns nothing). Views and allocations launch no kernel. `SpeedPass` is the
+step's view from above the dispatcher: attention as the GPU's fused kernel, and where each
+micro-step ends. The estimate times its speed passes with both (`autotune.engine.estimate`);
+the layer replay times a shallow model's step with a `KernelTimes` that also says which layer
+each kernel belongs to (`autotune.engine.replay.layer_speed`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,59 @@ _NO_KERNEL = {
     _aten.new_empty_strided.default,
     _aten.detach.default,
 }
+
+
+# Fused optimizers whose schema marks the gradients written: CUDA's kernels store them back only
+# when they unscale them, with a `grad_scale` given (`if (i != kGradIdx || grad_scale_ptr)` in
+# aten/src/ATen/native/cuda/fused_adam_utils.cuh and fused_adagrad_utils.cuh).
+_GRADS_WRITTEN_WITH_SCALE = {
+    _aten._fused_adam_,
+    _aten._fused_adamw_,
+    _aten._fused_adagrad_,
+}
+
+# Ops that launch one kernel over lists of tensors, one per parameter (torch's
+# multi_tensor_apply): the foreach ops (by name) and the fused optimizers.
+_FUSED_OPTIMIZERS = {*_GRADS_WRITTEN_WITH_SCALE, _aten._fused_sgd_}
+
+
+def is_multi_tensor(func: Any) -> bool:
+    """Whether `func` is one launch over lists of tensors: a foreach op or a fused optimizer."""
+    return bool(func.__name__.startswith("_foreach_") or func._overloadpacket in _FUSED_OPTIMIZERS)
+
+
+def _bound(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Any, Any]]:
+    """Each argument of `func`'s schema with its value in this call (None: not passed)."""
+    return [
+        (argument, args[position] if position < len(args) else kwargs.get(argument.name))
+        for position, argument in enumerate(func._schema.arguments)
+    ]
+
+
+def written_arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The arguments an aten op writes in place and does not return (`(a!)` in its schema, a
+    list as it is): what an in-place foreach op or a fused optimizer writes, which returns
+    nothing. An argument it also returns (`add_`'s self, an `out=`) is its output once, as
+    returned, not again here."""
+    returned: set[str] = set()
+    for result in func._schema.returns:
+        if result.alias_info is not None:
+            returned |= result.alias_info.before_set
+    bound = _bound(func, args, kwargs)
+    grad_scale = next((value for argument, value in bound if argument.name == "grad_scale"), None)
+    written = []
+    for argument, value in bound:
+        alias = argument.alias_info
+        if alias is None or not alias.is_write or alias.before_set & returned:
+            continue
+        if (
+            argument.name == "grads"
+            and func._overloadpacket in _GRADS_WRITTEN_WITH_SCALE
+            and grad_scale is None
+        ):
+            continue  # read only (above)
+        written.append(value)
+    return written
 
 
 def _math_dtype(dtype: torch.dtype, *, tf32: bool) -> MathDtype:
@@ -136,16 +190,25 @@ class KernelTimes(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def kernel(
         self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: object
     ) -> Kernel | None:
-        """The kernel `func` launched to make `out`; None for a view, an allocation or an op
-        that returns no tensor."""
+        """The kernel `func` launched to make `out` (and to write its arguments in place,
+        `written_arguments`); None for a view, an allocation or an op that neither returns nor
+        writes a tensor."""
         if func.namespace == "fsdp":
             return _fsdp_copy(func, args, kwargs, out, tf32=self.tf32)
         if func.namespace != "aten" or func.is_view or func in _NO_KERNEL:
             return None
-        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        written = written_arguments(func, args, kwargs)
+        outputs = [t for t in pytree.tree_leaves((out, written)) if isinstance(t, torch.Tensor)]
         if not outputs:
             return None
-        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        # An `out=` is written, not read; an in-place op's self is both.
+        read = [value for argument, value in _bound(func, args, kwargs) if not argument.is_out]
+        inputs = [t for t in pytree.tree_leaves(read) if isinstance(t, torch.Tensor)]
+        if is_multi_tensor(func) and all(t.dim() == 0 for t in (*inputs, *outputs)):
+            # The optimizer's step counters: a CUDA run keeps them on the CPU (neither
+            # capturable nor fused, as the step builds it), where incrementing them launches
+            # no GPU kernel.
+            return None
         formula = flop_registry.get(func._overloadpacket)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
         floating = [t.dtype for t in (*inputs, *outputs) if t.is_floating_point()]
@@ -219,4 +282,4 @@ class SpeedPass(TorchFunctionMode):
         return out
 
 
-__all__ = ["Kernel", "KernelTimes", "SpeedPass"]
+__all__ = ["Kernel", "KernelTimes", "SpeedPass", "is_multi_tensor", "written_arguments"]

@@ -3,9 +3,10 @@
 A decoder's layers run the same kernels on the same shapes, so a kernel inside a layer takes
 the same roofline time in every layer: the deep model's step is the shallow one's with the
 middle layers' kernels counted once per middle layer (docs/design.md#the-layer-replay). Only
-the kernels that span layers do not add up that way: the optimizer's foreach kernels read
-every layer's parameters, gradients and state in one launch, and a roofline time is the
-longer of arithmetic and traffic plus one launch, not a sum over layers. For those,
+the kernels that span layers do not add up that way: the optimizer's foreach kernels (or its
+fused kernel) read every layer's parameters, gradients and state in one launch, most of them
+writing some in place (`autotune.engine.kernel_times.written_arguments`), and a roofline
+time is the longer of arithmetic and traffic plus one launch, not a sum over layers. For those,
 `LayerKernelTimes` keeps the bytes each layer's tensors contribute and times the kernel once
 with the deep model's bytes: what the deep model's own launch moves. On a ZeRO-1 rank the local
 optimizer's foreach kernels read the rank's partition of the parameters, which no layer's bytes
@@ -46,7 +47,7 @@ from autotune.engine.emulation.layer_journal import (
     tag_of,
 )
 from autotune.engine.emulation.tracker import _current_graph_task_id, local_tensor
-from autotune.engine.kernel_times import Kernel, KernelTimes
+from autotune.engine.kernel_times import Kernel, KernelTimes, is_multi_tensor, written_arguments
 from autotune.engine.replay.layer_plan import LayerPlan
 from autotune.engine.replay.layer_zero1 import PartitionBytes
 
@@ -174,8 +175,9 @@ class LayerKernelTimes(KernelTimes):  # type: ignore[no-untyped-call]
         self._sticky = owner
         if kernel is None:
             return
-        if self.partition is not None and func.__name__.startswith("_foreach_"):
-            deep_bytes = self.partition.deep_bytes(args, kwargs, out)
+        if self.partition is not None and is_multi_tensor(func):
+            written = written_arguments(func, args, kwargs)
+            deep_bytes = self.partition.deep_bytes(args, kwargs, [out, *written])
             if deep_bytes is not None and kernel.flops == 0:
                 # Kept as its arithmetic, as a spanning kernel is: its tensors are the step's.
                 arithmetic = Kernel(kernel.flops, [], [], kernel.dtype)
@@ -198,10 +200,13 @@ class LayerKernelTimes(KernelTimes):  # type: ignore[no-untyped-call]
             else:  # it goes with the layer's kernels before it (AdamW's step counters)
                 self._file(owner, func, kernel)
             return
-        if len(layers) == 1 and not func.__name__.startswith("_foreach_"):
-            self._file(layers[0], func, kernel)  # one layer's kernel (a per-parameter op)
+        if len(layers) == 1:
+            # One layer's kernel: a per-parameter op, or a foreach kernel over one layer's
+            # tensors (FSDP2's cast of a unit's shards before its gather, when the root's
+            # backward prefetches the last layer outside the layers).
+            self._file(layers[0], func, kernel)
             return
-        if func.__name__.startswith("_foreach_") and kernel.flops == 0:
+        if is_multi_tensor(func) and kernel.flops == 0:
             # One launch over every layer's tensors: timed once, with the deep model's bytes
             # (kept without its tensors, which are the step's).
             arithmetic = Kernel(kernel.flops, [], [], kernel.dtype)

@@ -331,24 +331,27 @@ def _write(elements: Sequence[_Element], share: RankShare, offset: int) -> list[
 
 @dataclass(frozen=True)
 class PartitionBytes:
-    """The bytes a foreach kernel of the rank's local optimizer moves on the deep rank, from
-    the shallow rank's launch (`shallow`'s partition; `deep`'s of `depth` layers): one launch
-    over a list of one tensor per local parameter, each of its parameter's elements, moves
-    that list's dtype's bytes of every element of the deep rank's parameters."""
+    """The bytes a foreach kernel (or fused optimizer) of the rank's local optimizer moves on
+    the deep rank, from the shallow rank's launch (`shallow`'s partition; `deep`'s of `depth`
+    layers): one launch over a list of one tensor per local parameter, each of its parameter's
+    elements, moves that list's dtype's bytes of every element of the deep rank's parameters."""
 
     shallow: RankShare
     deep: RankShare
     depth: int
 
-    def deep_bytes(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: object) -> int | None:
+    def deep_bytes(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], outputs: Sequence[object]
+    ) -> int | None:
         """The deep launch's bytes read and written, `args` and `kwargs` the shallow launch's
-        and `out` its outputs: each list over the partition scaled to the deep one, any other
-        tensor as it is. None when no argument or output is such a list."""
+        and `outputs` what it writes (what it returns, the arguments it writes in place): each
+        list over the partition scaled to the deep one, any other tensor as it is. None when
+        no argument or output is such a list."""
         numel = list(self.shallow.local_numel)
         deep_numel = sum(self.deep.local_numel)
         nbytes = 0
         partition_lists = 0
-        for item in (*args, *kwargs.values(), out):
+        for item in (*args, *kwargs.values(), *outputs):
             if (
                 isinstance(item, (list, tuple))
                 and len(item) == len(numel)

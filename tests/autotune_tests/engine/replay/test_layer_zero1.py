@@ -142,15 +142,15 @@ def test_a_foreach_kernel_over_the_partition_moves_the_deep_partitions_bytes() -
         mixed = [torch.empty(48), torch.empty(16, dtype=torch.bfloat16)]
     # Each list over the partition (its dtype's bytes) scaled to the deep partition, any other
     # tensor as it is.
-    assert partition.deep_bytes((states, scalar), {"other": halves}, states) == (
+    assert partition.deep_bytes((states, scalar), {"other": halves}, [states]) == (
         4 * 120 + 4 + 2 * 120 + 4 * 120
     )
-    assert same.deep_bytes((states, scalar), {"other": halves}, states) == (
+    assert same.deep_bytes((states, scalar), {"other": halves}, [states]) == (
         4 * 64 + 4 + 2 * 64 + 4 * 64
     )
     # No list over the partition: another length, other elements in its order, two dtypes.
     for other in (states[:1], swapped, mixed):
-        assert partition.deep_bytes((other, scalar), {}, other) is None
+        assert partition.deep_bytes((other, scalar), {}, [other]) is None
 
 
 @pytest.mark.e2e
