@@ -699,6 +699,7 @@ SPEED_LABELS = (
     "quiet2",
     "warm-init",
     "foreach",
+    "search-ahead",
 )
 # Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
 # of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).
@@ -1165,6 +1166,42 @@ SPEED_NOTES = [
     "us. A full fine-tune's step moves 19 copies of all its parameters more, and with little "
     "accumulation the optimizer is a larger share of the step. 53.4 CPU s at load 5.1 (45.9 "
     "at load 1.0 in the quiet2 row: the load, not the change; the same 15 traced steps).",
+    "Search-ahead row (27 Nov 2026, e4b8169; docs/design.md#the-micro-step-replay): partial "
+    "checkpointing's fewest-blocks search (the tuner's trials of 4 x 2 at 16, 24, 28, 26 and 25 "
+    "of 32 blocks) is followed by the measurement of the count it finds (4 x 16 at 25), whose "
+    "trial and speed pass trace the 8-layer model's shallow step of 3 micro-steps, the step the "
+    "search's counts share (partial_plan: 4 of 8 layers checkpointed). Now the search's first "
+    "trial of a shallow step traces that step of 3 with the speed pass along and writes it out "
+    "for 2 (microstep_replay.write_out, first and last copies), and the measurement traces "
+    "nothing: 14 traced steps (23 micro-steps) against 15 (25). Tests: a journal written out "
+    "for 2 is the step of 2 traced whole (LoRA and full, plain and checkpointed), the search's "
+    "partial trials of 2 are the 12-layer model's traced whole, and a measurement after the "
+    "search equals one measured alone to the bit (test_layer_speed.py, "
+    "test_the_fewest_blocks_search_traces_the_step_its_measurement_then_answers). The same "
+    "answers to the byte (maxima, 1 x 64 plain, samples/s 0.7019982546327984, peak "
+    "57,520,685,056 B; the 4 x 16 at 25 blocks' step 117.69934346592024 s both ways). "
+    "llama8b-lora-tune, the row: 46.4 CPU s at load 5.2 (2 cores "
+    "shared with three other sessions); main's code (6cde346) run right after it: 58.6 CPU s at "
+    "load 5.1 (47.9 at load 3.3 earlier the same session). Partial checkpointing's calls "
+    "(calls_cpu_s): 12.4 s against 18.7 back to back (first trial 9.7 against 7.1: it traces 3 "
+    "micro-steps with the kernel times instead of 2; the measurement's trial 0.7 against 9.9); "
+    "a logged run of each at load 3.4-5.5: 11.8 against 16.0. The rest of the gap back to back "
+    "(the plain trials 28.1 against 33.5, the same code) is the load's. So the cut is some 4-6 "
+    "CPU s; the 30 s goal is not met (a quiet rerun would place it near 40). Checked and not "
+    "taken: the tuner's G = 2 probe tracing 3 ahead too (its plain 1 x 2 precedes the measured "
+    "1 x 64, but the checkpointed 4 x 2 and 2 x 2 are never measured: about 1.5 s more each, "
+    "for 3.9 saved); a trial of 2 written out from a step of 3 traced before of the same "
+    "configuration (its own answers equal the whole trace's, but the uniform test's later trial "
+    "4 x 64 at 12 MiB then differed from the whole runner's in its out-of-memory detail, the "
+    "whole runner's history having run the extra steps of 2; not followed up). The tuner's own "
+    "seconds (optuna's RDB storage about 1 s, of which its lazy imports most; the fit-point "
+    "replays about 1.3 s) and evaluate (about 3 s) were left. Profiles of the timed part "
+    "(cProfile, the bench's --profile, at load 4-5: 196.5 profiled s before, 189.7 after; "
+    "compare shares): by tottime the same torch entries lead both (_prep_args_for_hash 11.0 "
+    "before / 10.5 after, _get_output_tensor_from_cache_entry 5.4 / 6.0, isinstance 6.3 / 5.7, "
+    "_flatten_into 5.6 / 5.3, run_backward 5.3 (25 calls) / 5.3 (23)); by cumulative, "
+    "estimate.trial 179.4 (17 calls) / 165.3, the shallow traces (layer_replay._journal) 151.2 "
+    "(15) / 141.9 (14), layer_replay.evaluate 17.0 after (19 calls).",
 ]
 
 

@@ -604,14 +604,32 @@ class EstimateRunner:
         replay = self._replay_of(key.checkpointed_blocks)
         outcome: StepOutcome | None = None
         if replay is not None:
+            # Partial checkpointing's trials of 2 micro-steps are the tuner's fewest-blocks
+            # search (`autotune.engine.tuner`), and the count it finds is measured next, a
+            # step of 3 or more micro-steps whose trial and speed pass trace the shallow step
+            # of 3 (`_timed_along`), which the search's counts mostly share (`partial_plan`):
+            # so the search traces that step, with its speed pass along, and writes it out
+            # for 2 (`LayerReplay.trial`). The measurement then traces nothing. (A measurement
+            # of 2 micro-steps times its own step along already.)
+            ahead = (
+                replay is self._partial and key.accumulation_steps == 2 and not replay.timing_along
+            )
             try:
-                with self._mode, _sequences_not_packed(), self._checked():
-                    outcome = replay.trial(
-                        micro_batch,
-                        key.accumulation_steps,
-                        checkpointing=checkpointing,
-                        checkpointed_blocks=key.checkpointed_blocks,
+                with (
+                    self._timed_along(
+                        micro_batch, _TIMED_ACCUMULATION, checkpointing, key.checkpointed_blocks
                     )
+                    if ahead
+                    else contextlib.nullcontext()
+                ):
+                    with self._mode, _sequences_not_packed(), self._checked():
+                        outcome = replay.trial(
+                            micro_batch,
+                            key.accumulation_steps,
+                            checkpointing=checkpointing,
+                            checkpointed_blocks=key.checkpointed_blocks,
+                            from_three=ahead,
+                        )
             except NotReplayable as reason:
                 if replay is self._partial:
                     self._stop_partial_replay(reason)

@@ -1042,6 +1042,11 @@ class LayerReplay:
         finally:
             self._along = None
 
+    @property
+    def timing_along(self) -> bool:
+        """Whether a speed pass is asked for along with the next trial (`timed_along`)."""
+        return self._along is not None
+
     def plan(self, checkpointed_blocks: int | None) -> tuple[LayerPlan, int | None]:
         """The plan of a step that checkpoints the deep model's first `checkpointed_blocks`
         layers while checkpointing (None: all), and the shallow model's count for it.
@@ -1064,11 +1069,15 @@ class LayerReplay:
         checkpointing: bool,
         checkpointed_blocks: int | None = None,
         placement: ResidentPlacement | None | _Placed = _Placed.DEVICES,
+        from_three: bool = False,
     ) -> StepOutcome:
         """The deep model's trial, replayed (the shallow model is left as the deep one's
         trial would leave it); `checkpointed_blocks` while checkpointing: the deep model's
         first layers checkpointed (None: all). It starts where the device's trials start (its
-        warm-up's `placement` of the residents), or from `placement` when given.
+        warm-up's `placement` of the residents), or from `placement` when given. With
+        `from_three`, a step of 2 micro-steps is written out from the shallow step of
+        `TRACED_MICRO_STEPS` (its first and last copies), traced for it unless known: the
+        caller will ask for the step of 3 or more next, and so traces it once for both.
 
         Raises:
             NotReplayable: the shallow journal does not show the structure the rule needs.
@@ -1083,8 +1092,12 @@ class LayerReplay:
         step = runner.step
         optimizer = getattr(step.optimizer, "optim", step.optimizer)
         state_was_empty = not optimizer.state
-        # More micro-steps than traced: the step of `TRACED_MICRO_STEPS` written out for them.
-        written_out = self._microstep_replay and accumulation_steps > TRACED_MICRO_STEPS
+        # More micro-steps than traced: the step of `TRACED_MICRO_STEPS` written out for them;
+        # 2 from it too when asked for (its first and last copies: on one rank the last copy
+        # is the middle one, which follows the first as a second would).
+        written_out = self._microstep_replay and (
+            accumulation_steps > TRACED_MICRO_STEPS or (accumulation_steps == 2 and from_three)
+        )
         traced_steps = TRACED_MICRO_STEPS if written_out else accumulation_steps
         key = (micro_batch, traced_steps, checkpointing, shallow_blocks)
         shallow = self._journals.get(key)

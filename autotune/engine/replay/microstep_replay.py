@@ -8,7 +8,8 @@ others add theirs into them, and on one rank nothing tells the last from the mid
 every part of the step that runs once per micro-step (a batch's making, its counting, a
 micro-step) is a unit repeated G times, and a step traced at `TRACED_MICRO_STEPS` (a first, a
 middle and a last copy of each unit) shows what every middle copy does. `write_out` repeats the
-middle copy G - 2 times in the journal (`autotune.engine.emulation.layer_journal`), which the
+middle copy G - 2 times in the journal (`autotune.engine.emulation.layer_journal`; none for
+G = 2, the first and the last copy), which the
 layer replay then writes out for the deep model and replays through the allocator model.
 
 The rule, and what is checked before it is trusted:
@@ -92,14 +93,15 @@ def _units(marks: StepMarks, size: int) -> list[_Unit]:
 def write_out(
     journal: Sequence[tuple[Any, ...]], marks: StepMarks, accumulation_steps: int
 ) -> list[tuple[Any, ...]]:
-    """The journal of the same step with `accumulation_steps` micro-steps instead of
-    `TRACED_MICRO_STEPS` (module docstring): each unit's first copy, its middle copy
-    `accumulation_steps` - 2 times, its last; references renumbered.
+    """The journal of the same step with `accumulation_steps` (2 or more) micro-steps instead
+    of `TRACED_MICRO_STEPS` (module docstring): each unit's first copy, its middle copy
+    `accumulation_steps` - 2 times, its last; references renumbered (with 2, the last copy's
+    reference to the previous copy names the first, as the middle copy's does).
 
     Raises:
         NotReplayable: the journal does not have the structure the rule needs.
     """
-    if accumulation_steps < TRACED_MICRO_STEPS:
+    if accumulation_steps < 2:
         raise ValueError(f"{accumulation_steps} micro-steps from {TRACED_MICRO_STEPS}")
     units = _units(marks, len(journal))
     # event -> (unit, copy, position)

@@ -164,6 +164,39 @@ def test_a_measurement_times_the_step_its_trial_traces(
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("lora", [True, False])
+def test_the_fewest_blocks_search_traces_the_step_its_measurement_then_answers(
+    lora: bool,
+    traced_micro_steps: list[int],  # noqa: F811
+) -> None:
+    # The tuner's fewest-blocks search (trials of 2 micro-steps at several counts), then the
+    # count it found measured at 16 micro-steps: the search traces the shallow step of 3 once,
+    # its speed pass along, and the measurement traces nothing. Another runner measures
+    # alone (its trial's step timed as it is traced): the same peak and time to the bit; the
+    # search's trials are the whole model's traced at 2 micro-steps.
+    spec = _spec(_config("llama", 12), lora=lora, optimizer="adamw")
+    searched = EstimateRunner(spec, gpu=A100)
+    alone = EstimateRunner(spec, gpu=A100)
+    whole = EstimateRunner(spec, gpu=A100, layer_replay=False)
+    for runner in (searched, alone, whole):
+        assert runner.warm_up().fits
+    settings: dict[str, Any] = {"checkpointing": True}
+    # Counts 6 and 7 share a shallow step (4 of 8 layers checkpointed), 9 has its own; the
+    # first trial builds the partial model and warms it up.
+    for blocks, traced in ((6, [1, 3]), (9, [3]), (7, [])):
+        traced_micro_steps.clear()
+        trial = searched.trial(4, 2, checkpointed_blocks=blocks, **settings)
+        assert traced_micro_steps == traced
+        _the_same(trial, whole.trial(4, 2, checkpointed_blocks=blocks, **settings))
+    traced_micro_steps.clear()
+    measured = searched.measure(4, 16, target_seconds=1.0, checkpointed_blocks=7, **settings)
+    assert traced_micro_steps == []
+    expected = alone.measure(4, 16, target_seconds=1.0, checkpointed_blocks=7, **settings)
+    assert measured is not None and measured == expected
+    assert searched.partial_speed_replay
+
+
+@pytest.mark.e2e
 @pytest.mark.parametrize("extra", [{"num_key_value_heads": 4}, {"attention_dropout": 0.1}])
 def test_a_step_whose_attention_the_speed_pass_changes_is_timed_apart(
     extra: dict[str, Any],
