@@ -13,9 +13,10 @@ each kernel belongs to (`autotune.engine.replay.layer_speed`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -57,9 +58,8 @@ _NO_KERNEL = {
 }
 
 
-# Fused optimizers whose schema marks the gradients written: CUDA's kernels store them back only
-# when they unscale them, with a `grad_scale` given (`if (i != kGradIdx || grad_scale_ptr)` in
-# aten/src/ATen/native/cuda/fused_adam_utils.cuh and fused_adagrad_utils.cuh).
+# Fused optimizers whose schema marks the gradients written: CUDA's fused Adam and Adagrad
+# kernels store them back only when they unscale them, with a `grad_scale` given.
 _GRADS_WRITTEN_WITH_SCALE = {
     _aten._fused_adam_,
     _aten._fused_adamw_,
@@ -76,12 +76,43 @@ def is_multi_tensor(func: Any) -> bool:
     return bool(func.__name__.startswith("_foreach_") or func._overloadpacket in _FUSED_OPTIMIZERS)
 
 
-def _bound(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Any, Any]]:
-    """Each argument of `func`'s schema with its value in this call (None: not passed)."""
-    return [
-        (argument, args[position] if position < len(args) else kwargs.get(argument.name))
-        for position, argument in enumerate(func._schema.arguments)
-    ]
+class _Arguments(NamedTuple):
+    """What `KernelTimes` reads off an op's schema, once an op (every op of a step asks)."""
+
+    names: tuple[str, ...]
+    written: tuple[int, ...]  # written in place and not returned (`written_arguments`)
+    outs: frozenset[int]  # `out=` arguments: written, not read
+    grads_need_scale: int | None  # the `grads` a fused optimizer writes only with a grad_scale
+
+
+@functools.cache
+def _arguments(func: Any) -> _Arguments:
+    arguments = func._schema.arguments
+    returned: set[str] = set()
+    for result in func._schema.returns:
+        if result.alias_info is not None:
+            returned |= result.alias_info.before_set
+    written = tuple(
+        position
+        for position, argument in enumerate(arguments)
+        if argument.alias_info is not None
+        and argument.alias_info.is_write
+        and not argument.alias_info.before_set & returned
+    )
+    names = tuple(argument.name for argument in arguments)
+    grads = (
+        names.index("grads")
+        if func._overloadpacket in _GRADS_WRITTEN_WITH_SCALE and "grads" in names
+        else None
+    )
+    outs = frozenset(position for position, argument in enumerate(arguments) if argument.is_out)
+    return _Arguments(names, written, outs, grads)
+
+
+def _value(
+    arguments: _Arguments, position: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    return args[position] if position < len(args) else kwargs.get(arguments.names[position])
 
 
 def written_arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
@@ -89,25 +120,35 @@ def written_arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     list as it is): what an in-place foreach op or a fused optimizer writes, which returns
     nothing. An argument it also returns (`add_`'s self, an `out=`) is its output once, as
     returned, not again here."""
-    returned: set[str] = set()
-    for result in func._schema.returns:
-        if result.alias_info is not None:
-            returned |= result.alias_info.before_set
-    bound = _bound(func, args, kwargs)
-    grad_scale = next((value for argument, value in bound if argument.name == "grad_scale"), None)
-    written = []
-    for argument, value in bound:
-        alias = argument.alias_info
-        if alias is None or not alias.is_write or alias.before_set & returned:
-            continue
-        if (
-            argument.name == "grads"
-            and func._overloadpacket in _GRADS_WRITTEN_WITH_SCALE
-            and grad_scale is None
-        ):
-            continue  # read only (above)
-        written.append(value)
-    return written
+    arguments = _arguments(func)
+    if not arguments.written:
+        return []
+    if (
+        arguments.grads_need_scale is not None
+        and _value(arguments, arguments.names.index("grad_scale"), args, kwargs) is None
+    ):
+        skipped: int | None = arguments.grads_need_scale  # read only (above)
+    else:
+        skipped = None
+    return [
+        _value(arguments, position, args, kwargs)
+        for position in arguments.written
+        if position != skipped
+    ]
+
+
+def _read(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What `func` reads: its arguments but its `out=` ones (an in-place op's self is both)."""
+    if not kwargs:
+        arguments = _arguments(func)
+        if not arguments.outs:
+            return args  # the schema's order, as below
+    arguments = _arguments(func)
+    return [
+        _value(arguments, position, args, kwargs)
+        for position in range(len(arguments.names))
+        if position not in arguments.outs
+    ]
 
 
 def _math_dtype(dtype: torch.dtype, *, tf32: bool) -> MathDtype:
@@ -201,9 +242,9 @@ class KernelTimes(TorchDispatchMode):  # type: ignore[no-untyped-call]
         outputs = [t for t in pytree.tree_leaves((out, written)) if isinstance(t, torch.Tensor)]
         if not outputs:
             return None
-        # An `out=` is written, not read; an in-place op's self is both.
-        read = [value for argument, value in _bound(func, args, kwargs) if not argument.is_out]
-        inputs = [t for t in pytree.tree_leaves(read) if isinstance(t, torch.Tensor)]
+        inputs = [
+            t for t in pytree.tree_leaves(_read(func, args, kwargs)) if isinstance(t, torch.Tensor)
+        ]
         if is_multi_tensor(func) and all(t.dim() == 0 for t in (*inputs, *outputs)):
             # The optimizer's step counters: a CUDA run keeps them on the CPU (neither
             # capturable nor fused, as the step builds it), where incrementing them launches
