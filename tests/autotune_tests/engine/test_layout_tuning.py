@@ -55,31 +55,35 @@ def _by_layout(result: TuneResult) -> dict[Sharding, LayoutOutcome]:
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_ddp_first_when_it_fits_on_nvlink(tmp_path: Path) -> None:
-    """67M parameters fit whole: DDP all-reduces once per optimizer step of 8 micro-steps,
-    the sharded layouts gather and reduce-scatter every micro-step."""
-    spec = _stack("linear_stack_4k", 4096, world_size=8, target_global_batch=256)
+    """67M parameters fit whole: DDP's layouts all-reduce once per optimizer step of 32
+    micro-steps, the sharded layouts gather and reduce-scatter every micro-step. Which of
+    DDP's two is first is AdamW's: its foreach step reads and writes some 21 fp32 copies of the
+    parameters, which ZeRO-1 cuts to an eighth (2.4 ms of a 9 ms step at 8 micro-steps, where
+    ZeRO-2's 16-bit weights without casts come first by 0.6 %)."""
+    spec = _stack("linear_stack_4k", 4096, world_size=8, target_global_batch=1024)
     result = _tune(spec, tmp_path)
     layouts = _by_layout(result)
-    # The losers' order is theirs: FSDP2's ZeRO-2 computes on 16-bit weights, no casts, and
-    # can beat ZeRO-1's fp32 weights under autocast despite its gathers every micro-step.
-    assert list(layouts)[0] is Sharding.NONE
     assert set(layouts) == {Sharding.NONE, Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3}
+    assert set(list(layouts)[:2]) == {Sharding.NONE, Sharding.ZERO1}
     assert result.recommendation is not None
-    assert result.recommendation.sharding is Sharding.NONE
+    chosen = result.recommendation.sharding
+    assert chosen is list(layouts)[0]
     assert result.layouts[0].verdict is LayoutVerdict.CHOSEN
     ddp_speed = result.recommendation.samples_per_s
-    for sharding in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3):
+    for sharding in {Sharding.NONE, Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3} - {chosen}:
         loser = layouts[sharding]
         assert loser.verdict is LayoutVerdict.SLOWER
         assert loser.recommendation is not None
         assert loser.recommendation.samples_per_s < ddp_speed
         assert loser.reason.startswith("fits but ") and " % slower" in loser.reason
-    # Full shard loses to its exposed all-gathers, and the reason says so.
+    # The sharded layouts lose to their exposed all-gathers, and the reasons say so.
+    assert "of exposed parameter all-gather" in layouts[Sharding.ZERO2].reason
     assert "of exposed parameter all-gathers" in layouts[Sharding.ZERO3].reason
     # What the result shows and exports is the chosen layout's, per GPU and for the job.
     assert result.exports is not None
-    assert result.exports.training.sharding is Sharding.NONE
-    assert "zero_optimization" not in result.exports.deepspeed
+    assert result.exports.training.sharding is chosen
+    stage = result.exports.deepspeed.get("zero_optimization", {}).get("stage", 0)
+    assert stage == (1 if chosen is Sharding.ZERO1 else 0)
     assert result.recommendation.job_samples_per_s == pytest.approx(8 * ddp_speed)
 
 
