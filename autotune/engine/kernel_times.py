@@ -32,6 +32,7 @@ from torch.utils.flop_counter import (
 
 from autotune.core.gpus.cuda_reserve import GpuBudget
 from autotune.core.gpus.roofline import MathDtype, RooflineAssumptions, op_time_s
+from autotune.engine.emulation.tracker import local_tensor
 
 _aten = torch.ops.aten
 
@@ -239,11 +240,20 @@ class KernelTimes(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if func.namespace != "aten" or func.is_view or func in _NO_KERNEL:
             return None
         written = written_arguments(func, args, kwargs)
-        outputs = [t for t in pytree.tree_leaves((out, written)) if isinstance(t, torch.Tensor)]
+        # A DTensor (an FSDP2 rank's sharded parameters, gradients and optimizer states, which
+        # the optimizer's foreach kernels run over) is its global shape: the rank's kernel
+        # moves its local shard.
+        outputs = [
+            local_tensor(t)
+            for t in pytree.tree_leaves((out, written))
+            if isinstance(t, torch.Tensor)
+        ]
         if not outputs:
             return None
         inputs = [
-            t for t in pytree.tree_leaves(_read(func, args, kwargs)) if isinstance(t, torch.Tensor)
+            local_tensor(t)
+            for t in pytree.tree_leaves(_read(func, args, kwargs))
+            if isinstance(t, torch.Tensor)
         ]
         if is_multi_tensor(func) and all(t.dim() == 0 for t in (*inputs, *outputs)):
             # The optimizer's step counters: a CUDA run keeps them on the CPU (neither

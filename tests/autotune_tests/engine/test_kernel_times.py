@@ -162,3 +162,36 @@ def test_a_fused_adamw_writes_the_gradients_it_unscales() -> None:
             )  # fmt: skip
     read = FP32 * (4 * 100 + 3)
     assert times.time_s == pytest.approx(_copy_s(read + FP32 * 4 * 100), rel=1e-12)
+
+
+def test_a_sharded_ranks_adamw_step_moves_its_shards() -> None:
+    """An FSDP2 rank's parameters, gradients and moments are DTensors of the global shape; the
+    rank's foreach kernels move its local shards (the global shape counted 4 times the bytes
+    on 4 ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from autotune.engine.training.sharding import process_group
+
+    process_group(4)
+    mesh = init_device_mesh("cpu", (4,))
+    shards = [torch.empty(16, 32), torch.empty(24)]
+    parameters = [
+        torch.nn.Parameter(DTensor.from_local(shard, mesh, [Shard(0)])) for shard in shards
+    ]
+    for parameter in parameters:
+        parameter.grad = DTensor.from_local(
+            torch.empty_like(parameter.to_local()), mesh, [Shard(0)]
+        )
+    optimizer = torch.optim.AdamW(parameters, foreach=True)
+    optimizer.step()  # makes the state
+    times = KernelTimes(H100, ASSUMPTIONS, tf32=False)
+    with times:
+        optimizer.step()
+    global_s, numel = _adamw_step_s(foreach=True)
+    assert sum(p.to_local().numel() for p in parameters) == 16 * 32 + 24
+    assert numel == 64 * 32 + 96  # `_adamw_step_s`'s parameters: these shards' global shapes
+    p = FP32 * (16 * 32 + 24)
+    bytes_moved = [2 * p, 3 * p, 2 * p, 4 * p, 2 * p, 2 * p, 2 * p, 4 * p]
+    assert times.time_s == pytest.approx(sum(_copy_s(n) for n in bytes_moved), rel=1e-12)
+    assert global_s > times.time_s  # what the global shapes would move
