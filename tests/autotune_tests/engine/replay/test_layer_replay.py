@@ -18,6 +18,10 @@ from autotune.engine.replay.layer_replay import TRACED_LAYERS, replay_depth
 
 pytest.importorskip("transformers")
 
+# Whole deep models traced beside their replays: minutes of end-to-end tests, started first
+# (tests/conftest.py) so that none is the tail of `make e2e`.
+pytestmark = pytest.mark.slow
+
 MiB = 2**20
 
 
