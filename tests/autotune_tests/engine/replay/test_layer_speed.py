@@ -86,7 +86,7 @@ def test_a_cold_speed_pass_is_the_whole_models_and_so_are_the_trials_after_it() 
         ("llama", 10, True, "adamw", (1, 9)),
         ("qwen2", 9, False, "adamw", (4,)),
         # 5 and 6 of 12 blocks: one shallow step, timed once, written out by two plans.
-        ("llama", 12, False, "sgd", (3, 5, 6)),
+        ("llama", 12, False, "sgd", (5, 6)),
     ],
 )
 def test_every_partial_checkpointing_speed_pass_replayed_is_the_whole_models(
@@ -126,9 +126,10 @@ MEASURED = ((1, 1), (2, 2), (3, 7))
 
 
 @pytest.mark.e2e
+# One model (4 minutes for a LoRA Llama of 10 layers as well): a LoRA AdamW step's measurement
+# is timed as it is traced in the fewest-blocks test and the attention test below.
 @pytest.mark.parametrize(
-    ("model_type", "depth", "lora", "optimizer"),
-    [("llama", 10, True, "adamw"), ("qwen2", 9, False, "sgd")],
+    ("model_type", "depth", "lora", "optimizer"), [("qwen2", 9, False, "sgd")]
 )
 def test_a_measurement_times_the_step_its_trial_traces(
     model_type: str,
