@@ -61,12 +61,8 @@ TRIALS = [(1, 1, False), (2, 1, True), (4, 3, False), (8, 1, True), (16, 1, Fals
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     ("model_type", "depth", "lora", "capacity_bytes"),
-    [
-        ("llama", 8, True, 20 * MiB),
-        ("llama", 12, False, 48 * MiB),
-        ("qwen2", 9, False, 32 * MiB),
-        ("qwen2", 7, True, 16 * MiB),
-    ],
+    # (Deeper and shallower models: the partial checkpointing cases below, 8 to 12 layers.)
+    [("llama", 8, True, 20 * MiB), ("qwen2", 9, False, 32 * MiB)],
 )
 def test_every_replayed_trial_is_the_whole_trace_to_the_byte(
     model_type: str, depth: int, lora: bool, capacity_bytes: int
