@@ -18,10 +18,6 @@ from autotune.engine.replay.layer_replay import TRACED_LAYERS, replay_depth
 
 pytest.importorskip("transformers")
 
-# Whole deep models traced beside their replays: minutes of end-to-end tests, started first
-# (tests/conftest.py) so that none is the tail of `make e2e`.
-pytestmark = pytest.mark.slow
-
 MiB = 2**20
 
 
@@ -61,7 +57,7 @@ TRIALS = [(1, 1, False), (2, 1, True), (4, 3, False), (8, 1, True), (16, 1, Fals
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     ("model_type", "depth", "lora", "capacity_bytes"),
-    # (Deeper and shallower models: the partial checkpointing cases below, 8 to 12 layers.)
+    # (Deeper models, of 10 and 12 layers: the partial checkpointing cases below.)
     [("llama", 8, True, 20 * MiB), ("qwen2", 9, False, 32 * MiB)],
 )
 def test_every_replayed_trial_is_the_whole_trace_to_the_byte(

@@ -30,10 +30,6 @@ from tests.autotune_tests.engine.replay.test_layer_replay_sharded import (
 
 MiB = single_rank.MiB
 
-# Whole deep models traced beside their replays: minutes of end-to-end tests, started first
-# (tests/conftest.py) so that none is the tail of `make e2e`.
-pytestmark = pytest.mark.slow
-
 
 class _Layer(nn.Module):
     def __init__(self, width: int) -> None:

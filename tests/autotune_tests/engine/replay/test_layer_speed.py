@@ -21,10 +21,6 @@ from tests.autotune_tests.engine.replay.test_microstep_replay import traced_micr
 
 pytest.importorskip("transformers")
 
-# Whole deep models traced beside their replays: minutes of end-to-end tests, started first
-# (tests/conftest.py) so that none is the tail of `make e2e`.
-pytestmark = pytest.mark.slow
-
 A100 = budget_for(find_gpu("A100 80GB"))
 RELATIVE = 1e-12
 

@@ -38,10 +38,6 @@ from tests.autotune_tests.engine.replay.test_layer_speed import every_partial_sp
 
 MiB = single_rank.MiB
 
-# Whole deep models traced beside their replays: minutes of end-to-end tests, started first
-# (tests/conftest.py) so that none is the tail of `make e2e`.
-pytestmark = pytest.mark.slow
-
 
 def _sizes(model: _Decoder) -> list[ParameterSize]:
     layers = {id(p): index for index, layer in enumerate(model.layers) for p in layer.parameters()}

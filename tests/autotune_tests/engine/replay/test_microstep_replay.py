@@ -21,10 +21,6 @@ from tests.autotune_tests.engine.replay.test_layer_replay import _spec as layer_
 
 pytest.importorskip("transformers")
 
-# Whole deep models traced beside their replays: minutes of end-to-end tests, started first
-# (tests/conftest.py) so that none is the tail of `make e2e`.
-pytestmark = pytest.mark.slow
-
 MiB = 2**20
 
 
