@@ -700,6 +700,7 @@ SPEED_LABELS = (
     "warm-init",
     "foreach",
     "search-ahead",
+    "quiet3",
 )
 # Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
 # of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).

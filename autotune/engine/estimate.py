@@ -20,13 +20,12 @@ import contextlib
 import importlib
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
@@ -56,6 +55,7 @@ from autotune.engine.kernel_times import KernelTimes, SpeedPass
 from autotune.engine.replay.layer_replay import PARTIAL_TRACED_LAYERS, LayerReplay, replay_depth
 from autotune.engine.replay.layer_speed import LayerKernelTimes, step_times_s
 from autotune.engine.runner import InProcessRunner
+from autotune.engine.trace_mode import TraceMode
 from autotune.engine.training.sharding import model_parameters
 
 logger = logging.getLogger(__name__)
@@ -157,55 +157,6 @@ def _sequences_not_packed() -> Iterator[None]:
         yield
     finally:
         setattr(masking_utils, "find_packed_sequence_indices", original)  # noqa: B010
-
-
-class _TraceMode(FakeTensorMode):  # type: ignore[no-untyped-call]
-    """The estimate's fake-tensor mode, which deep copies of its tensors share.
-
-    A fake tensor carries its mode as an attribute, which `Tensor.__deepcopy__` deep-copies with
-    the rest of its `__dict__`: a second mode, with copies of the first one's maps, whose
-    `StorageWeakRef` keys are raw weak pointers that each copy frees again. peft's
-    `modules_to_save` deep-copies the saved modules, so a storage was freed while in use:
-    a segfault in fake-tensor dispatch or in the next dispatcher registration, or a corrupted
-    heap at exit. A mode is a context, not a value: a copy of a tensor traces in its mode.
-    """
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _TraceMode:
-        return self
-
-    # Out of torch's guard against torch.compile, as the trackers are
-    # (`autotune.engine.emulation.tracker.LiveBytesTracker`): torch wrapped FakeTensorMode's
-    # own dispatch in it when the class was made (four eval-frame switches for each of the
-    # some 12,000 fake dispatches of a traced step); this class takes the function it wrapped,
-    # and so is not wrapped again. No step runs compiled.
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False
-
-    def __torch_dispatch__(  # one kernel's dispatch, as FakeTensorMode's
-        self,
-        func: Any,
-        types: Sequence[type],
-        args: Sequence[object] = (),
-        kwargs: Mapping[str, object] | None = None,
-    ) -> object:
-        # torch's fake-tensor cache answers `view` but never `_unsafe_view` (not marked a view,
-        # its cached output would get a storage of its own), and an uncached fake dispatch
-        # costs some three cached ones (a 70B probe makes 1,433). Below autograd, where this
-        # mode runs, the two are one kernel: aten's `view_impl`, the same sizes, strides,
-        # storage and errors. The modes above this one see `_unsafe_view` as before.
-        if func is _UNSAFE_VIEW:
-            func = _VIEW
-        return _fake_dispatch(self, func, types, args, kwargs)
-
-
-_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
-_VIEW = torch.ops.aten.view.default
-_fake_dispatch: Callable[..., Any] = getattr(
-    FakeTensorMode.__dict__["__torch_dispatch__"],
-    "__wrapped__",
-    FakeTensorMode.__dict__["__torch_dispatch__"],
-)
 
 
 @dataclass(frozen=True)
@@ -323,7 +274,7 @@ class EstimateRunner:
         check_traceable(spec)
         self.spec = spec
         self._interrupt = interrupt
-        self._mode = _TraceMode(allow_non_fake_inputs=True)
+        self._mode = TraceMode(allow_non_fake_inputs=True)
         self.gpu = gpu
         self.assumptions = assumptions or RooflineAssumptions()
         self._allowed_factory_prefixes = allowed_factory_prefixes

@@ -48,6 +48,7 @@ from autotune.engine.emulation.tracker import (
     _current_graph_task_id,
     _StorageRef,
     local_tensor,
+    uncounted,
 )
 
 # FSDP2's parameter, whose `_setattr_on_modules` registers its sharded or gathered tensor on its
@@ -424,7 +425,7 @@ class JournalTracker(LiveBytesTracker):  # type: ignore[no-untyped-call]
                 self.journal.append((MARK, self.contexts.current(phase)))
             # Uncounted (the tracker's own path for these); most are device queries, two for
             # every counted op of a trace on fake tensors.
-            return func(*args, **(kwargs or {}))
+            return uncounted(func, args, kwargs)
         kwargs = kwargs or {}
         # The phase as the tracker will decide it; a backward pass starts outside the layers.
         backward = not self._in_optimizer and _current_graph_task_id() != -1

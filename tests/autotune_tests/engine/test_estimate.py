@@ -18,9 +18,10 @@ from autotune.core.gpus.cuda_reserve import budget_for
 from autotune.core.presets import PRESETS
 from autotune.core.schemas import DeviceKind, Spec
 from autotune.engine.devices.device import EmulatedDevice
-from autotune.engine.estimate import EstimateRunner, _TraceMode
+from autotune.engine.estimate import EstimateRunner
 from autotune.engine.probe import probe_session
 from autotune.engine.runner import InProcessRunner
+from autotune.engine.trace_mode import TraceMode
 from tests.autotune_tests.factories import TINY_LLAMA_CONFIG
 
 SEQ_LEN = 8
@@ -420,7 +421,7 @@ def test_the_trace_mode_answers_unsafe_view_from_torch_s_cache_as_a_view() -> No
 
     unsafe_view = torch.ops.aten._unsafe_view.default
     outputs = []
-    for mode in (FakeTensorMode(), _TraceMode()):
+    for mode in (FakeTensorMode(), TraceMode()):
         with mode:
             base = torch.empty(4, 6, 8)[1:]
             bypasses = FakeTensorMode.cache_bypasses["unsafe view"]
@@ -430,7 +431,7 @@ def test_the_trace_mode_answers_unsafe_view_from_torch_s_cache_as_a_view() -> No
                 outputs.append((out.shape, out.stride(), out.storage_offset()))
             # A plain fake mode bypasses its cache for every one; the trace mode for none.
             answered = FakeTensorMode.cache_bypasses["unsafe view"] - bypasses
-            assert answered == (0 if isinstance(mode, _TraceMode) else 4)
+            assert answered == (0 if isinstance(mode, TraceMode) else 4)
             with pytest.raises(ValueError, match="Cannot view a tensor"):
                 unsafe_view(torch.empty(4, 6).t(), [24])
         assert not out._is_view() and out.dtype == torch.float32

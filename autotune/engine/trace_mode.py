@@ -1,0 +1,205 @@
+"""The estimate's fake-tensor mode: torch's `FakeTensorMode`, with a cheaper way into its cache.
+
+A traced step is some thousands of aten ops, and most of an op's cost is torch's fake-tensor
+dispatch: a cache hit first builds its key by walking every argument's full metadata in Python
+(`FakeTensorMode._cache_key`, about a third of a hit). `TraceMode` keeps a map of its own in
+front of torch's cache, keyed by what the key is made of, read straight off the arguments, and
+holding torch's own entry and key: a hit builds its output from torch's entry, as torch would
+(`FakeTensorMode._output_from_cache_entry`). Only entries torch's cache holds as valid are
+kept, and only for arguments whose metadata torch's key is a function of
+(docs/design.md#the-layer-replay).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+try:  # torch's cache internals as of torch 2.13; an older torch's mode takes its own path only
+    from torch._subclasses._fake_tensor_utils import _CacheKeyState
+    from torch._subclasses.fake_tensor import (
+        _BypassDispatchCache,
+        _DispatchCacheKey,
+        _DispatchCacheValidEntry,
+    )
+
+    _PLAIN_KEYS = True
+except ImportError:  # pragma: no cover
+    _PLAIN_KEYS = False
+
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+_VIEW = torch.ops.aten.view.default
+_STRIDED = torch.strided
+# Arguments that stand in a key as their type and value, as in torch's key.
+_PLAIN_TYPES = frozenset(
+    {
+        int,
+        float,
+        bool,
+        str,
+        type(None),
+        torch.dtype,
+        torch.device,
+        torch.layout,
+        torch.memory_format,
+    }
+)
+_fake_dispatch: Callable[..., Any] = getattr(
+    FakeTensorMode.__dict__["__torch_dispatch__"],
+    "__wrapped__",
+    FakeTensorMode.__dict__["__torch_dispatch__"],
+)
+
+
+class TraceMode(FakeTensorMode):  # type: ignore[no-untyped-call]
+    """The estimate's fake-tensor mode, which deep copies of its tensors share.
+
+    A fake tensor carries its mode as an attribute, which `Tensor.__deepcopy__` deep-copies with
+    the rest of its `__dict__`: a second mode, with copies of the first one's maps, whose
+    `StorageWeakRef` keys are raw weak pointers that each copy frees again. peft's
+    `modules_to_save` deep-copies the saved modules, so a storage was freed while in use:
+    a segfault in fake-tensor dispatch or in the next dispatcher registration, or a corrupted
+    heap at exit. A mode is a context, not a value: a copy of a tensor traces in its mode.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # What the arguments were (`_plain_key`) -> torch's cache entry and key for them.
+        self._entries: dict[
+            tuple[object, ...], tuple[_DispatchCacheValidEntry, _DispatchCacheKey]
+        ] = {}
+        self.plain_hits = 0
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TraceMode:
+        return self
+
+    # Out of torch's guard against torch.compile, as the trackers are
+    # (`autotune.engine.emulation.tracker.LiveBytesTracker`): torch wrapped FakeTensorMode's
+    # own dispatch in it when the class was made (four eval-frame switches for each of the
+    # some 12,000 fake dispatches of a traced step); this class takes the function it wrapped,
+    # and so is not wrapped again. No step runs compiled.
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __torch_dispatch__(  # one kernel's dispatch, as FakeTensorMode's
+        self,
+        func: Any,
+        types: Sequence[type],
+        args: Sequence[object] = (),
+        kwargs: Mapping[str, object] | None = None,
+    ) -> object:
+        # torch's fake-tensor cache answers `view` but never `_unsafe_view` (not marked a view,
+        # its cached output would get a storage of its own), and an uncached fake dispatch
+        # costs some three cached ones (a 70B probe makes 1,433). Below autograd, where this
+        # mode runs, the two are one kernel: aten's `view_impl`, the same sizes, strides,
+        # storage and errors. The modes above this one see `_unsafe_view` as before.
+        if func is _UNSAFE_VIEW:
+            func = _VIEW
+        if self._entries and self.cache_enabled:
+            key = self._plain_key(func, args, kwargs)
+            known = self._entries.get(key) if key is not None else None
+            if known is not None:
+                self.plain_hits += 1
+                entry, torch_key = known
+                return self._output_from_cache_entry(
+                    _CacheKeyState(self.shape_env), entry, torch_key, func, args
+                )
+        return _fake_dispatch(self, func, types, args, kwargs)
+
+    def _cached_dispatch_impl(
+        self,
+        func: Any,
+        types: Sequence[type],
+        args: Sequence[object],
+        kwargs: Mapping[str, object],
+    ) -> object:
+        """torch's cached dispatch, which files the entry it made or found under the plain key
+        too, when torch's cache holds it as valid."""
+        if not _PLAIN_KEYS or self.shape_env is not None:
+            return super()._cached_dispatch_impl(func, types, args, kwargs)
+        key = self._plain_key(func, args, kwargs)
+        torch_key = None
+        if key is not None:
+            state = _CacheKeyState(self.shape_env)
+            try:
+                torch_key = self._cache_key(state, func, args, kwargs)
+            except _BypassDispatchCache:
+                key = None
+            else:
+                if state.known_symbols:
+                    key = None
+        out = super()._cached_dispatch_impl(func, types, args, kwargs)
+        if key is not None and torch_key is not None:
+            entry = FakeTensorMode.cache.get(torch_key)
+            if isinstance(entry, _DispatchCacheValidEntry):
+                self._entries[key] = (entry, torch_key)
+        return out
+
+    def _plain_key(
+        self, func: Any, args: Sequence[object], kwargs: Mapping[str, object] | None
+    ) -> tuple[object, ...] | None:
+        """Everything torch's cache key is made of, or None where torch's key takes more than
+        plain values and fake tensors of this mode with strided, concrete metadata (torch's own
+        path then decides). torch's key holds a tensor's dtype, shape, strides, device, layout,
+        memory format (a function of the shape and strides), storage offset, storage size,
+        requires_grad and conjugate, negative, inference and quantized bits, and the default
+        dtype and device and the inference mode; this key holds the same."""
+        parts: list[object] = [
+            func,
+            torch.get_default_dtype(),
+            torch._C._get_default_device(),
+            torch.is_inference_mode_enabled(),
+        ]
+        if not self._flatten(parts, args):
+            return None
+        if kwargs:
+            for name, value in kwargs.items():
+                parts.append(name)
+                if not self._flatten(parts, (value,)):
+                    return None
+        return tuple(parts)
+
+    def _flatten(self, parts: list[object], args: Sequence[object]) -> bool:
+        append = parts.append
+        for arg in args:
+            kind = type(arg)
+            if kind is FakeTensor:
+                tensor: Any = arg
+                if (
+                    tensor.fake_mode is not self
+                    or tensor.constant is not None
+                    or tensor.layout is not _STRIDED
+                    or tensor._has_symbolic_sizes_strides
+                ):
+                    return False
+                append(
+                    (
+                        tensor.dtype,
+                        tensor.shape,
+                        tensor.stride(),
+                        tensor.fake_device,
+                        tensor.storage_offset(),
+                        tensor.untyped_storage().nbytes(),
+                        tensor.requires_grad,
+                        tensor.is_conj(),
+                        tensor.is_neg(),
+                        tensor.is_inference(),
+                        tensor.is_quantized,
+                    )
+                )
+            elif kind in _PLAIN_TYPES:
+                append(kind)
+                append(arg)
+            elif kind is list or kind is tuple or kind is torch.Size:
+                items: Any = arg
+                append(kind)
+                append(len(items))
+                if not self._flatten(parts, items):
+                    return False
+            else:
+                return False
+        return True

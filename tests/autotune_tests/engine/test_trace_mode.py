@@ -1,0 +1,122 @@
+"""The estimate's fake-tensor mode answers from torch's cache entry what torch's key would find."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses._fake_tensor_utils import _CacheKeyState
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from autotune.engine.trace_mode import TraceMode
+
+
+class _Checked(TraceMode):
+    """Computes torch's key for every op the plain key answers, and keeps both."""
+
+    def __init__(self) -> None:
+        super().__init__(allow_non_fake_inputs=True)
+        self.checked = 0
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Sequence[type],
+        args: Sequence[object] = (),
+        kwargs: Mapping[str, object] | None = None,
+    ) -> object:
+        view = torch.ops.aten.view.default
+        op = view if func is torch.ops.aten._unsafe_view.default else func
+        key = self._plain_key(op, args, kwargs)
+        known = self._entries.get(key) if key is not None else None
+        if known is not None:
+            torch_key = self._cache_key(_CacheKeyState(self.shape_env), op, args, kwargs or {})
+            assert torch_key == known[1], func
+            self.checked += 1
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _metadata(out: object) -> object:
+    if isinstance(out, torch.Tensor):
+        return (
+            out.dtype,
+            tuple(out.shape),
+            out.stride(),
+            out.storage_offset(),
+            out.untyped_storage().nbytes(),
+            out.requires_grad,
+            out.device,
+        )
+    if isinstance(out, (list, tuple)):
+        return [_metadata(item) for item in out]
+    return out
+
+
+def _steps(mode: FakeTensorMode) -> list[object]:
+    """Two training steps of a small attention block with AdamW, under `mode`; what each
+    parameter, gradient and optimizer state looks like after each."""
+    seen: list[object] = []
+    with mode:
+        torch.manual_seed(0)
+        block = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+        head = nn.Linear(32, 8)
+        params = [*block.parameters(), *head.parameters()]
+        optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+        for batch in (3, 3):
+            x = torch.randn(batch, 6, 32)
+            loss = head(block(x)).float().pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            seen.append(
+                _metadata([*params, *(s for st in optimizer.state.values() for s in st.values())])
+            )
+            seen.append(_metadata(loss))
+    return seen
+
+
+def test_every_answer_of_the_plain_key_is_what_torch_s_key_finds() -> None:
+    checked = _Checked()
+    traced = _steps(checked)
+    # The same steps under torch's own fake mode, its cache off: the same tensors.
+    plain = FakeTensorMode(allow_non_fake_inputs=True)
+    plain.cache_enabled = False
+    assert traced == _steps(plain)
+    # The second step is answered by the plain key, every answer
+    # the entry torch's key finds.
+    assert checked.plain_hits == checked.checked > 100
+
+
+def _variants(mode: FakeTensorMode) -> list[object]:
+    """Tensors that differ from one another in one keyed field each, and an op on each, twice."""
+    seen: list[object] = []
+    with mode:
+        base = torch.empty(4, 6)
+        variants = [
+            base,
+            base.to(torch.bfloat16),  # dtype
+            base.t().contiguous().t(),  # strides
+            torch.empty(25)[1:].view(4, 6),  # storage offset
+            torch.empty(30)[:24].view(4, 6),  # storage size
+            base.clone().requires_grad_(),
+            torch.empty(4, 6, dtype=torch.complex64).conj(),
+        ]
+        for _ in range(2):  # the second round is answered by the plain key
+            for tensor in variants:
+                seen.append(_metadata(tensor.reshape(-1)))
+                seen.append(_metadata(tensor[1:].sum(0)))
+                seen.append(_metadata(tensor.add_(1) if not tensor.requires_grad else tensor))
+    return seen
+
+
+def test_tensors_that_differ_in_any_keyed_field_are_told_apart() -> None:
+    mode = TraceMode()
+    traced = _variants(mode)
+    assert mode.plain_hits >= 14
+    plain = FakeTensorMode()
+    plain.cache_enabled = False
+    assert traced == _variants(plain)
+    # The views share their bases' storage: the offsets and sizes tell them apart.
+    assert [meta[3:5] for meta in traced[9:15:3]] == [(1, 100), (0, 120)]
