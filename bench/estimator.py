@@ -701,6 +701,7 @@ SPEED_LABELS = (
     "foreach",
     "search-ahead",
     "quiet3",
+    "trace-key",
 )
 # Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
 # of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).
@@ -1203,6 +1204,28 @@ SPEED_NOTES = [
     "_flatten_into 5.6 / 5.3, run_backward 5.3 (25 calls) / 5.3 (23)); by cumulative, "
     "estimate.trial 179.4 (17 calls) / 165.3, the shallow traces (layer_replay._journal) 151.2 "
     "(15) / 141.9 (14), layer_replay.evaluate 17.0 after (19 calls).",
+    "quiet3 and trace-key rows (28 Nov 2026, a fresh machine, nothing else running, load "
+    "0.8-1.0, the two runs back to back): quiet3 is main before (8676c74), trace-key the two "
+    "cuts of 3ca49dd. This machine is slower than the quiet2 row's: the same 70B probe took "
+    "26.8 and 25.7 CPU s at 8676c74 here, and 1f9c662 (the quiet2 row's 18.3) 21.5 and 27.9 "
+    "run beside it: a run's CPU seconds move by some 25 % from one run to the next on these "
+    "shared cores. (1) A fake tensor's device query is answered by the tracker that meets it, "
+    "as the fake mode below would answer it: of a 7B LoRA trial's 7,711 dispatches 5,323 are "
+    "device queries (3,391 from the autograd engine), 41 us each through the two Python modes, "
+    "9 us now. (2) The estimate's fake mode (autotune/engine/trace_mode.py) keeps a map in front "
+    "of torch's cache, keyed by what torch's key is made of read straight off the arguments, "
+    "holding torch's entry and key: a cached view 133 us instead of 216, a matrix product 209 "
+    "instead of 282 (2,000 calls each). A 70B trial now makes about 4,640 such hits, 300 torch "
+    "misses (a new micro-batch's shapes) and 280 bypasses (Adam's step counters carry a "
+    "constant, FSDP2's copy ops are not builtin). CPU s, quiet3 -> trace-key: "
+    "qwen7b-lora-probe 14.8 -> 10.2 (goal 8), llama70b-lora-zero3-probe 25.7 -> 23.4 (goal "
+    "15; A/B pairs run alternately at load 1-2: 26.3/23.6, 26.6/25.7, 23.5/19.8), "
+    "llama8b-lora-tune 47.6 -> 39.8 (goal 30); the answers are quiet3's to the byte. What is "
+    "left, by own time in a sampled profile of the 70B probe (py-spy, 200 Hz): torch's "
+    "fake-tensor code 26 % (meta_utils, _prims_common and the dispatcher another 12 %), the "
+    "allocator model 14 % (the 80-layer journals' replays and the search's), the trackers, "
+    "autocast and attention emulation 10 %, the layer replay's write-out and evaluate 9 %, "
+    "the map's key 6 %; by phase the two warm-ups 30 % (the plain one runs out at 1).",
 ]
 
 
