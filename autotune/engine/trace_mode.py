@@ -13,7 +13,7 @@ kept, and only for arguments whose metadata torch's key is a function of
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -65,12 +65,16 @@ class TraceMode(FakeTensorMode):  # type: ignore[no-untyped-call]
     heap at exit. A mode is a context, not a value: a copy of a tensor traces in its mode.
     """
 
+    # What the arguments were (`_plain_key`) -> torch's cache entry and key for them. Shared by
+    # every trace mode, as torch's cache is by every fake mode (`FakeTensorMode.cache`): neither
+    # key names a mode, and a hit builds its output in the mode that asks (a layout tune's
+    # runners, a worker's estimates one after another).
+    _entries: ClassVar[
+        dict[tuple[object, ...], tuple[_DispatchCacheValidEntry, _DispatchCacheKey]]
+    ] = {}
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        # What the arguments were (`_plain_key`) -> torch's cache entry and key for them.
-        self._entries: dict[
-            tuple[object, ...], tuple[_DispatchCacheValidEntry, _DispatchCacheKey]
-        ] = {}
         self.plain_hits = 0
 
     def __deepcopy__(self, memo: dict[int, Any]) -> TraceMode:

@@ -120,3 +120,13 @@ def test_tensors_that_differ_in_any_keyed_field_are_told_apart() -> None:
     assert traced == _variants(plain)
     # The views share their bases' storage: the offsets and sizes tell them apart.
     assert [meta[3:5] for meta in traced[9:15:3]] == [(1, 100), (0, 120)]
+
+
+def test_a_second_mode_is_answered_from_the_first_one_s_entries_in_its_own_mode() -> None:
+    first, second = TraceMode(), TraceMode()
+    with first:
+        torch.empty(3, 7, dtype=torch.float16).t().contiguous()
+    with second:
+        out = torch.empty(3, 7, dtype=torch.float16).t().contiguous()
+    assert second.plain_hits >= 2  # the transpose and the copy, never dispatched in `second`
+    assert out.fake_mode is second and out.stride() == (3, 1) and out.shape == (7, 3)
