@@ -150,8 +150,9 @@ class TraceMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         plain values and fake tensors of this mode with strided, concrete metadata (torch's own
         path then decides). torch's key holds a tensor's dtype, shape, strides, device, layout,
         memory format (a function of the shape and strides), storage offset, storage size,
-        requires_grad and conjugate, negative, inference and quantized bits, and the default
-        dtype and device and the inference mode; this key holds the same."""
+        requires_grad and conjugate, negative, inference and quantized bits (the last a
+        function of the dtype), and the default dtype and device and the inference mode; this
+        key holds the same."""
         parts: list[object] = [
             func,
             torch.get_default_dtype(),
@@ -185,15 +186,14 @@ class TraceMode(FakeTensorMode):  # type: ignore[no-untyped-call]
                         tensor.dtype,
                         tensor.shape,
                         tensor.stride(),
-                        tensor.fake_device,
+                        tensor._fake_device,  # `fake_device` is a property reading it
                         tensor.storage_offset(),
                         tensor.untyped_storage().nbytes(),
                         tensor.requires_grad,
                         tensor.is_conj(),
                         tensor.is_neg(),
                         tensor.is_inference(),
-                        tensor.is_quantized,
-                    )
+                    )  # is_quantized is its dtype's
                 )
             elif kind in _PLAIN_TYPES:
                 append(kind)

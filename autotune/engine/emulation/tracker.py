@@ -82,7 +82,7 @@ def uncounted(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -
     if func is _DEVICE_QUERY and type(args[0]) is FakeTensor:
         tensor: Any = args[0]
         if not tensor.fake_mode.in_kernel_invocation:
-            return tensor.fake_device
+            return tensor._fake_device  # what the `fake_device` property reads
     return func(*args, **(kwargs or {}))
 
 
