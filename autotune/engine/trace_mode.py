@@ -162,6 +162,7 @@ class TraceMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         if not self._flatten(parts, args):
             return None
         if kwargs:
+            parts.append(dict)  # where the keywords start (no argument is the type itself)
             for name, value in kwargs.items():
                 parts.append(name)
                 if not self._flatten(parts, (value,)):
