@@ -98,6 +98,7 @@ def test_estimate_needs_a_spec() -> None:
         autotune.estimate(nn.Linear(2, 2), gpu="T4")  # type: ignore[arg-type]
 
 
+@pytest.mark.e2e  # 28 s in a clean clone's make test: every layout estimated twice
 def test_estimate_with_sharding_auto_chooses_the_fastest_of_the_layouts_estimated_alone(
     tmp_path: Path,
 ) -> None:
@@ -131,6 +132,7 @@ def test_estimate_with_sharding_auto_chooses_the_fastest_of_the_layouts_estimate
     assert result.exports is not None
 
 
+@pytest.mark.e2e  # 15 s in a clean clone's make test: a tune per layout
 def test_tune_with_sharding_auto_tunes_each_layout_on_its_own_emulated_ranks(
     tmp_path: Path,
 ) -> None:

@@ -112,6 +112,7 @@ def test_a_child_trial_checkpoints_the_blocks_it_is_asked_to() -> None:
     assert in_child.series != session.trial(8, checkpointing=True).series  # not all four
 
 
+@pytest.mark.e2e  # 14 s in a clean clone's make test
 def test_child_trials_equal_the_same_trials_in_one_process() -> None:
     """A child warms up before its trial, so it sees what a long-lived session sees: the same
     verdict, peak, per-phase peaks and per-op series, byte for byte."""
@@ -411,6 +412,7 @@ def test_a_slow_start_is_not_the_trials_time(
     assert time.monotonic() - started_s > 4.0  # the start really was slow
 
 
+@pytest.mark.e2e  # 10 s in a clean clone's make test
 def test_an_interrupt_kills_the_running_child_at_once() -> None:
     # Timed from the shutdown, not from the start: a loaded machine takes seconds to start a
     # forkserver that imports torch, and the interrupt is polled only once a child runs.

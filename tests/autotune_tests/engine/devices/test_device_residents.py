@@ -56,6 +56,7 @@ def _figures(outcome: StepOutcome) -> tuple[bool, int, int | None, int | None]:
     )
 
 
+@pytest.mark.e2e  # 18-30 s each in a clean clone's make test (real steps up to 4,096 samples)
 @pytest.mark.slow
 @pytest.mark.parametrize("warm_checkpointing", [False, True])
 def test_the_simulated_card_measures_what_the_emulated_gpu_does(

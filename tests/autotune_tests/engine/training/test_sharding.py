@@ -239,6 +239,7 @@ def _forward_peak(layers: int, ranks: int) -> int:
     return runner.trial(1, checkpointing=True).phase_peak_bytes[Phase.FORWARD]
 
 
+@pytest.mark.e2e  # 29 s in a clean clone's make test
 def test_a_zero3_rank_holds_no_16_bit_copy_of_every_block() -> None:
     """Under bf16 autocast with fp32 master weights, a ZeRO-3 rank gathers each block's weights
     in bf16 (FSDP2's mixed precision) and frees them after it: eight more blocks add their fp32
