@@ -132,10 +132,9 @@ class TraceMode(FakeTensorMode):  # type: ignore[no-untyped-call]
             try:
                 torch_key = self._cache_key(state, func, args, kwargs)
             except _BypassDispatchCache:
-                key = None
-            else:
-                if state.known_symbols:
-                    key = None
+                pass
+            if state.known_symbols:
+                torch_key = None
         out = super()._cached_dispatch_impl(func, types, args, kwargs)
         if key is not None and torch_key is not None:
             entry = FakeTensorMode.cache.get(torch_key)

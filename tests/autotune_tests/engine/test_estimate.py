@@ -21,7 +21,6 @@ from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.estimate import EstimateRunner
 from autotune.engine.probe import probe_session
 from autotune.engine.runner import InProcessRunner
-from autotune.engine.trace_mode import TraceMode
 from tests.autotune_tests.factories import TINY_LLAMA_CONFIG
 
 SEQ_LEN = 8
@@ -414,25 +413,3 @@ def test_a_stop_at_any_check_point_of_a_checkpointed_trace_is_the_stop() -> None
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert int(done.stdout.split()[-1]) >= 5  # check points met: each raised the stop
-
-
-def test_the_trace_mode_answers_unsafe_view_from_torch_s_cache_as_a_view() -> None:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    unsafe_view = torch.ops.aten._unsafe_view.default
-    outputs = []
-    for mode in (FakeTensorMode(), TraceMode()):
-        with mode:
-            base = torch.empty(4, 6, 8)[1:]
-            bypasses = FakeTensorMode.cache_bypasses["unsafe view"]
-            for size in ([18, 8], [3, 48], [3, 6, 8], [18, 8]):
-                out = unsafe_view(base, size)
-                assert out.untyped_storage()._cdata == base.untyped_storage()._cdata
-                outputs.append((out.shape, out.stride(), out.storage_offset()))
-            # A plain fake mode bypasses its cache for every one; the trace mode for none.
-            answered = FakeTensorMode.cache_bypasses["unsafe view"] - bypasses
-            assert answered == (0 if isinstance(mode, TraceMode) else 4)
-            with pytest.raises(ValueError, match="Cannot view a tensor"):
-                unsafe_view(torch.empty(4, 6).t(), [24])
-        assert not out._is_view() and out.dtype == torch.float32
-    assert outputs[:4] == outputs[4:]

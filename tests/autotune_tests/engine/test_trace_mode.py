@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch._subclasses._fake_tensor_utils import _CacheKeyState
@@ -130,3 +131,23 @@ def test_a_second_mode_is_answered_from_the_first_one_s_entries_in_its_own_mode(
         out = torch.empty(3, 7, dtype=torch.float16).t().contiguous()
     assert second.plain_hits >= 2  # the transpose and the copy, never dispatched in `second`
     assert out.fake_mode is second and out.stride() == (3, 1) and out.shape == (7, 3)
+
+
+def test_the_trace_mode_answers_unsafe_view_from_torch_s_cache_as_a_view() -> None:
+    unsafe_view = torch.ops.aten._unsafe_view.default
+    outputs = []
+    for mode in (FakeTensorMode(), TraceMode()):
+        with mode:
+            base = torch.empty(4, 6, 8)[1:]
+            bypasses = FakeTensorMode.cache_bypasses["unsafe view"]
+            for size in ([18, 8], [3, 48], [3, 6, 8], [18, 8]):
+                out = unsafe_view(base, size)
+                assert out.untyped_storage()._cdata == base.untyped_storage()._cdata
+                outputs.append((out.shape, out.stride(), out.storage_offset()))
+            # A plain fake mode bypasses its cache for every one; the trace mode for none.
+            answered = FakeTensorMode.cache_bypasses["unsafe view"] - bypasses
+            assert answered == (0 if isinstance(mode, TraceMode) else 4)
+            with pytest.raises(ValueError, match="Cannot view a tensor"):
+                unsafe_view(torch.empty(4, 6).t(), [24])
+        assert not out._is_view() and out.dtype == torch.float32
+    assert outputs[:4] == outputs[4:]
