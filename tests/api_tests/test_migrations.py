@@ -3,6 +3,9 @@ own tables and `alembic_version` in one database."""
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+
 import optuna
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -10,9 +13,11 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, text
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.sql.elements import ClauseElement
 
 from api.store.db import VERSION_TABLE, Database, alembic_config, migrate
 from api.store.tables import TableBase
+from tests.conftest import postgres_schema
 
 OUR_TABLES = {
     "autotune_alembic_version",
@@ -228,3 +233,55 @@ def test_the_layout_columns_go_down_and_up(db_url: str) -> None:
     runs, recommendations = columns()
     assert "layouts" in runs and "sharding" in recommendations
     database.dispose()
+
+
+def _plain(value: object) -> object:
+    """`value` with SQL expressions (a partial index's WHERE) as their text, to compare."""
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    if isinstance(value, ClauseElement):
+        return str(value)
+    return value
+
+
+def _described(url: str) -> dict[str, object]:
+    """Everything reflection sees of a schema, and the revision it is at."""
+    database = Database(url)
+    with database.engine.connect() as connection:
+        found = inspect(connection)
+        tables: dict[str, object] = {
+            name: (
+                [
+                    (c["name"], str(c["type"]), c["nullable"], c["default"])
+                    for c in found.get_columns(name)
+                ],
+                found.get_pk_constraint(name),
+                sorted(map(repr, map(_plain, found.get_foreign_keys(name)))),
+                sorted(map(repr, map(_plain, found.get_indexes(name)))),
+                sorted(map(repr, map(_plain, found.get_unique_constraints(name)))),
+                sorted(map(repr, map(_plain, found.get_check_constraints(name)))),
+            )
+            for name in found.get_table_names()
+        }
+        tables["revision"] = connection.execute(text(f"SELECT * FROM {VERSION_TABLE}")).all()
+    database.dispose()
+    return tables
+
+
+def test_the_tests_schema_at_head_is_the_migrated_one(
+    migrated_db_url: str, tmp_path: Path
+) -> None:
+    """tests/conftest.py's `migrated_db_url` makes the schema the API tests start from without
+    running the migrations (a copied file, their statements sent again): it must be what
+    `migrate` makes of an empty database, on both backends."""
+    with contextlib.ExitStack() as stack:
+        if migrated_db_url.startswith("sqlite"):
+            fresh = f"sqlite:///{tmp_path / 'fresh.db'}"
+        else:
+            fresh = stack.enter_context(postgres_schema())
+        database = Database(fresh)
+        migrate(database)
+        database.dispose()
+        assert _described(migrated_db_url) == _described(fresh)
