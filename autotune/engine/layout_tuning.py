@@ -18,6 +18,7 @@ from autotune.core.parallel.layout_choice import (
     layout_candidates,
 )
 from autotune.core.schemas import STUDY_NAME_MAX, Sharding, Spec, TuneResult
+from autotune.engine.full_collections import with_few_full_collections
 from autotune.engine.probe import AttemptCallback, FitTracer, PhaseCallback
 from autotune.engine.runner import TrialRunner
 from autotune.engine.tuner import TrialCallback, checked_result, tune_session
@@ -32,6 +33,7 @@ def layout_spec(spec: Spec, sharding: Sharding) -> Spec:
     return spec.model_copy(update={"training": spec.training.with_layout(sharding)})
 
 
+@with_few_full_collections
 def tune_layouts(
     spec: Spec,
     open_layout: LayoutRunner,

@@ -33,6 +33,7 @@ from autotune.core.schemas import (
 )
 from autotune.core.search import PeakModel, SearchResult, find_max_micro_batch, live_budget_bytes
 from autotune.engine.devices.device import Device
+from autotune.engine.full_collections import with_few_full_collections
 from autotune.engine.runner import InProcessRunner, TrialRunner
 
 logger = logging.getLogger(__name__)
@@ -372,6 +373,7 @@ def _traced_answer(
     return None
 
 
+@with_few_full_collections
 def probe_session(
     session: TrialRunner,
     *,

@@ -44,6 +44,7 @@ from autotune.core.schemas import (
 from autotune.core.search import fewest_fitting
 from autotune.core.sequence_search import DEFAULT_STEP_TOKENS
 from autotune.engine.estimate import EstimateRunner
+from autotune.engine.full_collections import with_few_full_collections
 from autotune.engine.probe import device_allocator_config
 from autotune.engine.runner import TrialRunner
 from autotune.engine.sequence_probe import (
@@ -233,6 +234,7 @@ def shorter_sequence(spec: Spec, gpu: SameGpu, step_tokens: int) -> Remedy | Non
     return verify(spec, shorter_sequence_change(longest), gpu)
 
 
+@with_few_full_collections
 def find_fit_advice(
     spec: Spec,
     gpu: SameGpu,

@@ -26,6 +26,7 @@ from autotune.core.schemas import (
     StepOutcome,
 )
 from autotune.core.sequence_search import DEFAULT_STEP_TOKENS, find_max_seq_len
+from autotune.engine.full_collections import with_few_full_collections
 from autotune.engine.runner import TrialRunner
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ def sequence_trial(
     return outcome, runner
 
 
+@with_few_full_collections
 def probe_max_seq_len(
     spec: Spec,
     make_runner: RunnerFactory,

@@ -31,6 +31,7 @@ from autotune.core.schemas import (
 )
 from autotune.core.search import fewest_fitting, find_max_micro_batch
 from autotune.engine.devices.device import Device
+from autotune.engine.full_collections import with_few_full_collections
 from autotune.engine.probe import (
     AttemptCallback,
     ExpandableSegments,
@@ -111,6 +112,7 @@ def tune(
     )
 
 
+@with_few_full_collections
 def tune_session(
     session: TrialRunner,
     *,
