@@ -702,6 +702,8 @@ SPEED_LABELS = (
     "search-ahead",
     "quiet3",
     "trace-key",
+    "quiet4",
+    "no-full-gc",
 )
 # Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
 # of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).
@@ -1226,6 +1228,21 @@ SPEED_NOTES = [
     "allocator model 14 % (the 80-layer journals' replays and the search's), the trackers, "
     "autocast and attention emulation 10 %, the layer replay's write-out and evaluate 9 %, "
     "the map's key 6 %; by phase the two warm-ups 30 % (the plain one runs out at 1).",
+    "quiet4 and no-full-gc rows (28 Nov 2026, a fresh machine, nothing else running, load "
+    "1.0, the two runs back to back; quiet4 with PYTHONPATH on a worktree of b0c81c9, whose "
+    "estimate is trace-key's): no full garbage collection while a probe or a tune runs "
+    "(autotune/engine/full_collections.py). Counted with gc.callbacks, CPython's full "
+    "collections (each scans the whole heap: some 560,000 long-lived objects of the imported "
+    "modules and what the trials keep) took 4.5 CPU s in 12 collections of the 8B tune, 3.0 s "
+    "in 10 of the 70B probe and 1.9 s in 9 of the 7B probe; now the sessions run none (the 7 "
+    "left in each case's process come while torch and transformers are imported, outside the "
+    "figures), and the young collections cost about 1 s as before. CPU s, quiet4 -> "
+    "no-full-gc: qwen7b-lora-probe 10.8 -> 10.1 (goal 8), llama70b-lora-zero3-probe 19.5 -> "
+    "16.4 (goal 15), llama8b-lora-tune 38.2 -> 33.3 (goal 30); alternate A/B runs of the 7B "
+    "probe before the rows, at load 1.2-2.3: 12.0/8.6, 12.5/10.4, 10.7/11.4, and of the 70B "
+    "probe 25.0/17.0, 18.9/17.0. Peak RSS grew by up to 13 MiB (the 8B tune's 588 MiB): cyclic "
+    "garbage promoted during a session waits for the first full collection after it. The "
+    "answers are quiet4's and trace-key's to the byte.",
 ]
 
 
