@@ -13,10 +13,10 @@ kept, and only for arguments whose metadata torch's key is a function of
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode
 
 try:  # torch's cache internals as of torch 2.13; an older torch's mode takes its own path only
     from torch._subclasses._fake_tensor_utils import _CacheKeyState
@@ -47,6 +47,60 @@ _PLAIN_TYPES = frozenset(
         torch.memory_format,
     }
 )
+_FAKE_TENSOR_CONFIG: Any = FakeTensorConfig
+
+
+class _Output(NamedTuple):
+    """A cache entry's one output that is a new tensor of plain metadata (no symbolic sizes),
+    on a device that is not meta: what torch's `_get_output_tensor_from_cache_entry` builds it
+    from. `view_idx` is the argument whose storage a view's output shares."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    dtype: torch.dtype
+    requires_grad: bool
+    device: torch.device
+    is_conj: bool
+    is_neg: bool
+    view_idx: int | None
+
+
+def _new_output(entry: _DispatchCacheValidEntry, func: object) -> _Output | None:
+    """`entry`'s output as an `_Output`, or None where torch's own path builds it (several
+    outputs, an in-place op's argument, a constant, symbolic sizes, another layout, meta)."""
+    if entry.is_output_tuple or len(entry.output_infos) != 1:
+        return None
+    info = entry.output_infos[0]
+    metadata = info.metadata
+    if info.inplace_idx is not None or metadata is None or metadata.layout is not _STRIDED:
+        return None
+    shape = tuple(size for size in metadata.shape if isinstance(size, int))
+    stride = tuple(size for size in metadata.stride if isinstance(size, int))
+    offset = metadata.storage_offset
+    if len(shape) != len(metadata.shape) or len(stride) != len(metadata.stride):
+        return None  # symbolic sizes
+    if not isinstance(offset, int):
+        return None
+    device = FakeTensor._normalize_fake_device(torch.device(metadata.device))
+    if device.type == "meta":
+        return None
+    is_view = isinstance(func, torch._ops.OpOverload) and func.is_view
+    if is_view and info.view_idx is None:
+        return None
+    return _Output(
+        shape=shape,
+        stride=stride,
+        storage_offset=offset,  # only a view's: torch's empty_strided has 0
+        dtype=metadata.dtype,
+        requires_grad=metadata.requires_grad,
+        device=device,
+        is_conj=metadata.is_conj,
+        is_neg=metadata.is_neg,
+        view_idx=info.view_idx if is_view else None,
+    )
+
+
 _fake_dispatch: Callable[..., Any] = getattr(
     FakeTensorMode.__dict__["__torch_dispatch__"],
     "__wrapped__",
@@ -70,12 +124,17 @@ class TraceMode(FakeTensorMode):  # type: ignore[no-untyped-call]
     # key names a mode, and a hit builds its output in the mode that asks (a layout tune's
     # runners, a worker's estimates one after another).
     _entries: ClassVar[
-        dict[tuple[object, ...], tuple[_DispatchCacheValidEntry, _DispatchCacheKey]]
+        dict[
+            tuple[object, ...],
+            tuple[_DispatchCacheValidEntry, _DispatchCacheKey, _Output | None],
+        ]
     ] = {}
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.plain_hits = 0
+        self._fresh_read = False
+        self._fresh_attributes: dict[str, object] | None = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> TraceMode:
         return self
@@ -108,11 +167,79 @@ class TraceMode(FakeTensorMode):  # type: ignore[no-untyped-call]
             known = self._entries.get(key) if key is not None else None
             if known is not None:
                 self.plain_hits += 1
-                entry, torch_key = known
+                entry, torch_key, output = known
+                if output is not None and self._fresh is not None:
+                    return self._build(output, args, self._fresh)
                 return self._output_from_cache_entry(
                     _CacheKeyState(self.shape_env), entry, torch_key, func, args
                 )
         return _fake_dispatch(self, func, types, args, kwargs)
+
+    def _build(
+        self, output: _Output, args: Sequence[object], fresh: dict[str, object]
+    ) -> FakeTensor:
+        """The new fake tensor `output` describes, as torch's `_output_from_cache_entry` builds
+        it: an empty meta tensor of its metadata inside a kernel invocation (a view's set on
+        its argument's storage) and a `FakeTensor` of this mode around it."""
+        storage = None
+        if output.view_idx is not None:
+            base: Any = args[output.view_idx]
+            storage = base.untyped_storage()
+        was_in_kernel = self.in_kernel_invocation
+        # torch's `in_kernel_invocation_manager`, without its generator.
+        with torch._C._DisableTorchDispatch(), torch._C._PreserveDispatchKeyGuard():
+            self.in_kernel_invocation = True
+            torch._C._set_meta_in_tls_dispatch_include(True)
+            try:
+                empty = torch.empty_strided(
+                    output.shape,
+                    output.stride,
+                    dtype=output.dtype,
+                    device="meta",
+                    requires_grad=output.requires_grad,
+                )
+                if output.is_conj:
+                    torch._C._set_conj(empty, True)
+                if output.is_neg:
+                    torch._C._set_neg(empty, True)
+                if storage is not None:
+                    empty.set_(storage, output.storage_offset, output.shape, output.stride)
+            finally:
+                self.in_kernel_invocation = was_in_kernel
+        # `FakeTensor.__new__` for a mode, a meta tensor and a normalised device: the subclass
+        # made, its data pointer guarded, its attributes set (`fresh`, from one torch made).
+        tensor: Any = torch.Tensor._make_subclass(
+            FakeTensor,
+            empty,
+            output.requires_grad,
+            dispatch_device=True,
+            device_for_backend_keys=output.device,
+        )
+        if self._allow_unsafe_data_ptr_access:
+            torch._C._set_warn_deprecated_on_mutable_data_ptr(tensor)
+        else:
+            torch._C._set_throw_on_mutable_data_ptr(tensor)
+        tensor.__dict__.update(fresh)
+        tensor._fake_device = output.device  # normalised when the entry was filed
+        built: FakeTensor = tensor
+        return built
+
+    @property
+    def _fresh(self) -> dict[str, object] | None:
+        """The attributes `FakeTensor.__new__` gives a new tensor of this mode, read off one it
+        made; None (torch's own path for every hit) unless they are the mode, its device and
+        nothing else, as in torch 2.13."""
+        if not self._fresh_read:
+            self._fresh_read = True
+            if not _FAKE_TENSOR_CONFIG.debug:
+                with torch._C._DisableTorchDispatch():
+                    empty = torch.empty(0, device="meta")
+                made = FakeTensor(self, empty, torch.device("cpu"))
+                attributes = dict(vars(made))
+                plain = {name for name, value in attributes.items() if value is not None}
+                if plain == {"_fake_device", "fake_mode"} and made.fake_mode is self:
+                    self._fresh_attributes = attributes
+        return self._fresh_attributes
 
     def _cached_dispatch_impl(
         self,
@@ -139,7 +266,7 @@ class TraceMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         if key is not None and torch_key is not None:
             entry = FakeTensorMode.cache.get(torch_key)
             if isinstance(entry, _DispatchCacheValidEntry):
-                self._entries[key] = (entry, torch_key)
+                self._entries[key] = (entry, torch_key, _new_output(entry, func))
         return out
 
     def _plain_key(

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 from torch._subclasses._fake_tensor_utils import _CacheKeyState
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from autotune.engine.trace_mode import TraceMode
 
@@ -20,6 +20,7 @@ class _Checked(TraceMode):
     def __init__(self) -> None:
         super().__init__(allow_non_fake_inputs=True)
         self.checked = 0
+        self.built = 0
 
     def __torch_dispatch__(
         self,
@@ -32,11 +33,53 @@ class _Checked(TraceMode):
         op = view if func is torch.ops.aten._unsafe_view.default else func
         key = self._plain_key(op, args, kwargs)
         known = self._entries.get(key) if key is not None else None
+        torch_built = None
         if known is not None:
-            torch_key = self._cache_key(_CacheKeyState(self.shape_env), op, args, kwargs or {})
+            state = _CacheKeyState(self.shape_env)
+            torch_key = self._cache_key(state, op, args, kwargs or {})
             assert torch_key == known[1], func
             self.checked += 1
-        return super().__torch_dispatch__(func, types, args, kwargs)
+            if known[2] is not None:
+                # What torch's own path builds from the entry, to compare with this mode's.
+                torch_built = FakeTensorMode._output_from_cache_entry(
+                    self, state, known[0], torch_key, op, args
+                )
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if torch_built is not None:
+            assert _built(out, args) == _built(torch_built, args), func
+            self.built += 1
+        return out
+
+
+def _built(tensor: Any, args: Sequence[object]) -> object:
+    """Everything of a fake tensor its op's output is made of: its class, attributes (mode,
+    device, memos), metadata and flags, and which argument's storage it shares."""
+    assert type(tensor) is FakeTensor
+    shares = [
+        i
+        for i, arg in enumerate(args)
+        if isinstance(arg, torch.Tensor)
+        and arg.untyped_storage()._cdata == tensor.untyped_storage()._cdata
+    ]
+    return (
+        {name: value for name, value in vars(tensor).items()},
+        tensor.dtype,
+        tensor.shape,
+        tensor.stride(),
+        tensor.storage_offset(),
+        tensor.untyped_storage().nbytes(),
+        tensor.requires_grad,
+        tensor.is_conj(),
+        tensor.is_neg(),
+        tensor.is_inference(),
+        tensor.device,
+        tensor.layout,
+        torch._C._dispatch_keys(tensor),
+        tensor._version,
+        tensor.is_leaf,
+        tensor.grad_fn,
+        shares,
+    )
 
 
 def _metadata(out: object) -> object:
@@ -88,6 +131,8 @@ def test_every_answer_of_the_plain_key_is_what_torch_s_key_finds() -> None:
     # The second step is answered by the plain key, every answer
     # the entry torch's key finds.
     assert checked.plain_hits == checked.checked > 100
+    # Most answers are new tensors, built as torch's own path builds them from the entry.
+    assert checked.built > checked.checked / 2
 
 
 def _variants(mode: FakeTensorMode) -> list[object]:
@@ -113,9 +158,10 @@ def _variants(mode: FakeTensorMode) -> list[object]:
 
 
 def test_tensors_that_differ_in_any_keyed_field_are_told_apart() -> None:
-    mode = TraceMode()
+    mode = _Checked()
     traced = _variants(mode)
     assert mode.plain_hits >= 14
+    assert mode.built >= 14  # the conjugate's views among them
     plain = FakeTensorMode()
     plain.cache_enabled = False
     assert traced == _variants(plain)
