@@ -7,7 +7,10 @@ front of torch's cache, keyed by what the key is made of, read straight off the 
 holding torch's own entry and key: a hit builds its output from torch's entry, as torch would
 (`FakeTensorMode._output_from_cache_entry`). Only entries torch's cache holds as valid are
 kept, and only for arguments whose metadata torch's key is a function of
-(docs/design.md#the-layer-replay).
+(docs/design.md#the-layer-replay). Where the entry's output is one new tensor of plain
+metadata, the map keeps that metadata and a hit builds the tensor the way torch's path does,
+without the checks torch's helpers make for every other case (`TraceMode._build`): torch's
+took about 70 us a hit.
 """
 
 from __future__ import annotations
