@@ -704,6 +704,7 @@ SPEED_LABELS = (
     "trace-key",
     "quiet4",
     "no-full-gc",
+    "fast-build",
 )
 # Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
 # of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).
@@ -1243,6 +1244,16 @@ SPEED_NOTES = [
     "probe 25.0/17.0, 18.9/17.0. Peak RSS grew by up to 13 MiB (the 8B tune's 588 MiB): cyclic "
     "garbage promoted during a session waits for the first full collection after it. The "
     "answers are quiet4's and trace-key's to the byte.",
+    "fast-build row (28 Nov 2026, an hour after the no-full-gc row, load 1.0-1.2, 39e2136): a "
+    "hit of the trace mode's map builds its one new tensor as torch's path does, without "
+    "torch's generic per-call checks (autotune/engine/trace_mode.py, TraceMode._build). "
+    "Timed inside the 7B probe: 21,149 hits built at 38 us each (0.81 s) and 2,201 that keep "
+    "torch's path (several outputs, an in-place op's argument) at 122 us, against 23,350 at 72 "
+    "us (1.68 s) before. CPU s: qwen7b-lora-probe 9.7, llama70b-lora-zero3-probe 17.9, "
+    "llama8b-lora-tune 33.5; the machine ran slower than in the no-full-gc row's hour, so "
+    "the A/B pairs run alternately just before this row say more (no-full-gc's 66159e5 / "
+    "39e2136): the 7B probe 11.1/10.6 and 11.8/8.2, the 70B probe 18.1/17.2 and 22.5/17.2. "
+    "The answers are quiet4's to the byte.",
 ]
 
 
