@@ -171,8 +171,9 @@ class TraceMode(FakeTensorMode):  # type: ignore[no-untyped-call]
             if known is not None:
                 self.plain_hits += 1
                 entry, torch_key, output = known
-                if output is not None and self._fresh is not None:
-                    return self._build(output, args, self._fresh)
+                fresh = self._fresh if output is not None else None
+                if output is not None and fresh is not None:
+                    return self._build(output, args, fresh)
                 return self._output_from_cache_entry(
                     _CacheKeyState(self.shape_env), entry, torch_key, func, args
                 )

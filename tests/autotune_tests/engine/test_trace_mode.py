@@ -62,7 +62,7 @@ def _built(tensor: Any, args: Sequence[object]) -> object:
         and arg.untyped_storage()._cdata == tensor.untyped_storage()._cdata
     ]
     return (
-        {name: value for name, value in vars(tensor).items()},
+        dict(vars(tensor)),
         tensor.dtype,
         tensor.shape,
         tensor.stride(),
