@@ -180,10 +180,11 @@ def _trial_key(
 @dataclass(frozen=True)
 class _StepTimes:
     """A traced step's roofline time, and that of its middle micro-step (0 with fewer than
-    three)."""
+    three), from a step of `micro_steps` micro-steps."""
 
     total_s: float
     middle_s: float
+    micro_steps: int
 
 
 def check_traceable(spec: Spec) -> None:
@@ -205,7 +206,8 @@ def check_traceable(spec: Spec) -> None:
 # not, so the peak of more is the peak of these (`EstimateRunner.trial`).
 _TRACED_ACCUMULATION = 5
 # The speed pass traces at most this many: a first, a middle and a last micro-step, the middle
-# one's time standing for every other (`EstimateRunner.step_time_s`).
+# one's time standing for every other (`EstimateRunner.step_time_s`); as many as the trial
+# where a trial's step is not written out from 3 (`EstimateRunner._timed_micro_steps`).
 _TIMED_ACCUMULATION = 3
 _CHECK_EVERY_OPS = 64
 
@@ -563,7 +565,10 @@ class EstimateRunner:
             # for 2 (`LayerReplay.trial`). The measurement then traces nothing. (A measurement
             # of 2 micro-steps times its own step along already.)
             ahead = (
-                replay is self._partial and key.accumulation_steps == 2 and not replay.timing_along
+                replay is self._partial
+                and key.accumulation_steps == 2
+                and replay.writes_out_micro_steps
+                and not replay.timing_along
             )
             try:
                 with (
@@ -619,7 +624,7 @@ class EstimateRunner:
             raise SpecError("estimate: a speed needs a named GPU (--estimate NAME), not a size")
         key = _trial_key(
             micro_batch,
-            min(accumulation_steps, _TIMED_ACCUMULATION),
+            self._timed_micro_steps(accumulation_steps, checkpointed_blocks),
             checkpointing,
             checkpointed_blocks,
         )
@@ -628,9 +633,20 @@ class EstimateRunner:
             times = self._kernel_times(key)
             if self._warm:
                 self._step_times[key] = times
-        if accumulation_steps <= _TIMED_ACCUMULATION:
+        if accumulation_steps <= times.micro_steps:
             return times.total_s
-        return times.total_s + (accumulation_steps - _TIMED_ACCUMULATION) * times.middle_s
+        return times.total_s + (accumulation_steps - times.micro_steps) * times.middle_s
+
+    def _timed_micro_steps(self, accumulation_steps: int, checkpointed_blocks: int | None) -> int:
+        """How many micro-steps the speed pass of a step of `accumulation_steps` traces: 3 (a
+        first, a middle and a last), or as many as its trial traces where the layer replay
+        traces the trial's step at its length (a rank of several, whose last micro-step
+        synchronises or whose every micro-step reduces its gradients: up to
+        `_TRACED_ACCUMULATION`), so that one trace serves both (`_timed_along`)."""
+        replay = self._replay_of(checkpointed_blocks)
+        if replay is not None and not replay.writes_out_micro_steps:
+            return min(accumulation_steps, _TRACED_ACCUMULATION)
+        return min(accumulation_steps, _TIMED_ACCUMULATION)
 
     def _kernel_times(self, key: _TrialKey) -> _StepTimes:
         """The step's roofline time and its middle micro-step's: from the shallow model's
@@ -654,7 +670,7 @@ class EstimateRunner:
                     if self._warm:
                         self._layered[(replay.traced_layers, shallow_key)] = layered
                 total_s, middle_s = step_times_s(layered.deep_times_s(plan))
-                times = _StepTimes(total_s=total_s, middle_s=middle_s)
+                times = _StepTimes(total_s, middle_s, key.accumulation_steps)
             except NotReplayable as reason:
                 logger.info("estimate: timing the whole model: %s", reason)
                 if partial:
@@ -665,18 +681,23 @@ class EstimateRunner:
             whole = KernelTimes(self.gpu, self.assumptions, tf32)
             self._timed_step(self._runner, key, whole)
             middle_s = whole.ends_s[1] - whole.ends_s[0] if key.accumulation_steps >= 3 else 0.0
-            times = _StepTimes(total_s=whole.time_s, middle_s=middle_s)
+            times = _StepTimes(whole.time_s, middle_s, key.accumulation_steps)
         if key.accumulation_steps < 3:
             return times
         # Before the first forward a step makes all of its micro-batches and sums their item
         # counts (`TrainingStep.run`, `accumulate_gradients`), so a middle micro-step is its
-        # batch's making and counting, and the kernels between two ends.
+        # batch's making and counting, and the kernels between two ends. Its count is added to
+        # the sum of the counts before it: a count's add to a count (a tensor's to a tensor,
+        # where a count is one), as in the step's sum past its first batch.
         runner = self._any_runner
         making = KernelTimes(self.gpu, self.assumptions, tf32)
-        with self._mode, making:
+        with self._mode:
             batch = runner.workload.make_batch(key.micro_batch, runner.device.torch_device)
-            _ = 0 + runner.workload.num_items(batch)  # as the step's sum over its micro-batches
-        return _StepTimes(total_s=times.total_s, middle_s=making.time_s + times.middle_s)
+            counted = 0 + runner.workload.num_items(batch)
+            with making:
+                batch = runner.workload.make_batch(key.micro_batch, runner.device.torch_device)
+                _ = counted + runner.workload.num_items(batch)
+        return _StepTimes(times.total_s, making.time_s + times.middle_s, times.micro_steps)
 
     def _timed_step(self, runner: InProcessRunner, key: _TrialKey, times: KernelTimes) -> None:
         """Runs `key`'s step on `runner` under `times`."""
@@ -731,14 +752,16 @@ class EstimateRunner:
         checkpointing: bool,
         checkpointed_blocks: int | None,
     ) -> Iterator[None]:
-        """A measurement's trial, tracing its step's speed pass along where it can: the trial
-        of a step of 3 micro-steps or more traces the shallow step of 3 its speed pass traces
-        (`autotune.engine.replay.microstep_replay`), fewer the same few, so one trace serves both
-        (`LayerReplay.timed_along`). Only once warm, where a speed pass is kept, and when
-        neither was traced before (the trial's journal may be known: the pass then traces
-        its own)."""
+        """A measurement's trial, tracing its step's speed pass along where it can: on one
+        rank the trial of a step of 3 micro-steps or more traces the shallow step of 3 its
+        speed pass traces (`autotune.engine.replay.microstep_replay`), fewer the same few; a
+        rank of several traces up to `_TRACED_ACCUMULATION` for both (`_timed_micro_steps`).
+        So one trace serves both (`LayerReplay.timed_along`). Only once warm, where a speed
+        pass is kept, and when neither was traced before (the trial's journal may be known:
+        the pass then traces its own)."""
         key = _trial_key(micro_batch, accumulation_steps, checkpointing, checkpointed_blocks)
-        timed = replace(key, accumulation_steps=min(accumulation_steps, _TIMED_ACCUMULATION))
+        timed_steps = self._timed_micro_steps(accumulation_steps, key.checkpointed_blocks)
+        timed = replace(key, accumulation_steps=timed_steps)
         traced = replace(key, accumulation_steps=min(accumulation_steps, _TRACED_ACCUMULATION))
         if (
             self.gpu is None

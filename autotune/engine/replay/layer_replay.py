@@ -1000,8 +1000,6 @@ class LayerReplay:
         step = self.runner.step
         optimizer = getattr(step.optimizer, "optim", step.optimizer)
         tags, _, _ = parameter_tags(self.layers, step.model, optimizer.state)
-        # A ZeRO-1 rank's optimizer runs over its partition: the deep rank's.
-        partition = None if self.zero1 is None else PartitionBytes(*self.zero1, self.depth)
         times = LayerKernelTimes(
             budget,
             assumptions,
@@ -1009,7 +1007,7 @@ class LayerReplay:
             contexts=self.contexts,
             tags=tags,
             depth=self.traced_layers,
-            partition=partition,
+            partition=self._partition(),
         )
         self._gradients = times
         try:
@@ -1019,6 +1017,10 @@ class LayerReplay:
             raise
         finally:
             self._gradients = None
+
+    def _partition(self) -> PartitionBytes | None:
+        """A ZeRO-1 rank's optimizer runs over its partition: the deep rank's bytes of it."""
+        return None if self.zero1 is None else PartitionBytes(*self.zero1, self.depth)
 
     @contextmanager
     def timed_along(
@@ -1041,6 +1043,12 @@ class LayerReplay:
             yield along
         finally:
             self._along = None
+
+    @property
+    def writes_out_micro_steps(self) -> bool:
+        """Whether a trial of more than `TRACED_MICRO_STEPS` micro-steps traces that many and
+        writes the rest out (one rank), rather than tracing its own (a rank of several)."""
+        return self._microstep_replay
 
     @property
     def timing_along(self) -> bool:
@@ -1215,6 +1223,7 @@ class LayerReplay:
                         contexts=self.contexts,
                         tags=tags,
                         depth=self.traced_layers,
+                        partition=self._partition(),
                     )
                     ends = timing.enter_context(SpeedPass(self._timed, alters=False))
                     timing.enter_context(self._timed)

@@ -13,6 +13,7 @@ import pytest
 
 from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.gpus.cuda_reserve import budget_for
+from autotune.core.schemas import Spec
 from autotune.engine.estimate import EstimateRunner
 from tests.autotune_tests.engine.replay.test_layer_replay import _config, _spec, _the_same
 
@@ -165,6 +166,52 @@ def test_a_measurement_times_the_step_its_trial_traces(
         assert along.speed_replay and (blocks is None or along.partial_speed_replay)
 
 
+def _warm_runners(spec: Spec) -> tuple[EstimateRunner, EstimateRunner, EstimateRunner]:
+    """Two runners of `spec` with the layer replay and one tracing the whole model, warm."""
+    runners = (
+        EstimateRunner(spec, gpu=A100),
+        EstimateRunner(spec, gpu=A100),
+        EstimateRunner(spec, gpu=A100, layer_replay=False),
+    )
+    for runner in runners:
+        assert runner.warm_up().fits
+    return runners
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("sharding", ["none", "zero1", "zero2", "zero3"])
+def test_a_rank_of_several_times_the_step_its_trial_traces(
+    sharding: str,
+    traced_micro_steps: list[int],  # noqa: F811
+) -> None:
+    # A rank of several traces its trial's step at its length, up to 5 micro-steps (its last
+    # synchronises the gradients, or each reduces them), and its speed pass traces as many,
+    # so a measurement traces one step for both. Its compute time is the one another runner's
+    # speed pass traced apart finds, to the bit, and the whole model's speed pass of 3
+    # micro-steps to rounding. Full fine-tuning with AdamW: a ZeRO-1 rank's optimizer kernels
+    # run over its partition.
+    spec = _spec(
+        _config("llama", 8), lora=False, optimizer="adamw", world_size=2, sharding=sharding
+    )
+    along, apart, whole = _warm_runners(spec)
+    settings: dict[str, Any] = {"checkpointing": False}
+    for micro_batch, accumulation in ((2, 2), (1, 7)):
+        traced_micro_steps.clear()
+        measured = along.measure(micro_batch, accumulation, target_seconds=1.0, **settings)
+        assert traced_micro_steps == [min(accumulation, 5)]
+        trial = apart.trial(micro_batch, accumulation, **settings)
+        _the_same(along.trial(micro_batch, accumulation, **settings), trial)
+        assert measured is not None and measured.peak_bytes == trial.peak_bytes
+        traced_micro_steps.clear()
+        compute_s = apart.step_time_s(micro_batch, accumulation, **settings)
+        assert traced_micro_steps == [min(accumulation, 5)]
+        assert measured.compute_time_s == compute_s
+        assert compute_s == pytest.approx(
+            whole.step_time_s(micro_batch, accumulation, **settings), rel=RELATIVE
+        )
+    assert along.speed_replay and apart.speed_replay
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("lora", [True, False])
 def test_the_fewest_blocks_search_traces_the_step_its_measurement_then_answers(
@@ -177,11 +224,7 @@ def test_the_fewest_blocks_search_traces_the_step_its_measurement_then_answers(
     # alone (its trial's step timed as it is traced): the same peak and time to the bit; the
     # search's trials are the whole model's traced at 2 micro-steps.
     spec = _spec(_config("llama", 12), lora=lora, optimizer="adamw")
-    searched = EstimateRunner(spec, gpu=A100)
-    alone = EstimateRunner(spec, gpu=A100)
-    whole = EstimateRunner(spec, gpu=A100, layer_replay=False)
-    for runner in (searched, alone, whole):
-        assert runner.warm_up().fits
+    searched, alone, whole = _warm_runners(spec)
     settings: dict[str, Any] = {"checkpointing": True}
     # Counts 6 and 7 share a shallow step (4 of 8 layers checkpointed), 9 has its own; the
     # first trial builds the partial model and warms it up.
