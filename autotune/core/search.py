@@ -67,6 +67,7 @@ to fit. Sizes below the answer seen running out are reported (`SearchResult.runs
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -489,6 +490,8 @@ def find_max_micro_batch(
     known_fitting: int = 0,
     allocator_config: AllocatorConfig | None = None,
     traced: Sequence[StepOutcome] = (),
+    report_dips: bool = True,
+    below_a_failing_hint: bool = False,
 ) -> SearchResult:
     """Find the exact largest micro-batch <= `cap` whose training step fits, in few trials.
 
@@ -505,6 +508,15 @@ def find_max_micro_batch(
         traced: the same step traced without running it (fake tensors on a model of the
             device) at two or more sizes >= 2, with series: the first prediction's fit points,
             which cost no trial. Evidence to verify, like the hint: never an answer.
+        report_dips: whether to look for the sizes below the answer that run out
+            (`SearchResult.runs_out_below`). Without, a search that closed at `cap` tries no
+            size for a model of them, and `runs_out_below` holds only the trials that ran out
+            below the answer; the answer is the same.
+        below_a_failing_hint: when the hint does not fit, try the size below it next, before
+            the fit points: for a hint that is most likely just above the answer (the tuner's
+            probe of accumulation takes one micro-step's answer as its hint, which the gradients
+            held lower by a little). Right, it closes the search at 2 trials; wrong, it costs
+            one more.
 
     Returns:
         The certified answer, every trial in order and the last `PeakModel` fitted.
@@ -550,6 +562,10 @@ def find_max_micro_batch(
         if search.hi == hint:
             logger.info("hint %d does not fit; starting again from 2", hint)
             search.budget_calls += 1  # a lost bet, like a wrong prediction
+            if below_a_failing_hint and hint - 1 >= 2 and search.lo < hint - 1:
+                search.try_fit_points(hint - 1)
+                if not search.done:
+                    search.budget_calls += 1  # another lost bet
     search.try_fit_points(min(2, cap))
 
     if capacity_bytes is not None:
@@ -560,7 +576,14 @@ def find_max_micro_batch(
             search.follow_prediction(search.predict(model, capacity_bytes, search.attempts))
     while not search.done:
         search.gallop_or_bisect()
-    if capacity_bytes is not None and not dip_models and search.allocation_model is None:
+    if (
+        capacity_bytes is not None
+        and not dip_models
+        and search.allocation_model is None
+        # With no size left between the failing end and the cap, no size past a dip is left
+        # to look for: the model would be the dips' alone.
+        and (report_dips or search.hi < cap)
+    ):
         _fit_point_below(search)
     if search.allocation_model is not None and search.allocation_model not in dip_models:
         dip_models.append(search.allocation_model)
@@ -574,7 +597,7 @@ def find_max_micro_batch(
         allocation_model=search.allocation_model,
         capped=search.lo == cap,
         traced_prediction=traced_prediction,
-        runs_out_below=_runs_out_below(search, dip_models),
+        runs_out_below=_runs_out_below(search, dip_models if report_dips else ()),
     )
 
 
@@ -589,16 +612,24 @@ def _runs_out_below(search: _Search, models: Sequence[AllocationModel]) -> tuple
         return tuple(sorted(runs_out))
     config = search.allocator_config
     for model in models:
-        if all(
-            model.replay(a.micro_batch, capacity_bytes, config).fits == a.fits
-            for a in search.attempts
-            if a.micro_batch >= 2
-        ):
-            runs_out.update(
-                b for b in range(2, answer) if not model.replay(b, capacity_bytes, config).fits
-            )
+        fits = _replayed_fits(model, capacity_bytes, config)
+        if all(fits(a.micro_batch) == a.fits for a in search.attempts if a.micro_batch >= 2):
+            runs_out.update(b for b in range(2, answer) if not fits(b))
             break
     return tuple(sorted(runs_out))
+
+
+def _replayed_fits(
+    model: AllocationModel, capacity_bytes: int, config: AllocatorConfig | None
+) -> Callable[[int], bool]:
+    """Whether `model`'s replay at a size fits, each size replayed once: a replay of a deep
+    step is some hundred thousand allocator calls, and a size tried is also in the range."""
+
+    @functools.cache
+    def fits(micro_batch: int) -> bool:
+        return model.replay(micro_batch, capacity_bytes, config).fits
+
+    return fits
 
 
 def fewest_fitting(fits: Callable[[int], bool], *, failing: int, fitting: int) -> int:

@@ -338,6 +338,10 @@ def _probe_accumulation(
             capacity_bytes=budget_bytes,
             known_fitting=min(cap, known),
             allocator_config=device_allocator_config(session.device_info),
+            # The candidates need the largest size alone: a dip below it shows in the
+            # measured candidate's own trial.
+            report_dips=False,
+            below_a_failing_hint=True,
         )
         logger.info(
             "checkpointing=%s%s: max accumulating micro-batch %d after %d trials",

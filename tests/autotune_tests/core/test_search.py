@@ -1104,6 +1104,78 @@ def test_a_hint_without_allocations_closes_without_a_fit_point_below() -> None:
     assert result.max_micro_batch == hint
 
 
+def test_without_dips_reported_a_hint_at_the_cap_closes_without_a_fit_point_below() -> None:
+    # The tuner's probe of accumulation wants the largest size alone: a hint at the cap that
+    # fits closes the search, and no trial is spent on a model of the dips below it (none is
+    # left to look for above the cap). Reported, the same search spends one at b=2.
+    device = AllocatorDevice(24 * MiB, trace=split_cache_allocations)
+    cap = device.brute_force_max(64)  # 44, with sizes below it that run out
+    for report_dips, calls in ((True, [cap, 2]), (False, [cap])):
+        device.calls.clear()
+        result = find_max_micro_batch(
+            device.fits,
+            cap=cap,
+            capacity_bytes=device.capacity_bytes,
+            known_fitting=cap,
+            report_dips=report_dips,
+        )
+        assert result.max_micro_batch == cap
+        assert device.calls == calls
+        expected = runs_out_below(device, cap) if report_dips else ()
+        assert result.runs_out_below == expected and runs_out_below(device, cap)
+
+
+def test_without_dips_reported_the_answer_past_a_dip_is_still_the_largest() -> None:
+    # Below the cap a model may still see a size past a dip: the search looks for it as ever,
+    # and lists only the trials that ran out below its answer.
+    device = AllocatorDevice(24 * MiB, trace=split_cache_allocations)
+    hint = next(b for b in range(3, 44) if device.outcome(b).fits and b + 1 in dips(device))
+    result = find_max_micro_batch(
+        device.fits,
+        cap=64,
+        capacity_bytes=device.capacity_bytes,
+        known_fitting=hint,
+        report_dips=False,
+    )
+    assert result.max_micro_batch == device.brute_force_max(64) == 44
+    assert device.calls == [hint, hint + 1, 2, 44, 45]
+    assert result.runs_out_below == (hint + 1,)
+
+
+@pytest.mark.parametrize("overshoot", [1, 5])
+def test_below_a_failing_hint_the_next_size_down_is_tried_first(overshoot: int) -> None:
+    # The tuner's probe of accumulation: its hint (one micro-step's answer, at most its cap) is
+    # most likely one above the answer. Right, two trials close the search; wrong, the size
+    # below is one trial more before the fit points, and the answer is the same.
+    device = AllocatorDevice(512 * MiB)
+    largest = device.brute_force_max(256)
+    hint = largest + overshoot
+
+    def search(cap: int, *, as_the_tuner: bool) -> int:
+        device.calls.clear()
+        return find_max_micro_batch(
+            device.fits,
+            cap=cap,
+            capacity_bytes=device.capacity_bytes,
+            known_fitting=hint,
+            report_dips=not as_the_tuner,
+            below_a_failing_hint=as_the_tuner,
+        ).max_micro_batch
+
+    assert search(hint, as_the_tuner=True) == largest
+    if overshoot == 1:
+        assert device.calls == [hint, largest]
+        # Below a larger cap a size past a dip may fit: a fit point at 2 for the model that
+        # would see it.
+        assert search(256, as_the_tuner=True) == largest
+        assert device.calls == [hint, largest, 2]
+    else:
+        assert device.calls == [hint, hint - 1, 2, 3, largest, largest + 1]
+    # Without, the fit points come right after the hint.
+    assert search(hint, as_the_tuner=False) == largest
+    assert device.calls == [hint, 2, 3, largest] + ([largest + 1] if overshoot > 1 else [])
+
+
 def dips(device: AllocatorDevice) -> set[int]:
     return {b for b in range(2, 65) if not device.outcome(b).fits}
 
