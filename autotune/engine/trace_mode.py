@@ -10,7 +10,8 @@ kept, and only for arguments whose metadata torch's key is a function of
 (docs/design.md#the-layer-replay). Where the entry's output is one new tensor of plain
 metadata, the map keeps that metadata and a hit builds the tensor the way torch's path does,
 without the checks torch's helpers make for every other case (`TraceMode._build`): torch's
-took about 70 us a hit.
+took about 70 us a hit. A constant's `.item()` (AdamW's step counters), which torch's cache
+bypasses, is answered with the constant's value, as torch's uncached path answers it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ except ImportError:  # pragma: no cover
 
 _UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
 _VIEW = torch.ops.aten.view.default
+_LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
 _STRIDED = torch.strided
 # Arguments that stand in a key as their type and value, as in torch's key.
 _PLAIN_TYPES = frozenset(
@@ -136,6 +138,7 @@ class TraceMode(FakeTensorMode):  # type: ignore[no-untyped-call]
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.plain_hits = 0
+        self.constant_scalars = 0
         self._fresh_read = False
         self._fresh_attributes: dict[str, object] | None = None
 
@@ -165,6 +168,16 @@ class TraceMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         # storage and errors. The modes above this one see `_unsafe_view` as before.
         if func is _UNSAFE_VIEW:
             func = _VIEW
+        if func is _LOCAL_SCALAR_DENSE and len(args) == 1 and not kwargs:
+            # A constant's `.item()` (AdamW's step counters, once per parameter in every
+            # optimizer step: some 2,400 in a layout's tune of a LoRA model) bypasses torch's
+            # cache, and torch's uncached path answers it with the constant's own value: here
+            # without that path's checks, which cost some 70 us a call.
+            constant = self._constant_of(args[0])
+            if constant is not None:
+                self.constant_scalars += 1
+                with torch._C._DisableTorchDispatch():
+                    return func(constant)
         if self._entries and self.cache_enabled:
             key = self._plain_key(func, args, kwargs)
             known = self._entries.get(key) if key is not None else None
@@ -178,6 +191,17 @@ class TraceMode(FakeTensorMode):  # type: ignore[no-untyped-call]
                     _CacheKeyState(self.shape_env), entry, torch_key, func, args
                 )
         return _fake_dispatch(self, func, types, args, kwargs)
+
+    def _constant_of(self, arg: object) -> torch.Tensor | None:
+        """The real tensor a fake tensor of this mode holds as its value (a constant, of
+        concrete sizes), as torch's constant propagation reads it; else None."""
+        if type(arg) is not FakeTensor:
+            return None
+        tensor: Any = arg
+        if tensor.fake_mode is not self or tensor._has_symbolic_sizes_strides:
+            return None
+        constant: torch.Tensor | None = tensor.constant
+        return constant
 
     def _build(
         self, output: _Output, args: Sequence[object], fresh: dict[str, object]

@@ -197,3 +197,21 @@ def test_the_trace_mode_answers_unsafe_view_from_torch_s_cache_as_a_view() -> No
                 unsafe_view(torch.empty(4, 6).t(), [24])
         assert not out._is_view() and out.dtype == torch.float32
     assert outputs[:4] == outputs[4:]
+
+
+def test_a_constant_s_item_is_its_value_without_torch_s_uncached_path() -> None:
+    # AdamW's step counters are constants (`torch.tensor` under the mode): each `.item()`
+    # bypasses torch's cache. The trace mode answers it with the constant's value, as torch's
+    # constant propagation does; what is not a constant still raises as in torch.
+    answers = []
+    for mode in (FakeTensorMode(), TraceMode()):
+        with mode:
+            counters = [torch.tensor(3.0), torch.tensor(7), torch.tensor(True)]
+            stepped = counters[0] + 1  # a constant made by an op on one
+            answers.append([c.item() for c in (*counters, stepped)])
+            with pytest.raises(torch._subclasses.fake_tensor.DataDependentOutputException):
+                torch.empty(()).item()
+        if isinstance(mode, TraceMode):
+            assert mode.constant_scalars == 4
+    assert answers[0] == answers[1] == [3.0, 7, True, 4.0]
+    assert [type(a) for a in answers[1]] == [float, int, bool, float]
