@@ -8,10 +8,12 @@ layout, each layout's best samples/s per GPU and for the job, its compute and ex
 communication per step, and the estimate's wall time on this machine. The target is 512
 samples (2M tokens) per optimizer step; the search cap is 16 per GPU.
 
-    .venv/bin/python bench/layouts.py [--cells NAME ...] [--trials N] [--render]
+    .venv/bin/python bench/layouts.py [--cells NAME ...] [--trials N] [--processes N] [--render]
 
 Cells are named MODEL/MODE/TOPOLOGY (e.g. Llama-3-8B/lora/1x8); each run keeps the committed
-rows of the other cells. Writes bench/results/layouts.{json,md}.
+rows of the other cells. `--processes N` tunes N layouts at a time, each in a process of its
+own (`tune --estimate --processes N`); a cell's CPU time is then its processes' together, and
+only one at a time records each layout's. Writes bench/results/layouts.{json,md}.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import time
@@ -71,11 +74,18 @@ def cell_spec(name: str) -> Spec:
     return Spec.model_validate({"model": {"hf_config": LARGE_MODELS[model]}, "training": training})
 
 
-def run_cell(name: str, trials: int | None, storage_url: str) -> dict[str, Any]:
+def _children_cpu_s() -> float:
+    """The CPU seconds of this process's children that ended (the layouts' processes)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_cell(name: str, trials: int | None, storage_url: str, processes: int) -> dict[str, Any]:
     spec = cell_spec(name)
     load = os.getloadavg()[0]
     started = time.monotonic()
     cpu_started = time.process_time()
+    children_started = _children_cpu_s()
 
     def open_layout(layout: Spec) -> tuple[EstimateRunner, None]:
         budget = budget_for(find_gpu(GPU), layout.training.world_size)
@@ -95,14 +105,23 @@ def run_cell(name: str, trials: int | None, storage_url: str) -> dict[str, Any]:
         )
 
     result: TuneResult = tune_layouts(
-        spec, open_layout, storage_url=storage_url, n_trials=trials, on_layout=on_layout
+        spec,
+        open_layout,
+        storage_url=storage_url,
+        n_trials=trials,
+        on_layout=on_layout,
+        processes=processes,
     )
     wall_s = time.monotonic() - started
-    cpu_s = time.process_time() - cpu_started
+    cpu_s = time.process_time() - cpu_started + _children_cpu_s() - children_started
     ends = [at for _, at in layout_started[1:]] + [time.process_time()]
-    layout_cpu_s = {
-        name: round(end - at, 1) for (name, at), end in zip(layout_started, ends, strict=True)
-    }
+    # One at a time, a layout's CPU seconds are this process's from its start to the next
+    # one's; side by side they are its child's, which this process does not see.
+    layout_cpu_s = (
+        {name: round(end - at, 1) for (name, at), end in zip(layout_started, ends, strict=True)}
+        if processes == 1
+        else None
+    )
     rec = result.recommendation
     return {
         "cell": name,
@@ -110,6 +129,7 @@ def run_cell(name: str, trials: int | None, storage_url: str) -> dict[str, Any]:
         "chosen": rec.sharding.value if rec is not None and rec.sharding else None,
         "estimate_wall_s": round(wall_s, 1),
         "estimate_cpu_s": round(cpu_s, 1),
+        "processes": processes,
         "layout_cpu_s": layout_cpu_s,
         "load_average": [round(load, 1), round(os.getloadavg()[0], 1)],
         "commit": CODE_COMMIT,
@@ -175,7 +195,11 @@ row to set beside it is Llama-3-8B/full/1x8's zero3 tokens/s per GPU (the job's 
 
 def _cpu(row: dict[str, Any]) -> str:
     cpu_s = row.get("estimate_cpu_s")
-    return "CPU time not recorded" if cpu_s is None else f"{cpu_s:.0f} s of CPU"
+    if cpu_s is None:
+        return "CPU time not recorded"
+    processes = row.get("processes", 1)
+    side_by_side = f" in {processes} processes, layouts side by side" if processes > 1 else ""
+    return f"{cpu_s:.0f} s of CPU{side_by_side}"
 
 
 def _layout_cpu(row: dict[str, Any]) -> str:
@@ -275,6 +299,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", nargs="*", default=None, help="cells to run (default all)")
     parser.add_argument("--trials", type=int, default=None, help="measurements per layout")
+    parser.add_argument(
+        "--processes", type=int, default=1, help="layouts tuned at a time (default 1)"
+    )
     parser.add_argument("--render", action="store_true", help="rewrite the .md from the .json")
     args = parser.parse_args()
     cells = args.cells or cell_names()
@@ -287,7 +314,7 @@ def main() -> int:
     storage = Path("/tmp") / f"autotune-bench-layouts-{os.getpid()}.db"
     for name in cells:
         print(f"{name} ...", file=sys.stderr, flush=True)  # noqa: T201 (a script's progress)
-        rows[name] = run_cell(name, args.trials, f"sqlite:///{storage}")
+        rows[name] = run_cell(name, args.trials, f"sqlite:///{storage}", args.processes)
         ordered = [rows[n] for n in cell_names() if n in rows]
         meta = {
             **saved.get("meta", {}),

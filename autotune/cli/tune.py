@@ -1,7 +1,7 @@
 """The `autotune tune` command: probe, search and print the recommendation with export snippets.
 
     autotune tune SPEC [--device cpu|cuda|cuda:N] [--memory SIZE] [--json] [--db URL]
-                       [--trials N] [--seed S]
+                       [--trials N] [--seed S] [--processes N]
 
 The Optuna study lives in the database at `--db` (default: AUTOTUNE_DATABASE_URL, else the
 embedded SQLite file data/autotune.db), so `optuna-dashboard <url>` can open it, and the run is
@@ -54,6 +54,7 @@ from autotune.core.defaults import (
     EXIT_OK,
     server_database_url,
 )
+from autotune.core.errors import SpecError
 from autotune.core.parallel.layout_choice import LAYOUT_NAMES, layout_candidates
 from autotune.core.recorder import installed_recorders
 from autotune.core.schemas import Infeasible, Sharding, Spec, TuneResult
@@ -97,6 +98,13 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         return timed_on_its_gpu(open_runner(args, layout))
 
     auto = spec.training.sharding is Sharding.AUTO
+    side_by_side = args.processes > 1
+    if side_by_side and (args.estimate is None or not auto):
+        # A device runs one trial at a time, and a timed step would time its neighbours too.
+        raise SpecError(
+            "--processes: layouts are tuned side by side only in an estimate of sharding: auto "
+            "(--estimate NAME)"
+        )
     if auto:
         from autotune.engine.layout_tuning import layout_spec
 
@@ -138,9 +146,14 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             def layout_runner(layout: Spec) -> tuple[TrialRunner, FitTracer | None]:
                 opened_runner = opened.pop(layout.training.sharding, None)
                 layout_runner = opened_runner or open_layout(layout)
-                return progress.runner(layout_runner), fit_tracer(args, layout_runner)
+                tracer = fit_tracer(args, layout_runner)
+                if side_by_side:
+                    # In a child process: its steps are not announced (each would start a
+                    # spinner of its own); its phases, attempts and trials come here.
+                    return layout_runner, tracer
+                return progress.runner(layout_runner), tracer
 
-            result = tune_layouts(spec, layout_runner, **common)
+            result = tune_layouts(spec, layout_runner, processes=args.processes, **common)
         else:
             result = tune_session(
                 progress.runner(runner),
@@ -386,5 +399,13 @@ def register(commands: Subcommands) -> None:
         "--no-advice",
         action="store_true",
         help="when micro-batch 1 fits in no mode, do not trace what would make it fit",
+    )
+    tune.add_argument(
+        "--processes",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="with --estimate and sharding: auto, tune N layouts at a time, each in a process "
+        "of its own (default 1; up to the machine's cores helps)",
     )
     tune.set_defaults(func=_cmd_tune)

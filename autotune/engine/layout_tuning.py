@@ -2,13 +2,13 @@
 (`autotune.core.parallel.layout_choice` says which are candidates, which wins and why the
 others lost). Each layout is tuned as a spec of its own by `tuner.tune_session`, on a runner of
 its own: a layout changes what each rank holds, so its model, device state and trials are its
-own.
+own. An estimate's layouts may be tuned side by side, in child processes
+(`autotune.engine.layout_processes`).
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
 
 from autotune.core.exports import build_exports
 from autotune.core.parallel.layout_choice import (
@@ -19,13 +19,17 @@ from autotune.core.parallel.layout_choice import (
 )
 from autotune.core.schemas import STUDY_NAME_MAX, Sharding, Spec, TuneResult
 from autotune.engine.full_collections import with_few_full_collections
-from autotune.engine.probe import AttemptCallback, FitTracer, PhaseCallback
-from autotune.engine.runner import TrialRunner
-from autotune.engine.tuner import TrialCallback, checked_result, tune_session
-
-# A layout's runner, and the probe's tracer for it (None: none).
-LayoutRunner = Callable[[Spec], tuple[TrialRunner, FitTracer | None]]
-LayoutCallback = Callable[[Sharding, int, int], None]
+from autotune.engine.layout_processes import (
+    LayoutCallback,
+    LayoutJob,
+    LayoutRunner,
+    TuneOptions,
+    tune_job,
+    tune_side_by_side,
+)
+from autotune.engine.probe import AttemptCallback, PhaseCallback
+from autotune.engine.study import create_storage
+from autotune.engine.tuner import TrialCallback, checked_result
 
 
 def layout_spec(spec: Spec, sharding: Sharding) -> Spec:
@@ -47,10 +51,13 @@ def tune_layouts(
     on_trial: TrialCallback | None = None,
     on_phase: PhaseCallback | None = None,
     on_layout: LayoutCallback | None = None,
+    processes: int = 1,
 ) -> TuneResult:
     """Tune `spec` (sharding: auto) once per candidate layout and answer with the chosen one:
     its probe, trials, recommendation (naming the layout) and exports, and every layout's
-    outcome in `layouts`. `open_layout` opens the runner of one layout's spec.
+    outcome in `layouts`. `open_layout` opens the runner of one layout's spec. With
+    `processes` > 1, as many layouts at a time, each in a child process where `open_layout`
+    opens its runner (`tune_side_by_side`): for an estimate's runners only.
 
     Raises:
         SpecError: the spec has no `training.target_global_batch`.
@@ -61,26 +68,49 @@ def tune_layouts(
     spec.training.required_target_global_batch()
     study_name = study_name or f"autotune-{uuid.uuid4().hex[:12]}"
     layouts = layout_candidates(spec.training)
-    runs: list[LayoutRun] = []
-    for index, sharding in enumerate(layouts):
-        if on_layout is not None:
-            on_layout(sharding, index, len(layouts))
-        if on_phase is not None:
-            on_phase(f"layout {index + 1} of {len(layouts)}: {LAYOUT_NAMES[sharding]}", None)
-        runner, tracer = open_layout(layout_spec(spec, sharding))
-        result = tune_session(
-            runner,
-            storage_url=storage_url,
-            study_name=f"{study_name}-{sharding.value}"[:STUDY_NAME_MAX],
-            n_trials=n_trials,
-            seed=seed,
-            target_seconds=target_seconds,
+    jobs = [
+        LayoutJob(
+            index, layout_spec(spec, sharding), f"{study_name}-{sharding.value}"[:STUDY_NAME_MAX]
+        )
+        for index, sharding in enumerate(layouts)
+    ]
+    options = TuneOptions(storage_url, n_trials, seed, target_seconds)
+    if processes > 1 and len(jobs) > 1:
+        # The studies' tables made once here (children making them at once would race), its
+        # connections closed before the children are forked.
+        create_storage(storage_url).engine.dispose()
+        results = tune_side_by_side(
+            jobs,
+            open_layout,
+            options,
+            processes=processes,
             on_attempt=on_attempt,
             on_trial=on_trial,
-            tracer=tracer,
             on_phase=on_phase,
+            on_layout=on_layout,
         )
-        runs.append(LayoutRun(sharding, result))
+    else:
+        results = []
+        for job in jobs:
+            sharding = job.spec.training.sharding
+            if on_layout is not None:
+                on_layout(sharding, job.index, len(jobs))
+            if on_phase is not None:
+                on_phase(f"layout {job.index + 1} of {len(jobs)}: {LAYOUT_NAMES[sharding]}", None)
+            results.append(
+                tune_job(
+                    job,
+                    open_layout,
+                    options,
+                    on_attempt=on_attempt,
+                    on_trial=on_trial,
+                    on_phase=on_phase,
+                )
+            )
+    runs = [
+        LayoutRun(job.spec.training.sharding, result)
+        for job, result in zip(jobs, results, strict=True)
+    ]
     shown, outcomes = compare_layouts(runs)
     chosen = shown.result
     recommendation = chosen.recommendation

@@ -177,6 +177,13 @@ def _fail_waiting(study: optuna.Study) -> None:
         study._storage.set_trial_state_values(frozen._trial_id, optuna.trial.TrialState.FAIL)
 
 
+def create_storage(storage_url: str) -> optuna.storages.RDBStorage:
+    """Optuna's storage at `storage_url`, its tables made if they are not there yet. Studies
+    tuned at once in several processes (`autotune.engine.layout_processes`) need it made once
+    before they start: each making the tables at once would race."""
+    return optuna.storages.RDBStorage(storage_url)
+
+
 def run_study(
     candidates: list[Candidate],
     measure: Callable[[Candidate], Measurement | None],
@@ -230,7 +237,7 @@ def run_study(
             if exhaustive
             else optuna.samplers.TPESampler(seed=seed)
         )
-        storage = optuna.storages.RDBStorage(storage_url)
+        storage = create_storage(storage_url)
         try:
             study = optuna.create_study(
                 storage=storage, study_name=study_name, sampler=sampler, direction="maximize"

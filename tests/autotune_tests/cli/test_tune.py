@@ -82,26 +82,60 @@ def test_an_indivisible_target_is_answered_before_anything_runs(
     assert not (tmp_path / "runs.db").exists()
 
 
+AUTO_SPEC = (
+    "model: {preset: mlp}\ntraining: {world_size: 2, sharding: auto, "
+    "target_global_batch: 8, max_micro_batch: 4}\n"
+)
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.parametrize("processes", ["1", "2"])
 def test_tune_estimate_with_auto_sharding_prints_the_layouts_and_both_speeds(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    processes: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """`tune --estimate` on a sharding: auto spec: the layout table, each layout's reason,
     the recommendation naming its layout with samples/s per GPU and for the job, and the
-    exports of that layout (JSON: the same result the table was printed from)."""
+    exports of that layout (JSON: the same result the table was printed from); with the
+    layouts tuned two at a time, progress lines that name their layout."""
     monkeypatch.chdir(tmp_path)  # the plain loop goes to ./data
     spec = tmp_path / "spec.yaml"
-    spec.write_text(
-        "model: {preset: mlp}\ntraining: {world_size: 2, sharding: auto, "
-        "target_global_batch: 8, max_micro_batch: 4}\n"
-    )
+    spec.write_text(AUTO_SPEC)
     db = f"sqlite:///{tmp_path / 'runs.db'}"
-    argv = ["tune", str(spec), "--estimate", "H100 80GB", "--db", db]
+    argv = ["tune", str(spec), "--estimate", "H100 80GB", "--db", db, "--processes", processes]
     assert main(argv) == 0
-    out = " ".join(capsys.readouterr().out.split())
+    captured = capsys.readouterr()
+    if processes == "2":
+        assert "zero1: probe, checkpointing off" in captured.err
+    out = " ".join(captured.out.split())
     assert "Layouts on 2 GPU(s): the chosen one first" in out
     for name in ("none (DDP):", "zero1:", "zero2:", "zero3 (FSDP full shard):"):
         assert name in out
     assert "Recommendation:" in out and ", layout " in out
     assert "samples/s per GPU" in out and "samples/s for the job of 2 GPUs" in out
+
+
+@pytest.mark.parametrize(
+    ("spec_text", "flags"),
+    [
+        (AUTO_SPEC, []),  # a device: one trial at a time
+        (AUTO_SPEC.replace("sharding: auto", "sharding: zero2"), ["--estimate", "H100 80GB"]),
+    ],
+    ids=["no-estimate", "one-layout"],
+)
+def test_processes_outside_an_estimate_of_auto_sharding_exit_2_in_one_line(
+    spec_text: str, flags: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(spec_text)
+    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    assert main(["tune", str(spec), "--db", db, "--processes", "2", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "autotune: error: --processes: layouts are tuned side by side only in an estimate of "
+        "sharding: auto (--estimate NAME)\n"
+    )
+    assert not (tmp_path / "runs.db").exists()
