@@ -705,6 +705,8 @@ SPEED_LABELS = (
     "quiet4",
     "no-full-gc",
     "fast-build",
+    "machine40",
+    "session40",
 )
 # Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
 # of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).
@@ -1254,6 +1256,20 @@ SPEED_NOTES = [
     "the A/B pairs run alternately just before this row say more (no-full-gc's 66159e5 / "
     "39e2136): the 7B probe 11.1/10.6 and 11.8/8.2, the 70B probe 18.1/17.2 and 22.5/17.2. "
     "The answers are quiet4's to the byte.",
+    "machine40 and session40 rows (28 Nov 2026, a new machine, load 0.8-1.0): machine40 is "
+    "session 39's last commit (3595834) rerun here for the machine's measure, session40 this "
+    "session's (181cd14: the constant's .item() answered by the trace mode, the probe of "
+    "accumulation without a fit point for dips nobody reads and with its bet below a failing "
+    "hint; a rank of several's timing from its trial's trace does not touch these one-rank "
+    "cases). This machine ran the same code 30-40 % faster than session 39's at the session's "
+    "start (3595834: 5.0, 9.2 and 17.5 CPU s at 12:42 UTC) and slower later: alternate runs an "
+    "hour later, machine40 / session40, the 7B probe 7.2/7.3 and 4.4/4.7, the 70B probe "
+    "14.3/12.3 and 13.9/8.2, the 8B tune 22.1/15.7 and 19.2/14.9 (the rows are the second "
+    "pair). On this machine every sample meets section 0's goals (8, 15 and 30 CPU s); on "
+    "session 39's machine the same code took 9.7, 16.4-17.9 and 33.5. The answers are the "
+    "same but for the 8B tune's samples/s, 3.8e-12 relative lower: a middle micro-step's share "
+    "now counts its count's add to the counts before it, as the step's sum does "
+    "(docs/design.md#the-micro-step-replay).",
 ]
 
 
