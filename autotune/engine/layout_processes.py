@@ -1,16 +1,16 @@
 """Layouts tuned side by side: each of a `sharding: auto` tune's layouts in a child process, as
 many at a time as asked (docs/design.md#choosing-the-layout).
 
-An estimate's layout tune is some minutes of one core's Python (each layout a tune of its own,
-on a traced model of its own), and the layouts share nothing but the trace mode's cache: on a
-machine of several cores they can run at once. The children are forked from the caller, so a
-layout's runner is opened in its child by the caller's own `open_layout` (nothing is pickled on
-the way in but the layout's index) and the child starts with what the caller imported and the
-trace mode's cache as the caller left it. Each child tunes the layouts it is handed, in order
-of the candidates, and sends its progress (attempts, trials, phases) to the caller, which calls
-the caller's callbacks in its own process, a phase named by its layout; a child's result comes
-back as a `TuneResult`. An error in a child is raised in the caller as the child raised it (its
-traceback attached), and a child that dies stops the tune with that said: no wait is silent.
+An estimate's layout tune is some minutes of one core's Python (each layout a tune of its own, on a
+traced model of its own), and the layouts share nothing but the trace mode's cache: on a machine of
+several cores they can run at once. The children are forked from the caller, so a layout's runner
+is opened in its child by the caller's own `open_layout` (what is pickled on the way in is the
+layout's job: its spec and study name) and the child starts with what the caller imported and the
+trace mode's cache as the caller left it. Each child tunes the layouts it is handed, in order of
+the candidates, and sends its progress (attempts, trials, phases) to the caller, which calls the
+caller's callbacks in its own process, a phase named by its layout; a child's result comes back as
+a `TuneResult`. An error in a child is raised in the caller as the child raised it (its traceback
+attached), and a child that dies stops the tune with that said: no wait is silent.
 
 Only an estimate's runners may run side by side (`EstimateRunner`: nothing executed, nothing
 timed): a device's trials run on the device, one at a time, and a timed one would time its
@@ -22,6 +22,7 @@ from __future__ import annotations
 import multiprocessing
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,8 +205,6 @@ def tune_side_by_side(
 
 
 def _result_of(future: Future[TuneResult]) -> TuneResult:
-    from concurrent.futures.process import BrokenProcessPool
-
     try:
         return future.result()
     except BrokenProcessPool as error:
