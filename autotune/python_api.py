@@ -128,13 +128,21 @@ def tune(
 
 
 def estimate(
-    spec: SpecLike, *, gpu: str, storage_url: str = "sqlite://", trials: int | None = None
+    spec: SpecLike,
+    *,
+    gpu: str,
+    storage_url: str = "sqlite://",
+    trials: int | None = None,
+    processes: int = 1,
 ) -> TuneResult:
     """`tune` for a named GPU without running a step: traced on fake tensors, any model size,
-    speed by roofline. Needs a spec (a model that can be rebuilt on fake tensors).
+    speed by roofline. Needs a spec (a model that can be rebuilt on fake tensors). With
+    `sharding: auto`, `processes` layouts are tuned at a time, each in a forked process
+    (`tune --estimate --processes`).
 
     Raises:
         SpecError: a live module, or an invalid spec.
+        ValueError: `processes` < 1.
     """
     if isinstance(spec, nn.Module):
         raise SpecError("estimate: needs a spec (a model it can rebuild on fake tensors)")
@@ -151,8 +159,10 @@ def estimate(
         budget = budget_for(named, layout.training.world_size)
         return EstimateRunner(layout, gpu=budget, allocator_config=allocator_config)
 
+    if processes < 1:
+        raise ValueError(f"processes must be >= 1, got {processes}")
     if resolved.training.sharding is Sharding.AUTO:
-        return _tune_layouts(resolved, open_layout, storage_url, trials)
+        return _tune_layouts(resolved, open_layout, storage_url, trials, processes=processes)
     return tune_session(open_layout(resolved), storage_url=storage_url, n_trials=trials)
 
 
@@ -162,9 +172,11 @@ def _tune_layouts(
     storage_url: str,
     trials: int | None,
     seconds_per_trial: float = 1.0,
+    processes: int = 1,
 ) -> TuneResult:
     """`sharding: auto`: every layout valid for the topology tuned on a runner of its own, the
-    fastest recommended, every layout's outcome in `.layouts` (as the tune command)."""
+    fastest recommended, every layout's outcome in `.layouts` (as the tune command); an
+    estimate's `processes` at a time."""
     from autotune.engine.layout_tuning import tune_layouts
     from autotune.engine.probe import FitTracer
 
@@ -177,6 +189,7 @@ def _tune_layouts(
         storage_url=storage_url,
         n_trials=trials,
         target_seconds=seconds_per_trial,
+        processes=processes,
     )
 
 

@@ -98,13 +98,19 @@ def test_estimate_needs_a_spec() -> None:
         autotune.estimate(nn.Linear(2, 2), gpu="T4")  # type: ignore[arg-type]
 
 
+def test_estimate_needs_a_process_at_least() -> None:
+    with pytest.raises(ValueError, match="processes must be >= 1, got 0"):
+        autotune.estimate({"model": {"preset": "mlp"}}, gpu="T4", processes=0)
+
+
 @pytest.mark.e2e  # 28 s in a clean clone's make test: every layout estimated twice
 def test_estimate_with_sharding_auto_chooses_the_fastest_of_the_layouts_estimated_alone(
     tmp_path: Path,
 ) -> None:
     """`sharding: auto` in the Python API runs every layout valid for the topology, as the tune
-    command does: each layout's outcome is what estimating that layout alone gives, and the
-    recommendation is the fastest's, naming it."""
+    command does (here two at a time, each in a process of its own): each layout's outcome is
+    what estimating that layout alone gives, and the recommendation is the fastest's, naming
+    it."""
     training = {
         "input_shape": [1024],
         "precision": "bf16",
@@ -114,7 +120,8 @@ def test_estimate_with_sharding_auto_chooses_the_fastest_of_the_layouts_estimate
     }
     model = {"factory": "tests.autotune_tests.factories:linear_stack_4k"}
     auto = {"model": model, "training": {**training, "sharding": "auto"}}
-    result = autotune.estimate(auto, gpu="T4", storage_url=f"sqlite:///{tmp_path / 'auto.db'}")
+    url = f"sqlite:///{tmp_path / 'auto.db'}"
+    result = autotune.estimate(auto, gpu="T4", storage_url=url, processes=2)
     assert result.spec.training.sharding is Sharding.AUTO
     alone: dict[Sharding, float] = {}
     for layout in result.layouts:
