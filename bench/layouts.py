@@ -97,9 +97,14 @@ def run_cell(name: str, trials: int | None, storage_url: str, processes: int) ->
     def on_layout(sharding: Sharding, index: int, count: int) -> None:
         layout_started.append((sharding.value, time.process_time()))
         # A 70B cell's layouts take minutes each: say which one is running.
+        # Side by side this process only relays: the wall clock says how far the cell is.
+        so_far = (
+            f"{time.process_time() - cpu_started:.0f} CPU s"
+            if processes == 1
+            else f"{time.monotonic() - started:.0f} s of wall"
+        )
         print(  # noqa: T201 (a script's progress)
-            f"  layout {index + 1} of {count}: {sharding.value}"
-            f" ({time.process_time() - cpu_started:.0f} CPU s so far)",
+            f"  layout {index + 1} of {count}: {sharding.value} ({so_far} so far)",
             file=sys.stderr,
             flush=True,
         )
