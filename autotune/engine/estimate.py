@@ -687,16 +687,14 @@ class EstimateRunner:
         # Before the first forward a step makes all of its micro-batches and sums their item
         # counts (`TrainingStep.run`, `accumulate_gradients`), so a middle micro-step is its
         # batch's making and counting, and the kernels between two ends. Its count is added to
-        # the sum of the counts before it: a count's add to a count (a tensor's to a tensor,
-        # where a count is one), as in the step's sum past its first batch.
+        # the sum of the counts before it, a count like it (a tensor's add to a tensor where a
+        # count is one), as in the step's sum past its first batch.
         runner = self._any_runner
         making = KernelTimes(self.gpu, self.assumptions, tf32)
-        with self._mode:
+        with self._mode, making:
             batch = runner.workload.make_batch(key.micro_batch, runner.device.torch_device)
-            counted = 0 + runner.workload.num_items(batch)
-            with making:
-                batch = runner.workload.make_batch(key.micro_batch, runner.device.torch_device)
-                _ = counted + runner.workload.num_items(batch)
+            count = runner.workload.num_items(batch)
+            _ = count + count
         return _StepTimes(times.total_s, making.time_s + times.middle_s, times.micro_steps)
 
     def _timed_step(self, runner: InProcessRunner, key: _TrialKey, times: KernelTimes) -> None:

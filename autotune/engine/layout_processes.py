@@ -152,14 +152,15 @@ def tune_side_by_side(
 
     # The layout whose progress was reported last: an attempt or a trial of another one is
     # preceded by a phase naming it, so that interleaved lines say whose they are.
-    last: list[int | None] = [None]
+    last: int | None = None
 
     def report(event: tuple[Any, ...]) -> None:
+        nonlocal last
         kind, index, *rest = event
-        if kind in ("attempt", "trial") and last[0] != index and on_phase is not None:
+        if kind in ("attempt", "trial") and last != index and on_phase is not None:
             on_phase(f"{names[index]}:", None)
         if kind != "layout":
-            last[0] = index
+            last = index
         if kind == "layout" and on_layout is not None:
             sharding, count = rest
             on_layout(sharding, index, count)
