@@ -640,9 +640,9 @@ class EstimateRunner:
     def _timed_micro_steps(self, accumulation_steps: int, checkpointed_blocks: int | None) -> int:
         """How many micro-steps the speed pass of a step of `accumulation_steps` traces: 3 (a
         first, a middle and a last), or as many as its trial traces where the layer replay
-        traces the trial's step at its length (a rank of several, whose last micro-step
-        synchronises or whose every micro-step reduces its gradients: up to
-        `_TRACED_ACCUMULATION`), so that one trace serves both (`_timed_along`)."""
+        traces the trial's step at its length (a DDP rank, whose last micro-step
+        synchronises: up to `_TRACED_ACCUMULATION`), so that one trace serves both
+        (`_timed_along`)."""
         replay = self._replay_of(checkpointed_blocks)
         if replay is not None and not replay.writes_out_micro_steps:
             return min(accumulation_steps, _TRACED_ACCUMULATION)
@@ -753,7 +753,7 @@ class EstimateRunner:
         """A measurement's trial, tracing its step's speed pass along where it can: on one
         rank the trial of a step of 3 micro-steps or more traces the shallow step of 3 its
         speed pass traces (`autotune.engine.replay.microstep_replay`), fewer the same few; a
-        rank of several traces up to `_TRACED_ACCUMULATION` for both (`_timed_micro_steps`).
+        DDP rank traces up to `_TRACED_ACCUMULATION` for both (`_timed_micro_steps`).
         So one trace serves both (`LayerReplay.timed_along`). Only once warm, where a speed
         pass is kept, and when neither was traced before (the trial's journal may be known:
         the pass then traces its own)."""

@@ -53,6 +53,7 @@ from autotune.core.gpus.roofline import RooflineAssumptions
 from autotune.core.memory.allocator import AllocatorOutOfMemory, CachingAllocator
 from autotune.core.memory.allocator_config import AllocatorConfig
 from autotune.core.memory.gradient_buckets import BucketTensor
+from autotune.core.memory.optimizer_states import FSDP2_SHARDINGS
 from autotune.core.memory.resident_placement import ResidentPlacement, TrialStart
 from autotune.core.parallel.layouts import ModelParameters
 from autotune.core.schemas import OOM_OP_MAX, OomDetail, Phase, Sharding, Spec, StepOutcome
@@ -848,11 +849,11 @@ class LayerReplay:
         self._warm = False
         self._journals: dict[_ShallowKey, _ShallowJournal] = {}
         # A step of more micro-steps than `TRACED_MICRO_STEPS` is written out from one of that
-        # many (`autotune.engine.replay.microstep_replay`) on one rank; DDP's and FSDP2's ranks
-        # trace
-        # theirs (their last micro-step synchronises, or each reduces its gradients). Where
-        # each unit of the traced step starts: a batch's making, its count, a micro-step.
-        self._microstep_replay = (
+        # many (`autotune.engine.replay.microstep_replay`) on one rank and on FSDP2's ranks
+        # (every micro-step reduce-scatters its gradients; what only the last does comes
+        # after it); DDP's ranks trace theirs (their last micro-step synchronises, inside it).
+        # Where each unit of the traced step starts: a batch's making, its count, a micro-step.
+        self._microstep_replay = spec.training.sharding in FSDP2_SHARDINGS or (
             spec.training.world_size == 1 and spec.training.sharding is Sharding.NONE
         )
         self._unit_starts: tuple[list[int], ...] | None = None

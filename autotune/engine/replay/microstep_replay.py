@@ -4,24 +4,28 @@ three, as the layer replay writes a deep model out from a shallow one
 
 A step of G micro-steps makes its G micro-batches, counts their items, then runs G micro-steps
 (`autotune.engine.training.step.TrainingStep.run`): the first allocates the gradients, the
-others add theirs into them, and on one rank nothing tells the last from the middle ones. So
-every part of the step that runs once per micro-step (a batch's making, its counting, a
-micro-step) is a unit repeated G times, and a step traced at `TRACED_MICRO_STEPS` (a first, a
-middle and a last copy of each unit) shows what every middle copy does. `write_out` repeats the
-middle copy G - 2 times in the journal (`autotune.engine.emulation.layer_journal`; none for
-G = 2, the first and the last copy), which the
-layer replay then writes out for the deep model and replays through the allocator model.
+others add theirs into them, and on one rank nothing tells the last from the middle ones; on an
+FSDP2 rank every micro-step reduce-scatters its gradients, and what only the last does (FSDP2's
+end of the backward) comes after it. So every part of the step that runs once per micro-step (a
+batch's making, its counting, a micro-step) is a unit repeated G times, and a step traced at
+`TRACED_MICRO_STEPS` (a first, a second and a last copy of each unit) shows what every copy
+past the first does. `write_out` writes each unit as its first copy, its second, and its last
+G - 2 times (none for G = 2) in the journal (`autotune.engine.emulation.layer_journal`), which
+the layer replay then writes out for the deep model and replays through the allocator model.
 
 The rule, and what is checked before it is trusted:
 
 * the journal's units are where the traced step's marks say (`StepMarks`: where each batch's
   making, each count and each micro-step starts); each kind's copies are back to back, the last
-  as long as the middle one;
-* the middle and the last copy are one copy: the same allocations, ops and phases in the same
+  as long as the second;
+* the second and the last copy are one copy: the same allocations, ops and phases in the same
   order, and each reference to an allocation (a free, a gradient's completion) names the same
-  position of the same kind of copy: its own, the previous one or the first (the middle copy's
-  previous is the first; the last copy's reference says which), or the same event outside the
-  units; the first copy names no later copy;
+  position of the same kind of copy (its own or the first), or the same event outside the
+  units, but where the second names the first and the last names its previous (the second):
+  there the positions may differ, the first copy being laid out apart (an FSDP2 rank's first
+  micro-step allocates its sharded gradients). So the last copy is what every copy past the
+  second does after a copy like the second, and the second, as long, stands where the last
+  does in a step of 2; no copy names a later copy;
 * outside the units an event names the first or the last copy, or every copy of a kind in turn
   (the micro-batches freed together after the step: a fan), written out over every deep copy.
 
@@ -36,10 +40,11 @@ from typing import Any
 
 from autotune.engine.emulation.layer_journal import REFERENCES, NotReplayable
 
-# The micro-steps a step is traced at to be written out for more: a first, a middle and a last.
+# The micro-steps a step is traced at to be written out for more: a first, a second and a last.
 TRACED_MICRO_STEPS = 3
 
-# How a copy's reference names a copy of a unit: its own, the one before it, the first.
+# How a copy's reference names a copy of a unit: its own, the one before it (the last's), the
+# first (the second's previous is the first).
 _SAME, _PREVIOUS, _FIRST = "same", "previous", "first"
 
 
@@ -94,9 +99,8 @@ def write_out(
     journal: Sequence[tuple[Any, ...]], marks: StepMarks, accumulation_steps: int
 ) -> list[tuple[Any, ...]]:
     """The journal of the same step with `accumulation_steps` (2 or more) micro-steps instead
-    of `TRACED_MICRO_STEPS` (module docstring): each unit's first copy, its middle copy
-    `accumulation_steps` - 2 times, its last; references renumbered (with 2, the last copy's
-    reference to the previous copy names the first, as the middle copy's does).
+    of `TRACED_MICRO_STEPS` (module docstring): each unit's first copy, its second, its last
+    `accumulation_steps` - 2 times (each a middle copy but the last); references renumbered.
 
     Raises:
         NotReplayable: the journal does not have the structure the rule needs.
@@ -113,8 +117,8 @@ def write_out(
 
     def named(record: tuple[Any, ...], copy: int) -> tuple[Any, ...]:
         """A record of copy `copy` with its reference as (relation, unit, position), or the
-        event outside the units it names; the relation of a middle copy's reference to the
-        first copy is left open (None: the previous or the first)."""
+        event outside the units it names. The second copy's previous is the first: its
+        references to the first are named so (deep, too, its previous is the first)."""
         if record[0] not in REFERENCES:
             return record
         target = where.get(record[1])
@@ -124,40 +128,38 @@ def write_out(
         if other > copy:
             raise NotReplayable("a copy names a later copy")
         if other == copy:
-            relation: str | None = _SAME
-        elif copy == 2:
-            relation = _PREVIOUS if other == 1 else _FIRST
+            relation = _SAME
+        elif other == copy - 1 and copy == 2:
+            relation = _PREVIOUS
         else:
-            relation = None  # the middle copy naming the first: previous or first, as the last
+            relation = _FIRST
         return (record[0], relation, unit, position, *record[2:])
 
-    # The middle copy's records, named, with each open relation settled by the last copy's.
-    middles: list[list[tuple[Any, ...]]] = []
-    lasts: list[list[tuple[Any, ...]]] = []
+    # Each unit's copies as templates: the first, the second, the last (which every middle
+    # copy past the second repeats: the check below).
+    templates: list[tuple[list[tuple[Any, ...]], ...]] = []
     for number, unit in enumerate(units):
-        (first_start, first_end), (start, end), (last_start, last_end) = unit.copies
-        for event in range(first_start, first_end):
-            record = journal[event]
-            if record[0] in REFERENCES and where.get(record[1], (0, 0))[1] > 0:
-                raise NotReplayable(f"event {event}: the first copy names a later copy")
-        middle = [named(journal[event], 1) for event in range(start, end)]
-        last = [named(journal[event], 2) for event in range(last_start, last_end)]
-        for position, (mine, theirs) in enumerate(zip(middle, last, strict=True)):
+        first, second, last = (
+            [named(journal[event], copy) for event in range(start, end)]
+            for copy, (start, end) in enumerate(unit.copies)
+        )
+        for mine, theirs in zip(second, last, strict=True):
             if mine == theirs:
                 continue
+            # The second copy names the first where the last names its previous (the
+            # second); the first's events may stand elsewhere in it (a rank of several's first
+            # micro-step allocates what the others do not: FSDP2's sharded gradients).
             if (
-                mine[0] in REFERENCES
-                and mine[1] is None
-                and theirs[1] in (_PREVIOUS, _FIRST)
-                and mine[2:] == theirs[2:]
+                mine[0] == theirs[0]
+                and mine[0] in REFERENCES
+                and mine[1] == _FIRST
+                and theirs[1] == _PREVIOUS
+                and mine[2] == theirs[2]
+                and mine[4:] == theirs[4:]
             ):
-                middle[position] = theirs
                 continue
-            raise NotReplayable(f"the middle and last copies differ in unit {number}")
-        if any(record[0] in REFERENCES and record[1] is None for record in middle):
-            raise NotReplayable(f"unit {number}: a reference the last copy does not settle")
-        middles.append(middle)
-        lasts.append(last)
+            raise NotReplayable(f"the second and last copies differ in unit {number}")
+        templates.append((first, second, last))
 
     copies = accumulation_steps
     out: list[tuple[Any, ...]] = []
@@ -176,12 +178,8 @@ def write_out(
     while event < len(journal):
         if next_unit < len(units) and event == units[next_unit].start:
             unit = units[next_unit]
-            first_start, first_end = unit.copies[0]
             for deep in range(copies):
-                if deep == 0:
-                    template = [named(journal[e], 0) for e in range(first_start, first_end)]
-                else:
-                    template = lasts[next_unit] if deep == copies - 1 else middles[next_unit]
+                template = templates[next_unit][min(deep, 2)]
                 for position, item in enumerate(template):
                     placed[(next_unit, deep, position)] = len(out)
                     if item[0] not in REFERENCES:

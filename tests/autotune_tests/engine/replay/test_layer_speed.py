@@ -179,17 +179,20 @@ def _warm_runners(spec: Spec) -> tuple[EstimateRunner, EstimateRunner, EstimateR
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("sharding", ["none", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize(
+    ("sharding", "traced_at_most"), [("none", 5), ("zero1", 5), ("zero2", 3), ("zero3", 3)]
+)
 def test_a_rank_of_several_times_the_step_its_trial_traces(
     sharding: str,
+    traced_at_most: int,
     traced_micro_steps: list[int],  # noqa: F811
 ) -> None:
-    # A rank of several traces its trial's step at its length, up to 5 micro-steps (its last
-    # synchronises the gradients, or each reduces them), and its speed pass traces as many,
-    # so a measurement traces one step for both. Its compute time is the one another runner's
-    # speed pass traced apart finds, to the bit, and the whole model's speed pass of 3
-    # micro-steps to rounding. Full fine-tuning with AdamW: a ZeRO-1 rank's optimizer kernels
-    # run over its partition.
+    # A DDP rank traces its trial's step at its length, up to 5 micro-steps (its last
+    # synchronises the gradients), an FSDP2 rank up to 3 (written out for more), and the
+    # speed pass traces as many, so a measurement traces one step for both. Its compute time
+    # is the one another runner's speed pass traced apart finds, to the bit, and the whole
+    # model's speed pass of 3 micro-steps to rounding. Full fine-tuning with AdamW: a ZeRO-1
+    # rank's optimizer kernels run over its partition.
     spec = _spec(
         _config("llama", 8), lora=False, optimizer="adamw", world_size=2, sharding=sharding
     )
@@ -198,13 +201,13 @@ def test_a_rank_of_several_times_the_step_its_trial_traces(
     for micro_batch, accumulation in ((2, 2), (1, 7)):
         traced_micro_steps.clear()
         measured = along.measure(micro_batch, accumulation, target_seconds=1.0, **settings)
-        assert traced_micro_steps == [min(accumulation, 5)]
+        assert traced_micro_steps == [min(accumulation, traced_at_most)]
         trial = apart.trial(micro_batch, accumulation, **settings)
         _the_same(along.trial(micro_batch, accumulation, **settings), trial)
         assert measured is not None and measured.peak_bytes == trial.peak_bytes
         traced_micro_steps.clear()
         compute_s = apart.step_time_s(micro_batch, accumulation, **settings)
-        assert traced_micro_steps == [min(accumulation, 5)]
+        assert traced_micro_steps == [min(accumulation, traced_at_most)]
         assert measured.compute_time_s == compute_s
         assert compute_s == pytest.approx(
             whole.step_time_s(micro_batch, accumulation, **settings), rel=RELATIVE
@@ -213,17 +216,22 @@ def test_a_rank_of_several_times_the_step_its_trial_traces(
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("lora", [True, False])
+@pytest.mark.parametrize(
+    ("lora", "ranks"),
+    [(True, {}), (False, {}), (True, {"world_size": 2, "sharding": "zero3"})],
+)
 def test_the_fewest_blocks_search_traces_the_step_its_measurement_then_answers(
     lora: bool,
+    ranks: dict[str, Any],
     traced_micro_steps: list[int],  # noqa: F811
 ) -> None:
     # The tuner's fewest-blocks search (trials of 2 micro-steps at several counts), then the
     # count it found measured at 16 micro-steps: the search traces the shallow step of 3 once,
     # its speed pass along, and the measurement traces nothing. Another runner measures
     # alone (its trial's step timed as it is traced): the same peak and time to the bit; the
-    # search's trials are the whole model's traced at 2 micro-steps.
-    spec = _spec(_config("llama", 12), lora=lora, optimizer="adamw")
+    # search's trials are the whole model's traced at 2 micro-steps. On one rank and on an
+    # FSDP2 rank of two.
+    spec = _spec(_config("llama", 12), lora=lora, optimizer="adamw", **ranks)
     searched, alone, whole = _warm_runners(spec)
     settings: dict[str, Any] = {"checkpointing": True}
     # Counts 6 and 7 share a shallow step (4 of 8 layers checkpointed), 9 has its own; the

@@ -121,20 +121,53 @@ def test_every_partial_checkpointing_trial_of_many_micro_steps_is_the_whole_trac
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("sharding", ["none", "zero3"])
-def test_several_ranks_trace_every_micro_step(
-    sharding: str, traced_micro_steps: list[int]
+@pytest.mark.parametrize(
+    ("sharding", "ranks"),
+    [
+        ("zero2", {"world_size": 2}),
+        ("zero3", {"world_size": 2}),
+        ("hybrid", {"nodes": 2, "gpus_per_node": 2}),
+    ],
+)
+def test_an_fsdp2_rank_s_step_written_out_is_the_journal_of_the_step_traced_whole(
+    sharding: str, ranks: dict[str, int]
 ) -> None:
-    # DDP's last micro-step synchronises and FSDP2's ranks reduce every micro-step's
-    # gradients: their steps are traced at their length (at most 5), as before.
+    # Each micro-step reduce-scatters its gradients, so the last runs as a middle one; its
+    # first allocates the sharded gradients, so the second names the first's events at other
+    # positions than a middle one names its previous's.
+    runner = EstimateRunner(
+        _spec(9, lora=True, sharding=sharding, **ranks), capacity_bytes=800 * MiB
+    )
+    replay = runner._replay
+    assert replay is not None and replay.writes_out_micro_steps
+    assert runner.warm_up(checkpointing=True).fits
+    for checkpointing in (False, True):
+        traced = replay._journal(1, TRACED_MICRO_STEPS, checkpointing, None)
+        assert traced.marks is not None
+        for accumulation in (2, 4, 7):
+            whole = replay._journal(1, accumulation, checkpointing, None).journal
+            assert write_out(traced.journal, traced.marks, accumulation) == whole
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("sharding", "replay_traces"), [("none", 5), ("zero3", 3)])
+def test_ddp_ranks_trace_every_micro_step_and_fsdp2_ranks_write_theirs_out(
+    sharding: str, replay_traces: int, traced_micro_steps: list[int]
+) -> None:
+    # DDP's last micro-step synchronises, inside it: its steps are traced at their length (at
+    # most 5). FSDP2's are written out from 3, and answer as the whole model's trace of 5.
     spec = _spec(8, lora=True, world_size=2, sharding=sharding)
     replayed = EstimateRunner(spec, capacity_bytes=64 * MiB)
     traced = EstimateRunner(spec, capacity_bytes=64 * MiB, layer_replay=False)
     assert replayed.layer_replay
     _the_same(replayed.warm_up(), traced.warm_up())
-    traced_micro_steps.clear()
-    _the_same(replayed.trial(1, 64), traced.trial(1, 64))
-    assert traced_micro_steps == [5, 5]  # the replay's shallow step, the whole model's
+    for micro_batch, accumulation in ((1, 64), (2, 4)):
+        traced_micro_steps.clear()
+        _the_same(
+            replayed.trial(micro_batch, accumulation), traced.trial(micro_batch, accumulation)
+        )
+        assert traced_micro_steps == [min(replay_traces, accumulation), min(5, accumulation)]
+    assert replayed.layer_replay
 
 
 # A made-up step: (ALLOC, nbytes, context, tag, phase, category), (FREE, allocation, context),
@@ -167,6 +200,34 @@ def _made_up(copies: int, *, last_frees_previous: bool = False) -> list[tuple[An
     return journal
 
 
+def _keeping_previous(copies: int) -> tuple[list[tuple[Any, ...]], StepMarks]:
+    """A made-up step whose micro-steps each free the previous one's activation (the first's
+    after its gradient, which the others do not allocate: its activation stands elsewhere in
+    it), the last's freed after the step; with its marks."""
+    journal: list[tuple[Any, ...]] = [(ALLOC, 512, -1, -1, "f", 1)]
+    batches = []
+    for _ in range(copies):
+        batches.append(len(journal))
+        journal += [(ALLOC, 64, -1, -1, "f", 0), (OP, -1, -1, "f", True, "randint")]
+    starts = []
+    gradient = previous = -1
+    for copy in range(copies):
+        starts.append(len(journal))
+        if copy == 0:
+            gradient = len(journal)
+            journal += [(ALLOC, 32, 0, 0, "b", 0), (GRAD, len(journal), 0, 0)]
+        activation = len(journal)
+        journal += [(ALLOC, 128, 0, 0, "f", 0), (OP, 0, 0, "f", True, "mm")]
+        if copy > 0:
+            journal += [(OP, 0, 0, "b", False, "add_"), (GRAD, gradient, 0, 0)]
+            journal.append((FREE, previous, 0))
+        previous = activation
+    journal.append((FREE, previous, -1))
+    journal += [(FREE, batch, -1) for batch in reversed(batches)]
+    journal.append((FREE, gradient, -1))
+    return journal, StepMarks((tuple(range(1, 1 + 2 * copies, 2)), tuple(starts)))
+
+
 def _marks_of(journal: list[tuple[Any, ...]], copies: int) -> StepMarks:
     micro_steps = [i for i, r in enumerate(journal) if r[0] == ALLOC and r[1] == 128]
     return StepMarks((tuple(range(1, 1 + 2 * copies, 2)), tuple(micro_steps[:copies])))
@@ -176,6 +237,14 @@ def test_a_made_up_step_is_written_out_for_any_count_of_micro_steps() -> None:
     traced = _made_up(TRACED_MICRO_STEPS)
     for copies in (3, 4, 9):
         assert write_out(traced, _marks_of(traced, 3), copies) == _made_up(copies)
+
+
+def test_a_step_whose_first_micro_step_is_laid_out_apart_is_written_out() -> None:
+    # The second micro-step frees the first's activation at another position than a middle
+    # one frees its previous's; the step of 2 is the first and the second.
+    traced, marks = _keeping_previous(TRACED_MICRO_STEPS)
+    for copies in (2, 3, 4, 9):
+        assert write_out(traced, marks, copies) == _keeping_previous(copies)[0]
 
 
 def test_what_the_rule_cannot_vouch_for_is_not_replayable() -> None:
