@@ -6,11 +6,12 @@ traced model of its own), and the layouts share nothing but the trace mode's cac
 several cores they can run at once. The children are forked from the caller, so a layout's runner
 is opened in its child by the caller's own `open_layout` (what is pickled on the way in is the
 layout's job: its spec and study name) and the child starts with what the caller imported and the
-trace mode's cache as the caller left it. Each child tunes the layouts it is handed, in order of
-the candidates, and sends its progress (attempts, trials, phases) to the caller, which calls the
-caller's callbacks in its own process, a phase named by its layout; a child's result comes back as
-a `TuneResult`. An error in a child is raised in the caller as the child raised it (its traceback
-attached), and a child that dies stops the tune with that said: no wait is silent.
+trace mode's cache as the caller left it. The layouts are handed out the longest first (FSDP2's
+sharded layouts, then DDP's: `_longest_first`), and each child sends its progress (attempts,
+trials, phases) to the caller, which calls the caller's callbacks in its own process, a phase
+named by its layout; a child's result comes back as a `TuneResult`. An error in a child is
+raised in the caller as the child raised it (its traceback attached), and a child that dies
+stops the tune with that said: no wait is silent.
 
 Only an estimate's runners may run side by side (`EstimateRunner`: nothing executed, nothing
 timed): a device's trials run on the device, one at a time, and a timed one would time its
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from autotune.core.memory.optimizer_states import FSDP2_SHARDINGS
 from autotune.core.parallel.layout_choice import LAYOUT_NAMES
 from autotune.core.schemas import Sharding, Spec, StepOutcome, Trial, TuneResult
 from autotune.engine.probe import AttemptCallback, FitTracer, PhaseCallback
@@ -189,7 +191,7 @@ def tune_side_by_side(
     results: dict[int, TuneResult] = {}
     try:
         futures: dict[Future[TuneResult], int] = {
-            pool.submit(_tune_in_child, job, len(jobs)): job.index for job in jobs
+            pool.submit(_tune_in_child, job, len(jobs)): job.index for job in _longest_first(jobs)
         }
         pending = set(futures)
         while pending:
@@ -203,6 +205,17 @@ def tune_side_by_side(
         raise
     pool.shutdown()
     return [results[job.index] for job in jobs]
+
+
+def _longest_first(jobs: Sequence[LayoutJob]) -> list[LayoutJob]:
+    """The jobs in the order they are handed out: FSDP2's layouts (ZeRO-2, ZeRO-3, hybrid)
+    first, then DDP's, each kind in the candidates' order. An FSDP2 layout's tune takes the
+    longer (it builds and warms two sharded models, FSDP2's parameters and DTensor's optimizer
+    dispatch among its costs: the Llama-3-8B LoRA 1 x 8 cell's ZeRO-3 tune 41 CPU s against
+    DDP's 31), so the process that ends last ends on a short one: of a 4 x 8 cell's five
+    layouts on two processes, the last no longer runs alone for most of its tune
+    (docs/design.md#choosing-the-layout)."""
+    return sorted(jobs, key=lambda job: job.spec.training.sharding not in FSDP2_SHARDINGS)
 
 
 def _result_of(future: Future[TuneResult]) -> TuneResult:

@@ -88,6 +88,9 @@ def test_layouts_side_by_side_answer_as_one_at_a_time(tmp_path: Path) -> None:
     assert len(side_by_side.layouts) == 4
     # The same progress, reported here: every layout once, the same attempts and trials.
     assert sorted(side.layouts) == sorted(alone.layouts)
+    # The longest first: FSDP2's two layouts start the two processes, DDP's follow.
+    assert [sharding for sharding, _, _ in alone.layouts][:2] == [Sharding.NONE, Sharding.ZERO1]
+    assert {sharding for sharding, _, _ in side.layouts[:2]} == {Sharding.ZERO2, Sharding.ZERO3}
     assert Counter(side.attempts) == Counter(alone.attempts)
     assert Counter(side.trials) == Counter(alone.trials)
     # Every phase names its layout (interleaved lines say whose they are).
