@@ -52,6 +52,7 @@ from autotune.core.throughput import Measurement
 from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.emulation.layer_journal import NotReplayable
 from autotune.engine.kernel_times import KernelTimes, SpeedPass
+from autotune.engine.replay.layer_plan import shared_shallow_blocks
 from autotune.engine.replay.layer_replay import PARTIAL_TRACED_LAYERS, LayerReplay, replay_depth
 from autotune.engine.replay.layer_speed import LayerKernelTimes, step_times_s
 from autotune.engine.runner import InProcessRunner
@@ -563,12 +564,17 @@ class EstimateRunner:
             # of 3 (`_timed_along`), which the search's counts mostly share (`partial_plan`):
             # so the search traces that step, with its speed pass along, and writes it out
             # for 2 (`LayerReplay.trial`). The measurement then traces nothing. (A measurement
-            # of 2 micro-steps times its own step along already.)
+            # of 2 micro-steps times its own step along already.) A count near either end has
+            # a shallow step of its own, and the search reaches such counts mostly on its way
+            # to checkpointing every block, where nothing partial is measured: their trials
+            # trace their 2.
             ahead = (
                 replay is self._partial
                 and key.accumulation_steps == 2
                 and replay.writes_out_micro_steps
                 and not replay.timing_along
+                and replay.plan(key.checkpointed_blocks)[1]
+                == shared_shallow_blocks(replay.traced_layers)
             )
             try:
                 with (

@@ -142,4 +142,12 @@ def partial_plan(traced_layers: int, depth: int, checkpointed: int) -> tuple[Lay
     return runs_plan(traced, deep), 1 + traced[0]
 
 
-__all__ = ["LayerPlan", "partial_plan", "runs_plan", "uniform_plan"]
+def shared_shallow_blocks(traced_layers: int) -> int:
+    """The traced model's checkpointed layers of the shallow step most counts share: the one
+    of every count whose two deep runs are both longer than a run traced whole
+    (`partial_plan`); a count near either end has a shallow step of its own."""
+    middle = traced_layers - 2
+    return 1 + middle // 2
+
+
+__all__ = ["LayerPlan", "partial_plan", "runs_plan", "shared_shallow_blocks", "uniform_plan"]

@@ -23,7 +23,7 @@ from autotune.engine.emulation.layer_journal import (
     STICKY,
     NotReplayable,
 )
-from autotune.engine.replay.layer_plan import partial_plan, uniform_plan
+from autotune.engine.replay.layer_plan import partial_plan, shared_shallow_blocks, uniform_plan
 from autotune.engine.replay.layer_replay import PARTIAL_TRACED_LAYERS, TRACED_LAYERS, expand
 
 TRACED = PARTIAL_TRACED_LAYERS
@@ -81,6 +81,20 @@ def test_every_partial_plan_maps_each_kind_to_its_kind_and_neighbours_to_neighbo
                     )
             assert (0, traced - 1) in plan.spans and (traced, TRACED - 1) in plan.spans
             assert sum(plan.weights()) == depth
+
+
+def test_every_count_but_the_three_at_each_end_shares_one_shallow_step() -> None:
+    # Of a 32-layer model's counts, 4 to 28 (both runs at least as long as a run traced whole)
+    # share one shallow step; 1 to 3 and 29 to 31 have their own.
+    shared = shared_shallow_blocks(PARTIAL_TRACED_LAYERS)
+    sharing = [
+        blocks
+        for blocks in range(1, 32)
+        if partial_plan(PARTIAL_TRACED_LAYERS, 32, blocks)[1] == shared
+    ]
+    assert sharing == list(range(4, 29))
+    others = {partial_plan(PARTIAL_TRACED_LAYERS, 32, b)[1] for b in (1, 2, 3, 29, 30, 31)}
+    assert len(others) == 6 and shared not in others
 
 
 def test_no_partial_plan_where_there_is_no_partial_checkpointing_or_too_few_layers() -> None:

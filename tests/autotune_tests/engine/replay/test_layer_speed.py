@@ -234,9 +234,10 @@ def test_the_fewest_blocks_search_traces_the_step_its_measurement_then_answers(
     spec = _spec(_config("llama", 12), lora=lora, optimizer="adamw", **ranks)
     searched, alone, whole = _warm_runners(spec)
     settings: dict[str, Any] = {"checkpointing": True}
-    # Counts 6 and 7 share a shallow step (4 of 8 layers checkpointed), 9 has its own; the
-    # first trial builds the partial model and warms it up.
-    for blocks, traced in ((6, [1, 3]), (9, [3]), (7, [])):
+    # Counts 6 and 7 share a shallow step (4 of 8 layers checkpointed), traced at 3 for the
+    # measurement ahead; 9 has its own, and traces its 2. The first trial builds the partial
+    # model and warms it up.
+    for blocks, traced in ((6, [1, 3]), (9, [2]), (7, [])):
         traced_micro_steps.clear()
         trial = searched.trial(4, 2, checkpointed_blocks=blocks, **settings)
         assert traced_micro_steps == traced
