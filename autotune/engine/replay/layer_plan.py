@@ -138,16 +138,21 @@ def partial_plan(traced_layers: int, depth: int, checkpointed: int) -> tuple[Lay
     elif deep[1] <= middle - _SHORTEST_REPEATED:
         traced = (middle - deep[1], deep[1])
     else:
-        traced = (middle // 2, middle - middle // 2)
+        traced = _shared_runs(middle)
     return runs_plan(traced, deep), 1 + traced[0]
+
+
+def _shared_runs(middle: int) -> tuple[int, int]:
+    """The traced runs (checkpointed, plain) of every count whose two deep runs are both longer
+    than a run traced whole: half of the traced model's `middle` layers each."""
+    return (middle // 2, middle - middle // 2)
 
 
 def shared_shallow_blocks(traced_layers: int) -> int:
     """The traced model's checkpointed layers of the shallow step most counts share: the one
     of every count whose two deep runs are both longer than a run traced whole
     (`partial_plan`); a count near either end has a shallow step of its own."""
-    middle = traced_layers - 2
-    return 1 + middle // 2
+    return 1 + _shared_runs(traced_layers - 2)[0]
 
 
 __all__ = ["LayerPlan", "partial_plan", "runs_plan", "shared_shallow_blocks", "uniform_plan"]
