@@ -707,6 +707,7 @@ SPEED_LABELS = (
     "fast-build",
     "machine40",
     "session40",
+    "session42",
 )
 # Read off the profiles below by hand (the "before" one: 416 profiled seconds, from a cProfile
 # of the same case at 88cac00 run apart from the bench, whose own profile's table was garbled).
