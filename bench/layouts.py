@@ -13,7 +13,9 @@ samples (2M tokens) per optimizer step; the search cap is 16 per GPU.
 Cells are named MODEL/MODE/TOPOLOGY (e.g. Llama-3-8B/lora/1x8); each run keeps the committed
 rows of the other cells. `--processes N` tunes N layouts at a time, each in a process of its
 own (`tune --estimate --processes N`); a cell's CPU time is then its processes' together, and
-only one at a time records each layout's. Writes bench/results/layouts.{json,md}.
+only one at a time records each layout's. Each row records this machine's speed too: the CPU
+seconds of one case of `bench/estimator.py --speed` (`MACHINE_CASE`), run once as the script
+starts. Writes bench/results/layouts.{json,md}.
 """
 
 from __future__ import annotations
@@ -80,7 +82,25 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_cell(name: str, trials: int | None, storage_url: str, processes: int) -> dict[str, Any]:
+# What measures this machine's speed: one case of bench/estimator.py's speed part (a whole
+# 8B `tune --estimate`, one core), run once per invocation in a child of its own. The machines
+# these rows were made on differed by 2.5 times in it (its rows in estimator_speed.md), as much
+# as years of the estimate's changes: a cell's seconds are read beside it.
+MACHINE_CASE = "llama8b-lora-tune"
+
+
+def machine_case_cpu_s() -> float:
+    """The CPU seconds of `MACHINE_CASE` on this machine, now."""
+    command = [sys.executable, str(Path(__file__).resolve().parent / "estimator.py")]
+    done = subprocess.run(
+        [*command, "--speed-case", MACHINE_CASE], capture_output=True, text=True, check=True
+    )
+    return round(float(json.loads(done.stdout.strip().splitlines()[-1])["cpu_s"]), 1)
+
+
+def run_cell(
+    name: str, trials: int | None, storage_url: str, processes: int, machine_cpu_s: float
+) -> dict[str, Any]:
     spec = cell_spec(name)
     load = os.getloadavg()[0]
     started = time.monotonic()
@@ -138,6 +158,7 @@ def run_cell(name: str, trials: int | None, storage_url: str, processes: int) ->
         "layout_cpu_s": layout_cpu_s,
         "load_average": [round(load, 1), round(os.getloadavg()[0], 1)],
         "commit": CODE_COMMIT,
+        "machine_case_cpu_s": machine_cpu_s,
         "trials_per_layout": trials,
         "layouts": [
             {
@@ -217,6 +238,17 @@ def _layout_cpu(row: dict[str, Any]) -> str:
     return " CPU by layout: " + ", ".join(f"{k} {v:.1f} s" for k, v in by_layout.items()) + "."
 
 
+def _machine(row: dict[str, Any]) -> str:
+    """How fast the machine was, when recorded: the CPU seconds of `MACHINE_CASE` there."""
+    cpu_s = row.get("machine_case_cpu_s")
+    if cpu_s is None:
+        return ""
+    return (
+        f" The machine's speed: {MACHINE_CASE} of bench/results/estimator_speed.md in "
+        f"{cpu_s:.1f} CPU s."
+    )
+
+
 def _load(row: dict[str, Any]) -> str:
     """The load average as the cell started, and as it ended when recorded."""
     load = row["load_average"]
@@ -246,7 +278,9 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"## {row['cell']} ({row['world_size']} GPUs): chosen {row['chosen']}",
             "",
             f"Estimate: {row['estimate_wall_s']:.0f} s wall, {_cpu(row)} at load average "
-            f"{_load(row)} on commit {row.get('commit', 'not recorded')}." + _layout_cpu(row),
+            f"{_load(row)} on commit {row.get('commit', 'not recorded')}."
+            + _layout_cpu(row)
+            + _machine(row),
             "",
             "| layout | verdict | max micro-batch (plain / ckpt) | best | samples/s per GPU "
             "| samples/s job | tokens/s job | compute s | exposed comm. s | memory per GPU GiB |",
@@ -317,9 +351,15 @@ def main() -> int:
         return 0
     rows = {row["cell"]: row for row in saved["rows"]}
     storage = Path("/tmp") / f"autotune-bench-layouts-{os.getpid()}.db"
+    machine_cpu_s = machine_case_cpu_s()
+    print(  # noqa: T201 (a script's progress)
+        f"this machine: {MACHINE_CASE} in {machine_cpu_s} CPU s", file=sys.stderr, flush=True
+    )
     for name in cells:
         print(f"{name} ...", file=sys.stderr, flush=True)  # noqa: T201 (a script's progress)
-        rows[name] = run_cell(name, args.trials, f"sqlite:///{storage}", args.processes)
+        rows[name] = run_cell(
+            name, args.trials, f"sqlite:///{storage}", args.processes, machine_cpu_s
+        )
         ordered = [rows[n] for n in cell_names() if n in rows]
         meta = {
             **saved.get("meta", {}),
