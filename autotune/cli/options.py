@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 
@@ -98,6 +99,26 @@ def int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], in
 positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
 port_number = int_at_least(0, 65535)
+
+
+# `--processes auto`: as many as may help (`side_by_side_processes`).
+AUTO_PROCESSES = 0
+
+
+def processes_count(text: str) -> int:
+    """`auto` (as `AUTO_PROCESSES`) or a count of at least 1 (argparse type)."""
+    if text.strip().lower() == "auto":
+        return AUTO_PROCESSES
+    return positive_int(text)
+
+
+def side_by_side_processes(layouts: int) -> int:
+    """What `--processes auto` means for an estimate of `layouts` layouts: one process per
+    core this process may run on, up to the layouts, on Linux; one elsewhere, where a child
+    forked from a process that loaded torch is not safe (macOS's system libraries)."""
+    if not sys.platform.startswith("linux"):
+        return 1
+    return max(1, min(layouts, len(os.sched_getaffinity(0))))
 
 
 def _seconds(text: str) -> float:

@@ -1,7 +1,7 @@
 """The `autotune tune` command: probe, search and print the recommendation with export snippets.
 
     autotune tune SPEC [--device cpu|cuda|cuda:N] [--memory SIZE] [--json] [--db URL]
-                       [--trials N] [--seed S] [--processes N]
+                       [--trials N] [--seed S] [--processes N|auto]
 
 The Optuna study lives in the database at `--db` (default: AUTOTUNE_DATABASE_URL, else the
 embedded SQLite file data/autotune.db), so `optuna-dashboard <url>` can open it, and the run is
@@ -33,6 +33,7 @@ from autotune.cli.config_files import (
 from autotune.cli.export_text import add_export_arg, print_exports, print_one_export
 from autotune.cli.fit_advice_text import print_fit_advice
 from autotune.cli.options import (
+    AUTO_PROCESSES,
     Subcommands,
     add_device_args,
     add_expandable_segments_arg,
@@ -43,6 +44,8 @@ from autotune.cli.options import (
     open_runner,
     positive_int,
     positive_seconds,
+    processes_count,
+    side_by_side_processes,
 )
 from autotune.cli.progress import Progress, format_seconds
 from autotune.core.bytesize import format_bytes
@@ -98,13 +101,20 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         return timed_on_its_gpu(open_runner(args, layout))
 
     auto = spec.training.sharding is Sharding.AUTO
-    side_by_side = args.processes > 1
-    if side_by_side and (args.estimate is None or not auto):
+    processes = args.processes
+    if processes > 1 and (args.estimate is None or not auto):
         # A device runs one trial at a time, and a timed step would time its neighbours too.
         raise SpecError(
             "--processes: layouts are tuned side by side only in an estimate of sharding: auto "
             "(--estimate NAME)"
         )
+    if processes == AUTO_PROCESSES:
+        processes = (
+            side_by_side_processes(len(layout_candidates(spec.training)))
+            if args.estimate is not None and auto
+            else 1
+        )
+    side_by_side = processes > 1
     if auto:
         from autotune.engine.layout_tuning import layout_spec
 
@@ -153,7 +163,12 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                     return layout_runner, tracer
                 return progress.runner(layout_runner), tracer
 
-            result = tune_layouts(spec, layout_runner, processes=args.processes, **common)
+            if side_by_side:
+                err.print(
+                    f"{len(layout_candidates(spec.training))} layouts, {processes} at a time, "
+                    "each in a process of its own (--processes 1: one at a time)"
+                )
+            result = tune_layouts(spec, layout_runner, processes=processes, **common)
         else:
             result = tune_session(
                 progress.runner(runner),
@@ -402,10 +417,10 @@ def register(commands: Subcommands) -> None:
     )
     tune.add_argument(
         "--processes",
-        type=positive_int,
-        default=1,
-        metavar="N",
+        type=processes_count,
+        default=AUTO_PROCESSES,
+        metavar="N|auto",
         help="with --estimate and sharding: auto, tune N layouts at a time, each in a process "
-        "of its own (default 1; up to the machine's cores helps)",
+        "of its own (default auto: one per core, up to the layouts, on Linux; 1 elsewhere)",
     )
     tune.set_defaults(func=_cmd_tune)

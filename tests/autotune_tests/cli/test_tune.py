@@ -3,13 +3,18 @@ an indivisible target answered before any trial, where it keeps its files."""
 
 from __future__ import annotations
 
+import argparse
 import io
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
 from autotune.cli.main import main
+from autotune.cli.options import AUTO_PROCESSES, processes_count, side_by_side_processes
 from autotune.cli.tune import print_tune_result
 from autotune.core.schemas import Infeasible
 from tests.api_tests.factories import (
@@ -90,7 +95,7 @@ AUTO_SPEC = (
 
 @pytest.mark.e2e
 @pytest.mark.slow
-@pytest.mark.parametrize("processes", ["1", "2"])
+@pytest.mark.parametrize("processes", ["1", "2", "auto"])
 def test_tune_estimate_with_auto_sharding_prints_the_layouts_and_both_speeds(
     processes: str,
     tmp_path: Path,
@@ -108,14 +113,44 @@ def test_tune_estimate_with_auto_sharding_prints_the_layouts_and_both_speeds(
     argv = ["tune", str(spec), "--estimate", "H100 80GB", "--db", db, "--processes", processes]
     assert main(argv) == 0
     captured = capsys.readouterr()
-    if processes == "2":
+    at_a_time = {"1": 1, "2": 2, "auto": side_by_side_processes(4)}[processes]
+    if at_a_time > 1:
         assert "zero1: probe, checkpointing off" in captured.err
+    said = f"4 layouts, {at_a_time} at a time, each in a process of its own"
+    assert (said in " ".join(captured.err.split())) == (at_a_time > 1)
     out = " ".join(captured.out.split())
     assert "Layouts on 2 GPU(s): the chosen one first" in out
     for name in ("none (DDP):", "zero1:", "zero2:", "zero3 (FSDP full shard):"):
         assert name in out
     assert "Recommendation:" in out and ", layout " in out
     assert "samples/s per GPU" in out and "samples/s for the job of 2 GPUs" in out
+
+
+def test_processes_are_auto_or_a_count_of_at_least_one() -> None:
+    assert processes_count("auto") == processes_count(" AUTO ") == AUTO_PROCESSES
+    assert processes_count("3") == 3
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            processes_count(bad)
+
+
+def test_auto_processes_are_the_cores_this_process_may_use_up_to_the_layouts() -> None:
+    cores = len(os.sched_getaffinity(0))
+    assert side_by_side_processes(1) == 1
+    assert side_by_side_processes(cores + 3) == cores
+    # A process bound to one core tunes one layout at a time, whatever the machine has.
+    bound = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from autotune.cli.options import side_by_side_processes as f; print(f(5))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert bound.stdout.strip() == "1"
 
 
 @pytest.mark.parametrize(
