@@ -166,7 +166,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             if side_by_side:
                 err.print(
                     f"{len(layout_candidates(spec.training))} layouts, {processes} at a time, "
-                    "each in a process of its own (--processes 1: one at a time)"
+                    "each in a process of its own (--processes 1: one at a time)",
+                    soft_wrap=True,
                 )
             result = tune_layouts(spec, layout_runner, processes=processes, **common)
         else:
