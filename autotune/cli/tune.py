@@ -135,7 +135,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     err.print(
         f"tuning [bold]{spec.model.label}[/bold] for global batch "
         f"{target_global_batch} on {info.name} "
-        f"({capacity_text(info)})"
+        f"({capacity_text(info)})",
+        soft_wrap=True,
     )
     progress = Progress(err, speed=speed_label(info))
     common: dict[str, Any] = {
