@@ -36,7 +36,7 @@ from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException
 
 from api.store.db import UNREACHABLE_ERRORS
-from autotune.core.result_check import Violation
+from autotune.core.tuning.result_check import Violation
 
 logger = logging.getLogger(__name__)
 

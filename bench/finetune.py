@@ -38,7 +38,7 @@ from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.gpus.cuda_reserve import budget_for
 from autotune.core.presets import PRESETS, DecoderPreset
 from autotune.core.schemas import Spec
-from autotune.core.search import fewest_fitting
+from autotune.core.search.micro_batch import fewest_fitting
 from autotune.engine.estimate import EstimateRunner
 from autotune.engine.probe import probe_session
 

@@ -54,7 +54,10 @@ class Target:
 TARGETS = {
     # The lease state machine: claim, expiry, renewal, the holder check, a claim's failure.
     "leases": Target("api/store/leases.py", ("tests/api_tests/test_worker_protocol.py",)),
-    "search": Target("autotune/core/search.py", ("tests/autotune_tests/core/test_search.py",)),
+    "search": Target(
+        "autotune/core/search/micro_batch.py",
+        ("tests/autotune_tests/core/search/test_micro_batch.py",),
+    ),
     "tracker": Target(
         "autotune/engine/emulation/tracker.py",
         (

@@ -1,11 +1,11 @@
 """How many real trials the probe's search needs, next to two classic baselines.
 
 For every preset of the zoo, several capacities of the emulated GPU and both checkpointing modes,
-this runs the probe's search (`autotune.core.search.find_max_micro_batch`), plain bisection over
-[1, cap] and doubling-then-bisection (Lightning's `power` then `binsearch`) on the *same* fits
-function: real training steps on the emulated GPU, memoised per micro-batch so every algorithm
-sees identical outcomes and each distinct size costs one real step. It checks that all three
-agree on the answer and writes bench/results/probe_trials.{json,md}.
+this runs the probe's search (`autotune.core.search.micro_batch.find_max_micro_batch`), plain
+bisection over [1, cap] and doubling-then-bisection (Lightning's `power` then `binsearch`) on the
+*same* fits function: real training steps on the emulated GPU, memoised per micro-batch so every
+algorithm sees identical outcomes and each distinct size costs one real step. It checks that all
+three agree on the answer and writes bench/results/probe_trials.{json,md}.
 
     .venv/bin/python bench/probe_trials.py [--quick]
 """
@@ -26,7 +26,7 @@ import torch
 
 from autotune.core.presets import PRESETS
 from autotune.core.schemas import Spec
-from autotune.core.search import StepOutcome, find_max_micro_batch
+from autotune.core.search.micro_batch import StepOutcome, find_max_micro_batch
 from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.runner import InProcessRunner
 

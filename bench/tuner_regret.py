@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from autotune.core.candidates import Candidate, enumerate_candidates
 from autotune.core.schemas import Spec, TrialState
-from autotune.core.throughput import Measurement
+from autotune.core.tuning.candidates import Candidate, enumerate_candidates
+from autotune.core.tuning.throughput import Measurement
 from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.runner import ForwardingRunner, InProcessRunner, TrialRunner
 from autotune.engine.tuner import tune_session

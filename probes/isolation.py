@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from autotune.core.errors import AutotuneError
 from autotune.core.memory.allocator_config import AllocatorConfig, parse_alloc_conf
 from autotune.core.schemas import DeviceInfo, DeviceKind, Spec, StepOutcome
-from autotune.core.throughput import Measurement
+from autotune.core.tuning.throughput import Measurement
 from probes.errors import TrialCrashed, TrialError
 
 if TYPE_CHECKING:

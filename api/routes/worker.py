@@ -14,7 +14,7 @@ from api.deps import ContextDep, WorkerAuth
 from api.errors import InvalidResult
 from api.routes.runs import RunId
 from api.store import leases, results, runstore
-from autotune.core.result_check import check_result
+from autotune.core.tuning.result_check import check_result
 from autotune.remote.protocol import (
     AttemptEvent,
     Claim,

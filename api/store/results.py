@@ -1,9 +1,9 @@
 """What workers store under a lease: streamed attempts and trials, and the final result.
 
 Every function first checks the lease (`api.store.leases.held_run`); under a stale lease nothing is
-written. Streamed attempts and trials are checked as a result is (`autotune.core.result_check`).
-The final result is authoritative: it replaces what was streamed under its lease; its exports
-are rebuilt here from its recommendation and spec.
+written. Streamed attempts and trials are checked as a result is
+(`autotune.core.tuning.result_check`). The final result is authoritative: it replaces what was
+streamed under its lease; its exports are rebuilt here from its recommendation and spec.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from api.store.rowmodels import attempt_row, mode_row, target_of, trial_row
 from api.store.runstore import create_run
 from api.store.tables import AttemptRow, ModeRow, RecommendationRow, RunRow, TrialRow
 from autotune.core.exports import build_exports
-from autotune.core.result_check import Violation, check_attempt, check_trial
 from autotune.core.schemas import Spec, TuneResult
+from autotune.core.tuning.result_check import Violation, check_attempt, check_trial
 from autotune.remote.protocol import (
     AttemptEvent,
     EventAck,

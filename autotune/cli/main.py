@@ -58,7 +58,7 @@ from autotune.core.schemas import (
     Spec,
     StepOutcome,
 )
-from autotune.core.sequence_search import DEFAULT_STEP_TOKENS
+from autotune.core.search.sequence import DEFAULT_STEP_TOKENS
 
 Handler = Callable[[argparse.Namespace], int]
 

@@ -49,7 +49,6 @@ from autotune.cli.options import (
 )
 from autotune.cli.progress import Progress, format_seconds
 from autotune.core.bytesize import format_bytes
-from autotune.core.candidates import indivisible_target
 from autotune.core.defaults import (
     DEFAULT_DATA_DIR,
     ENV_DATABASE_URL,
@@ -61,7 +60,8 @@ from autotune.core.errors import SpecError
 from autotune.core.parallel.layout_choice import LAYOUT_NAMES, layout_candidates
 from autotune.core.recorder import installed_recorders
 from autotune.core.schemas import Infeasible, Sharding, Spec, TuneResult
-from autotune.core.throughput import speed_label
+from autotune.core.tuning.candidates import indivisible_target
+from autotune.core.tuning.throughput import speed_label
 
 if TYPE_CHECKING:
     from autotune.engine.probe import FitTracer

@@ -48,7 +48,7 @@ from autotune.core.schemas import (
     SpeedSource,
     StepOutcome,
 )
-from autotune.core.throughput import Measurement
+from autotune.core.tuning.throughput import Measurement
 from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.emulation.layer_journal import NotReplayable
 from autotune.engine.kernel_times import KernelTimes, SpeedPass

@@ -2,12 +2,12 @@
 micro-batches on fake tensors (`autotune.engine.estimate`), on a model of the device the probe
 runs on.
 
-A real trial costs seconds to minutes on a GPU worker (a child process, the model loaded, a
-warm-up step); a trace of the same step costs no kernel and no memory. Given two traced steps,
-the search (`autotune.core.search`) predicts the answer before any real trial and verifies it
-with two: the answer fits, the next size does not (docs/design.md#cheaper-real-probes). The
-trace is evidence, never an answer: when it disagrees with the trials, the search goes on from
-real fit points, as it would without it.
+A real trial costs seconds to minutes on a GPU worker (a child process, the model loaded, a warm-up
+step); a trace of the same step costs no kernel and no memory. Given two traced steps, the search
+(`autotune.core.search.micro_batch`) predicts the answer before any real trial and verifies it with
+two: the answer fits, the next size does not (docs/design.md#cheaper-real-probes). The trace is
+evidence, never an answer: when it disagrees with the trials, the search goes on from real fit
+points, as it would without it.
 
 A trace that cannot be made (a model that reads tensor values in its step, Adafactor, a factory
 that fails under fake tensors) leaves the probe as it was, with a warning: it only ever costs

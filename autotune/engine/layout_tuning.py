@@ -61,7 +61,7 @@ def tune_layouts(
 
     Raises:
         SpecError: the spec has no `training.target_global_batch`.
-        AssertionError: the result breaks an invariant of `autotune.core.result_check`.
+        AssertionError: the result breaks an invariant of `autotune.core.tuning.result_check`.
     """
     if spec.training.sharding is not Sharding.AUTO:
         raise ValueError(f"tune_layouts is for sharding: auto, not {spec.training.sharding}")

@@ -1,10 +1,10 @@
 """The micro-batch probe: for one spec on one device, the exact largest micro-batch whose full
 training step fits, without and with gradient checkpointing.
 
-It wires the pure search (`autotune.core.search`) to real trials: each `fits(b)` runs one complete
-optimizer step on a `TrialRunner` (`autotune.engine.runner`): in this process, or in a child
-process per trial on a probe worker. Out-of-memory arrives as `fits=False`; nothing here catches
-it.
+It wires the pure search (`autotune.core.search.micro_batch`) to real trials: each `fits(b)` runs
+one complete optimizer step on a `TrialRunner` (`autotune.engine.runner`): in this process, or in a
+child process per trial on a probe worker. Out-of-memory arrives as `fits=False`; nothing here
+catches it.
 """
 
 from __future__ import annotations
@@ -31,7 +31,12 @@ from autotune.core.schemas import (
     StepOutcome,
     TracedFit,
 )
-from autotune.core.search import PeakModel, SearchResult, find_max_micro_batch, live_budget_bytes
+from autotune.core.search.micro_batch import (
+    PeakModel,
+    SearchResult,
+    find_max_micro_batch,
+    live_budget_bytes,
+)
 from autotune.engine.devices.device import Device
 from autotune.engine.full_collections import with_few_full_collections
 from autotune.engine.runner import InProcessRunner, TrialRunner

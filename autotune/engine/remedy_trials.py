@@ -41,8 +41,8 @@ from autotune.core.schemas import (
     SequenceProbeResult,
     Spec,
 )
-from autotune.core.search import fewest_fitting
-from autotune.core.sequence_search import DEFAULT_STEP_TOKENS
+from autotune.core.search.micro_batch import fewest_fitting
+from autotune.core.search.sequence import DEFAULT_STEP_TOKENS
 from autotune.engine.estimate import EstimateRunner
 from autotune.engine.full_collections import with_few_full_collections
 from autotune.engine.probe import device_allocator_config

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from autotune.core.errors import SpecError
 from autotune.core.schemas import DeviceInfo, Phase, Sharding, Spec, StepKind, StepOutcome
-from autotune.core.throughput import Measurement, measure_throughput
+from autotune.core.tuning.throughput import Measurement, measure_throughput
 from autotune.engine.devices.device import Device
 from autotune.engine.training.step import TrainingStep
 from autotune.engine.training.workload import Workload, build_workload

@@ -1,7 +1,7 @@
 """The longest-sequence probe: for one spec on one device, the longest sequence whose full
 training step fits at a given micro-batch, without and with gradient checkpointing.
 
-It wires the pure search (`autotune.core.sequence_search`) to trials. A sequence length is part
+It wires the pure search (`autotune.core.search.sequence`) to trials. A sequence length is part
 of the model's workload (its batches' shape), so every length gets a runner of its own, built by
 the caller's `make_runner` for the spec at that length: the same device options, a traced
 estimate or the emulated GPU alike. Each runner warms up (the optimizer state exists from the
@@ -25,7 +25,7 @@ from autotune.core.schemas import (
     Spec,
     StepOutcome,
 )
-from autotune.core.sequence_search import DEFAULT_STEP_TOKENS, find_max_seq_len
+from autotune.core.search.sequence import DEFAULT_STEP_TOKENS, find_max_seq_len
 from autotune.engine.full_collections import with_few_full_collections
 from autotune.engine.runner import TrialRunner
 

@@ -32,9 +32,9 @@ from dataclasses import asdict, dataclass
 
 import optuna
 
-from autotune.core.candidates import Candidate
 from autotune.core.schemas import Trial, TrialState
-from autotune.core.throughput import Measurement
+from autotune.core.tuning.candidates import Candidate
+from autotune.core.tuning.throughput import Measurement
 
 logger = logging.getLogger(__name__)
 

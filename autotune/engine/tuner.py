@@ -16,10 +16,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
-from autotune.core.candidates import Candidate, explain_infeasible, probe_candidates
 from autotune.core.exports import build_exports
-from autotune.core.ranking import choose, recommendable
-from autotune.core.result_check import check_result
 from autotune.core.schemas import (
     Infeasible,
     ProbeResult,
@@ -29,7 +26,10 @@ from autotune.core.schemas import (
     Trial,
     TuneResult,
 )
-from autotune.core.search import fewest_fitting, find_max_micro_batch
+from autotune.core.search.micro_batch import fewest_fitting, find_max_micro_batch
+from autotune.core.tuning.candidates import Candidate, explain_infeasible, probe_candidates
+from autotune.core.tuning.ranking import choose, recommendable
+from autotune.core.tuning.result_check import check_result
 from autotune.engine.devices.device import Device
 from autotune.engine.full_collections import with_few_full_collections
 from autotune.engine.probe import (
@@ -132,7 +132,8 @@ def tune_session(
     `expandable` (`probe_session`).
 
     Raises:
-        AssertionError: the result breaks an invariant of `autotune.core.result_check` (a bug).
+        AssertionError: the result breaks an invariant of `autotune.core.tuning.result_check` (a
+        bug).
     """
     spec = session.spec
     training = spec.training
@@ -254,8 +255,9 @@ def tune_session(
 
 
 def checked_result(result: TuneResult) -> TuneResult:
-    """`result`, once `autotune.core.result_check` finds nothing wrong with it: the server refuses
-    a result that breaks an invariant, so a violation here is the tuner's bug, named at once."""
+    """`result`, once `autotune.core.tuning.result_check` finds nothing wrong with it: the server
+    refuses a result that breaks an invariant, so a violation here is the tuner's bug, named at
+    once."""
     violations = check_result(result.spec, result)
     if violations:
         raise AssertionError(
@@ -446,8 +448,8 @@ def _partial_checkpointing(
 def _recommend(
     trials: list[Trial], spec: Spec, *, capacity_bytes: int, num_blocks: int | None
 ) -> Recommendation | None:
-    """The measured configuration `autotune.core.ranking.choose` picks among those whose peak
-    leaves the headroom free (else among all that fit): the fastest, or a simpler one tied
+    """The measured configuration `autotune.core.tuning.ranking.choose` picks among those whose
+    peak leaves the headroom free (else among all that fit): the fastest, or a simpler one tied
     with it within the measured noise."""
     budget_bytes = int(capacity_bytes * (1.0 - spec.training.headroom))
     pool = recommendable(trials, budget_bytes=budget_bytes)

@@ -55,7 +55,7 @@ from autotune.core.schemas import (
     Trial,
     TuneResult,
 )
-from autotune.core.throughput import CPU_TIMING, speed_label
+from autotune.core.tuning.throughput import CPU_TIMING, speed_label
 
 API_PREFIX = "/api/v1"
 # Databases store 64-bit signed integers; anything larger in a payload is refused with a 422
@@ -417,7 +417,7 @@ class RunSummary(FrozenModel):
 
     @property
     def speed_label(self) -> str:
-        """Where its samples/s come from (`autotune.core.throughput.speed_label`)."""
+        """Where its samples/s come from (`autotune.core.tuning.throughput.speed_label`)."""
         return _label_speed(self.device)
 
 

@@ -145,8 +145,8 @@ def trial(number: int, micro_batch: int = 8, accumulation_steps: int = 4) -> Tri
 
 def tune_result(spec: Spec, device: DeviceInfo, *, study_name: str | None = None) -> TuneResult:
     """A finished result for a `tiny_spec` (target 32) that passes every check of
-    `autotune.core.result_check`: max micro-batch 8 without checkpointing, 16 with; two trials, the
-    faster of which (8 x 4) is the recommendation."""
+    `autotune.core.tuning.result_check`: max micro-batch 8 without checkpointing, 16 with; two
+    trials, the faster of which (8 x 4) is the recommendation."""
     modes = [
         ModeProbe(
             checkpointing=False,
@@ -198,7 +198,7 @@ EXPANDABLE = "expandable_segments:True"
 def expandable_tune_result(spec: Spec, device: DeviceInfo) -> TuneResult:
     """`tune_result` where expandable segments fit 16 plain (the default allocator 8, with or
     without accumulating), and 16 x 2 measured under them is the fastest: the recommendation
-    and its exports hold for them. Passes every check of `autotune.core.result_check`."""
+    and its exports hold for them. Passes every check of `autotune.core.tuning.result_check`."""
     valid = tune_result(spec, device)
     plain, checkpointed = valid.probe.modes
     option = AllocatorOption(

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autotune.core.ranking import ties_with
 from autotune.core.schemas import (
     LAYOUT_REASON_MAX,
     LayoutOutcome,
@@ -28,6 +27,7 @@ from autotune.core.schemas import (
     TrialState,
     TuneResult,
 )
+from autotune.core.tuning.ranking import ties_with
 
 # Simplest first: what a tie goes to.
 LAYOUT_ORDER = (Sharding.NONE, Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3, Sharding.HYBRID)
@@ -117,8 +117,8 @@ class LayoutRun:
 
 def choose_layout(runs: Sequence[LayoutRun]) -> LayoutRun | None:
     """The layout to recommend: the fastest best configuration, or the simplest layout tied
-    with it within the measured noise (`autotune.core.ranking.ties_with`); None when no layout
-    has a recommendation."""
+    with it within the measured noise (`autotune.core.tuning.ranking.ties_with`); None when no
+    layout has a recommendation."""
     ranked = [(run, run.trial()) for run in runs if run.recommendation is not None]
     if not ranked:
         return None

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.gpus.roofline import RooflineAssumptions
 from autotune.core.schemas import DeviceInfo, DeviceKind, SpeedSource
-from autotune.core.throughput import Measurement
+from autotune.core.tuning.throughput import Measurement
 from autotune.engine.estimate import EstimateRunner, check_traceable
 from autotune.engine.fit_points import tracer_for
 from autotune.engine.runner import ForwardingRunner, TrialRunner

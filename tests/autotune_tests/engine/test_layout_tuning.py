@@ -13,8 +13,8 @@ import pytest
 from autotune.core.gpus.catalogue import find_gpu
 from autotune.core.gpus.cuda_reserve import budget_for
 from autotune.core.parallel.layout_choice import layout_candidates
-from autotune.core.result_check import check_result
 from autotune.core.schemas import LayoutOutcome, LayoutVerdict, Sharding, Spec, TuneResult
+from autotune.core.tuning.result_check import check_result
 from autotune.engine.estimate import EstimateRunner
 from autotune.engine.layout_tuning import tune_layouts
 from autotune.engine.probe import FitTracer

@@ -10,7 +10,7 @@ from autotune.core.memory.allocation_trace import replay_encoded
 from autotune.core.memory.allocator_config import parse_alloc_conf
 from autotune.core.presets import PRESETS
 from autotune.core.schemas import DeviceInfo, DeviceKind, ModeProbe, Phase, Spec, StepOutcome
-from autotune.core.throughput import Measurement
+from autotune.core.tuning.throughput import Measurement
 from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.estimate import EstimateRunner
 from autotune.engine.probe import ExpandableSegments, probe, probe_session, run_step

@@ -12,9 +12,9 @@ from collections import Counter
 import optuna
 import pytest
 
-from autotune.core.candidates import Candidate, enumerate_candidates
 from autotune.core.schemas import Trial, TrialState
-from autotune.core.throughput import Measurement
+from autotune.core.tuning.candidates import Candidate, enumerate_candidates
+from autotune.core.tuning.throughput import Measurement
 from autotune.engine.study import (
     CHECKPOINTING_PARAM,
     CONSTRAINTS_SYSTEM_ATTR,
@@ -290,7 +290,7 @@ def test_postgresql_storage(postgres_url: str, n_trials: int) -> None:
 
 def test_study_candidates_and_exports_import_without_torch() -> None:
     code = (
-        "import sys, autotune.engine.study, autotune.core.candidates, autotune.core.exports, "
-        "autotune.core.throughput; sys.exit('torch' in sys.modules)"
+        "import sys, autotune.engine.study, autotune.core.tuning.candidates, "
+        "autotune.core.exports, autotune.core.tuning.throughput; sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -11,11 +11,8 @@ from pathlib import Path
 import optuna
 import pytest
 
-from autotune.core.candidates import Candidate
 from autotune.core.exports import render_exports
 from autotune.core.memory.allocator_config import parse_alloc_conf
-from autotune.core.ranking import choose, ties_with
-from autotune.core.result_check import check_result
 from autotune.core.schemas import (
     AllocatorOption,
     DeviceInfo,
@@ -28,6 +25,9 @@ from autotune.core.schemas import (
     TrialState,
     TuneResult,
 )
+from autotune.core.tuning.candidates import Candidate
+from autotune.core.tuning.ranking import choose, ties_with
+from autotune.core.tuning.result_check import check_result
 from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.fit_points import TracedFitPoints
 from autotune.engine.probe import ExpandableSegments

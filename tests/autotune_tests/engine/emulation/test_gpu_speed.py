@@ -13,7 +13,7 @@ from rich.console import Console
 
 from autotune.cli.tune import print_tune_result
 from autotune.core.schemas import SpeedSource
-from autotune.core.throughput import speed_label
+from autotune.core.tuning.throughput import speed_label
 from autotune.engine.devices.device import EmulatedDevice, open_device
 from autotune.engine.emulation.gpu_speed import RooflineTimedRunner, timed_on_its_gpu
 from autotune.engine.estimate import EstimateRunner

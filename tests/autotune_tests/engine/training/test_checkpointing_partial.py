@@ -13,7 +13,7 @@ import torch
 
 from autotune.core.errors import SpecError
 from autotune.core.schemas import Spec, TrainingSpec
-from autotune.core.search import fewest_fitting
+from autotune.core.search.micro_batch import fewest_fitting
 from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.probe import probe
 from autotune.engine.runner import InProcessRunner

@@ -46,7 +46,6 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from autotune.core.candidates import Candidate, probe_candidates
 from autotune.core.exports import ZERO_STAGES
 from autotune.core.gpus.catalogue import UnknownGpu, find_gpu
 from autotune.core.gpus.cuda_reserve import budget_for
@@ -57,7 +56,6 @@ from autotune.core.memory.allocator_config import (
     parse_alloc_conf,
 )
 from autotune.core.parallel.layout_choice import LAYOUT_ORDER, layout_candidates
-from autotune.core.ranking import choose, recommendable
 from autotune.core.schemas import (
     AllocatorOption,
     DeviceInfo,
@@ -72,6 +70,8 @@ from autotune.core.schemas import (
     TrialState,
     TuneResult,
 )
+from autotune.core.tuning.candidates import Candidate, probe_candidates
+from autotune.core.tuning.ranking import choose, recommendable
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The longest-sequence search (autotune/core/sequence_search.py): the micro-batch's search over
+"""The longest-sequence search (autotune/core/search/sequence.py): the micro-batch's search over
 multiples of a step of tokens, exact against a fake capacity for every answer, within its
 trial budget, never past the cap."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from autotune.core.schemas import StepOutcome
-from autotune.core.sequence_search import find_max_seq_len
+from autotune.core.search.sequence import find_max_seq_len
 
 
 def _quadratic_device(limit_bytes: int, tried: list[int]) -> object:

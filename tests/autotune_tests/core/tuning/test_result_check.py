@@ -1,5 +1,5 @@
-"""Every invariant of `autotune.core.result_check`, one case each: a valid result broken in one way
-is reported, naming the field; the valid result and the real tuner's results pass."""
+"""Every invariant of `autotune.core.tuning.result_check`, one case each: a valid result broken in
+one way is reported, naming the field; the valid result and the real tuner's results pass."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from autotune.core.result_check import check_result, check_trial
 from autotune.core.schemas import AllocatorOption, Spec, TuneResult
-from autotune.core.throughput import Measurement
+from autotune.core.tuning.result_check import check_result, check_trial
+from autotune.core.tuning.throughput import Measurement
 from autotune.engine.devices.device import EmulatedDevice
 from autotune.engine.runner import InProcessRunner
 from autotune.engine.tuner import tune, tune_session

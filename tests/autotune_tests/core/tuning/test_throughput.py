@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from autotune.core.schemas import TrainingSpec
-from autotune.core.throughput import MIN_TIMED_STEPS, Measurement, measure_throughput
+from autotune.core.tuning.throughput import MIN_TIMED_STEPS, Measurement, measure_throughput
 from autotune.engine.emulation.tracker import LiveBytesTracker
 from autotune.engine.training.step import TrainingStep
 from tests.autotune_tests.factories import tiny_classifier_without_checkpointing, tiny_lm

@@ -6,13 +6,13 @@ import itertools
 
 import pytest
 
-from autotune.core.candidates import (
+from autotune.core.schemas import AllocatorOption, ModeProbe
+from autotune.core.tuning.candidates import (
     Candidate,
     enumerate_candidates,
     explain_infeasible,
     probe_candidates,
 )
-from autotune.core.schemas import AllocatorOption, ModeProbe
 
 
 def _brute_force(target: int, world: int, limits: dict[bool, int]) -> set[Candidate]:

@@ -1,11 +1,11 @@
 """The pure search for the longest sequence that fits at a given micro-batch.
 
-The same search as the micro-batch's (`autotune.core.search.find_max_micro_batch`), over tokens
-instead of samples: a trial is an opaque `fits(seq_len_tokens) -> StepOutcome`, and the search
-counts in units of `step_tokens` (a multiple of 64 by default: kernels tile sequences in
-multiples of it, and people ask for round lengths), so the answer is the exact longest
-multiple of the step that fits, certified from both sides like the micro-batch's (it fitted,
-the next multiple did not, or it is the cap).
+The same search as the micro-batch's (`autotune.core.search.micro_batch.find_max_micro_batch`),
+over tokens instead of samples: a trial is an opaque `fits(seq_len_tokens) -> StepOutcome`, and the
+search counts in units of `step_tokens` (a multiple of 64 by default: kernels tile sequences in
+multiples of it, and people ask for round lengths), so the answer is the exact longest multiple of
+the step that fits, certified from both sides like the micro-batch's (it fitted, the next multiple
+did not, or it is the cap).
 
 Memory is not affine in the sequence length (eager attention's s x s scores grow with its
 square), so the per-op model that predicts micro-batches is not used here: the search gallops
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from autotune.core.schemas import StepOutcome
-from autotune.core.search import find_max_micro_batch
+from autotune.core.search.micro_batch import find_max_micro_batch
 
 DEFAULT_STEP_TOKENS = 64
 

@@ -20,8 +20,8 @@ from autotune.core.schemas import DeviceInfo, SpeedSource
 logger = logging.getLogger(__name__)
 
 # Fewer timed steps than this give no usable median or spread, whatever the time budget: the
-# recommendation treats speeds within the spread as ties (autotune.core.ranking), and one step
-# has none (a spread of 0.0 made CPU timing noise look like a difference).
+# recommendation treats speeds within the spread as ties (autotune.core.tuning.ranking), and one
+# step has none (a spread of 0.0 made CPU timing noise look like a difference).
 MIN_TIMED_STEPS = 3
 
 

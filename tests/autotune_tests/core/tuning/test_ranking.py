@@ -1,10 +1,10 @@
-"""The recommendation's choice (autotune/core/ranking.py): the fastest, unless a simpler
+"""The recommendation's choice (autotune/core/tuning/ranking.py): the fastest, unless a simpler
 configuration is within the measured noise of it."""
 
 from __future__ import annotations
 
-from autotune.core.ranking import choose, recommendable, ties_with
 from autotune.core.schemas import Trial, TrialState
+from autotune.core.tuning.ranking import choose, recommendable, ties_with
 
 
 def measured(

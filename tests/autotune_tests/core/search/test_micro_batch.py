@@ -21,7 +21,7 @@ import pytest
 
 from autotune.core.memory.allocation_trace import AllocationModel, replay_encoded
 from autotune.core.memory.allocator_config import AllocatorConfig, parse_alloc_conf
-from autotune.core.search import (
+from autotune.core.search.micro_batch import (
     PeakModel,
     SearchResult,
     StepOutcome,
