@@ -84,8 +84,8 @@ def _children_cpu_s() -> float:
 
 # What measures this machine's speed: one case of bench/estimator.py's speed part (a whole
 # 8B `tune --estimate`, one core), run once per invocation in a child of its own. The machines
-# these rows were made on differed by 2.5 times in it (its rows in estimator_speed.md), as much
-# as years of the estimate's changes: a cell's seconds are read beside it.
+# these rows were made on differed by 2.5 times in it (its rows in estimator_speed.md), more
+# than most changes to the estimate take off: a cell's seconds are read beside it.
 MACHINE_CASE = "llama8b-lora-tune"
 
 
