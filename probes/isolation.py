@@ -584,9 +584,12 @@ class ChildProcessRunner:
         # them, as a long-lived session would (a later warm-up finds them placed).
         self._warm_mode: bool | None = None
 
-    def _run(self, operation: Operation, **fields: Any) -> object:
+    def check_stop(self) -> None:
         if self.interrupt is not None:
             self.interrupt()
+
+    def _run(self, operation: Operation, **fields: Any) -> object:
+        self.check_stop()
         request = ChildRequest(
             operation=operation,
             device_name=self.device_name,

@@ -283,9 +283,11 @@ class EstimateRunner:
         self._allowed_factory_prefixes = allowed_factory_prefixes
         # A decoder of identical layers is traced at a few layers and replayed at its depth
         # (`autotune.engine.replay.layer_replay`); anything else, or `layer_replay=False`, is
-        # traced
-        # whole. Read on the meta device, outside the fake mode.
-        depth = replay_depth(spec) if layer_replay else None
+        # traced whole. Read on the meta device, outside the fake mode, from the model built
+        # whole there: seconds at thousands of layers, so checked as a build is (the read
+        # returns None on any error of the build; a stop is raised as the check leaves).
+        with self._checked(at_modules=False):
+            depth = replay_depth(spec) if layer_replay else None
         self._replay: LayerReplay | None = None
         # Partial checkpointing's replay, from a deeper traced model, built when first needed
         # (`_replay_of`); None for good once it cannot be.
@@ -504,6 +506,11 @@ class EstimateRunner:
         if self._interrupt is None:
             return contextlib.nullcontext()
         return _Interruptible(self._interrupt, at_modules=at_modules)
+
+    def check_stop(self) -> None:
+        """The estimate's `interrupt`, as a build or a trace checks it."""
+        if self._interrupt is not None:
+            self._interrupt()
 
     def warm_up(self, *, checkpointing: bool = False) -> StepOutcome:
         self._outcomes.clear()

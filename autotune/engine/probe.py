@@ -215,6 +215,7 @@ def probe_mode(
         known_fitting=known_fitting,
         allocator_config=allocator_config,
         traced=traced,
+        check=session.check_stop,
     )
     logger.info(
         "checkpointing=%s: max micro-batch %d after %d trials",

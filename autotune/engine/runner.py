@@ -75,6 +75,12 @@ class TrialRunner(Protocol):
         """Throughput of one configuration with its tracked peak; None when it does not fit."""
         ...
 
+    def check_stop(self) -> None:
+        """Raises when the run must stop now (a cancel, a shutdown, a limit), as a step would;
+        called by work between steps that may take long (the probe's replay of every size
+        below its answer). A runner that is never stopped does nothing."""
+        ...
+
 
 class ForwardingRunner:
     """A `TrialRunner` that forwards everything to `runner`: the base of the runners that wrap
@@ -137,6 +143,9 @@ class ForwardingRunner:
             target_seconds=target_seconds,
             checkpointed_blocks=checkpointed_blocks,
         )
+
+    def check_stop(self) -> None:
+        self.runner.check_stop()
 
 
 # A step is about to run: its kind, micro-batch, accumulation steps and checkpointing.
@@ -287,6 +296,9 @@ class InProcessRunner:
         return self._run(
             lambda: self.step.run(micro_batch, accumulation_steps), micro_batch, track=True
         )
+
+    def check_stop(self) -> None:
+        """Nothing stops a run in this process but its caller."""
 
     def measure(
         self,

@@ -191,7 +191,8 @@ def wide_spec(
 
 def llama_spec(layers: int) -> Spec:
     """An estimate's slow model: a narrow transformers llama of `layers` layers. At 60 its
-    steps trace for tens of seconds; at 2,000 its build alone takes minutes (issue 25)."""
+    steps trace for tens of seconds; at thousands its build alone takes seconds (minutes in
+    issue 25, before the layer replay)."""
     return Spec.model_validate(
         {
             "model": {

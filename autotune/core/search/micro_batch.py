@@ -492,6 +492,7 @@ def find_max_micro_batch(
     traced: Sequence[StepOutcome] = (),
     report_dips: bool = True,
     below_a_failing_hint: bool = False,
+    check: Callable[[], None] | None = None,
 ) -> SearchResult:
     """Find the exact largest micro-batch <= `cap` whose training step fits, in few trials.
 
@@ -517,6 +518,10 @@ def find_max_micro_batch(
             probe of accumulation takes one micro-step's answer as its hint, which the gradients
             held lower by a little). Right, it closes the search at 2 trials; wrong, it costs
             one more.
+        check: called before each size the dip scan replays, raising to stop the search (a
+            cancel, a shutdown, a time limit): the scan replays every size below the answer
+            through the allocator, some 25 s for a 60-layer model whose answer is 1,024 and
+            no trial (a torch call, where a stop is otherwise checked) on the way.
 
     Returns:
         The certified answer, every trial in order and the last `PeakModel` fitted.
@@ -597,14 +602,17 @@ def find_max_micro_batch(
         allocation_model=search.allocation_model,
         capped=search.lo == cap,
         traced_prediction=traced_prediction,
-        runs_out_below=_runs_out_below(search, dip_models if report_dips else ()),
+        runs_out_below=_runs_out_below(search, dip_models if report_dips else (), check),
     )
 
 
-def _runs_out_below(search: _Search, models: Sequence[AllocationModel]) -> tuple[int, ...]:
+def _runs_out_below(
+    search: _Search, models: Sequence[AllocationModel], check: Callable[[], None] | None
+) -> tuple[int, ...]:
     """Sizes below the answer that ran out in a trial, and those the first model agreeing with
     every trial's verdict (at b >= 2, where the op sequence is the fitted one) predicts to run
-    out: the dips a person must keep every batch out of."""
+    out: the dips a person must keep every batch out of. `check` is called before each size
+    replayed."""
     answer = search.lo
     runs_out = {a.micro_batch for a in search.attempts if not a.fits and a.micro_batch < answer}
     capacity_bytes = search.capacity_bytes
@@ -612,7 +620,13 @@ def _runs_out_below(search: _Search, models: Sequence[AllocationModel]) -> tuple
         return tuple(sorted(runs_out))
     config = search.allocator_config
     for model in models:
-        fits = _replayed_fits(model, capacity_bytes, config)
+        replayed = _replayed_fits(model, capacity_bytes, config)
+
+        def fits(micro_batch: int, replayed: Callable[[int], bool] = replayed) -> bool:
+            if check is not None:
+                check()
+            return replayed(micro_batch)
+
         if all(fits(a.micro_batch) == a.fits for a in search.attempts if a.micro_batch >= 2):
             runs_out.update(b for b in range(2, answer) if not fits(b))
             break

@@ -22,6 +22,7 @@ from autotune.engine.estimate import EstimateRunner
 from autotune.engine.probe import probe_session
 from autotune.engine.runner import InProcessRunner
 from tests.autotune_tests.factories import TINY_LLAMA_CONFIG
+from tests.probes_tests.factories import llama_spec
 
 SEQ_LEN = 8
 HUGE_BYTES = 1 << 40
@@ -306,6 +307,47 @@ def test_a_stop_while_the_model_is_built_is_raised_even_where_the_build_catches_
         )
     # Called until it stopped, never again: the stop was kept, not asked again.
     assert len(checks) == 3
+
+
+def _inside(function: str) -> bool:
+    """Whether a function of that name is on this thread's stack."""
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def test_a_stop_while_a_deep_model_s_depth_is_read_is_raised() -> None:
+    """The depth to replay is read from the model built whole on the meta device (seconds at
+    thousands of layers; a 2 s time limit once passed it by on a fast machine), and that read
+    turns any error of the build into "not replayable": a stop there is checked, and raised
+    as the stop."""
+    inside: list[bool] = []
+
+    def stop() -> None:
+        inside.append(_inside("replay_depth"))
+        raise _Stop("stopped")
+
+    with pytest.raises(_Stop, match="stopped"):
+        EstimateRunner(llama_spec(40), gpu=budget_for(find_gpu("T4")), interrupt=stop)
+    assert inside == [True]  # stopped at the first check, there, and never asked again
+
+
+def test_a_stop_while_the_probe_replays_the_sizes_below_its_answer_is_raised() -> None:
+    """After its trials the probe replays every size below its answer through the allocator
+    (the dips a person must keep out of): some 25 s for a 60-layer model whose answer is
+    1,024, with no torch call on the way, where a stop is otherwise checked. It asks the
+    runner before each size: a cancel, a shutdown or a time limit ends it there."""
+
+    def stop() -> None:
+        if _inside("_runs_out_below"):
+            raise _Stop("stopped")
+
+    runner = EstimateRunner(llama_spec(8), gpu=budget_for(find_gpu("T4")), interrupt=stop)
+    with pytest.raises(_Stop, match="stopped"):
+        probe_session(runner)
 
 
 def test_a_stopped_estimate_leaves_grad_mode_as_it_found_it() -> None:

@@ -290,6 +290,9 @@ class ReplayedSession:
     def warm_up(self, *, checkpointing: bool) -> StepOutcome:
         return self.outcome(1)
 
+    def check_stop(self) -> None:
+        pass
+
     def trial(
         self,
         micro_batch: int,
