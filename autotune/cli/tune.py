@@ -101,6 +101,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         return timed_on_its_gpu(open_runner(args, layout))
 
     auto = spec.training.sharding is Sharding.AUTO
+    layouts = layout_candidates(spec.training) if auto else []
     processes = args.processes
     if processes > 1 and (args.estimate is None or not auto):
         # A device runs one trial at a time, and a timed step would time its neighbours too.
@@ -110,16 +111,14 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         )
     if processes == AUTO_PROCESSES:
         processes = (
-            side_by_side_processes(len(layout_candidates(spec.training)))
-            if args.estimate is not None and auto
-            else 1
+            side_by_side_processes(len(layouts)) if args.estimate is not None and auto else 1
         )
     side_by_side = processes > 1
     if auto:
         from autotune.engine.layout_tuning import layout_spec
 
         # The first layout's runner says what the device is; every layout runs on its own.
-        first = layout_spec(spec, layout_candidates(spec.training)[0])
+        first = layout_spec(spec, layouts[0])
         runner = open_layout(first)
     else:
         runner = open_layout(spec)
@@ -166,7 +165,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
             if side_by_side:
                 err.print(
-                    f"{len(layout_candidates(spec.training))} layouts, {processes} at a time, "
+                    f"{len(layouts)} layouts, {processes} at a time, "
                     "each in a process of its own (--processes 1: one at a time)",
                     soft_wrap=True,
                 )

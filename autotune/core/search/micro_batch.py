@@ -620,13 +620,7 @@ def _runs_out_below(
         return tuple(sorted(runs_out))
     config = search.allocator_config
     for model in models:
-        replayed = _replayed_fits(model, capacity_bytes, config)
-
-        def fits(micro_batch: int, replayed: Callable[[int], bool] = replayed) -> bool:
-            if check is not None:
-                check()
-            return replayed(micro_batch)
-
+        fits = _replayed_fits(model, capacity_bytes, config, check)
         if all(fits(a.micro_batch) == a.fits for a in search.attempts if a.micro_batch >= 2):
             runs_out.update(b for b in range(2, answer) if not fits(b))
             break
@@ -634,13 +628,19 @@ def _runs_out_below(
 
 
 def _replayed_fits(
-    model: AllocationModel, capacity_bytes: int, config: AllocatorConfig | None
+    model: AllocationModel,
+    capacity_bytes: int,
+    config: AllocatorConfig | None,
+    check: Callable[[], None] | None,
 ) -> Callable[[int], bool]:
-    """Whether `model`'s replay at a size fits, each size replayed once: a replay of a deep
-    step is some hundred thousand allocator calls, and a size tried is also in the range."""
+    """Whether `model`'s replay at a size fits, each size replayed once (`check` called before
+    it): a replay of a deep step is some hundred thousand allocator calls, and a size tried is
+    also in the range."""
 
     @functools.cache
     def fits(micro_batch: int) -> bool:
+        if check is not None:
+            check()
         return model.replay(micro_batch, capacity_bytes, config).fits
 
     return fits
